@@ -8,7 +8,11 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_inv_freq
+from pallas_kernels import get_attention_fn
 from runtime.config import ModelConfig
+from runtime.forward_batch import ForwardBatch
+from runtime.kv_pool import KVPool, write_kv
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -53,3 +57,73 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
             w = jax.random.normal(k, shape) * (fan_in ** -0.5 if "embed" not in name else 1.0)
         out.append(w.astype(dtype))
     return jax.tree.unflatten(treedef, out)
+
+
+def embed(params: dict, input_ids: jax.Array) -> jax.Array:
+    """input_ids [T] -> hidden [T, D]."""
+    return params["embed"][input_ids]
+
+
+def _attention(lp: dict, x: jax.Array, kv: KVPool, layer: jax.Array, batch: ForwardBatch,
+               cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
+               attention_backend: str) -> tuple[jax.Array, KVPool]:
+    """x [T, D] (normed) -> [T, D]; writes this step's K/V into the pool first."""
+    t = x.shape[0]
+    q = x @ lp["wq"]  # [T, Hq*Dh]
+    k = x @ lp["wk"]  # [T, Hkv*Dh]
+    v = x @ lp["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, Hq, Dh]
+    k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, Hkv, Dh]
+    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    kv = write_kv(kv, layer, batch.out_cache_loc, k, v)
+    attn = get_attention_fn(attention_backend)
+    o = attn(q, kv.k, kv.v, layer, batch.page_table, batch.seq_lens, batch.query_start,
+             batch.positions, num_extend_tokens=batch.num_extend_tokens,
+             num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5)
+    return o.reshape(t, cfg.q_size) @ lp["wo"], kv
+
+
+def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
+               *, start: jax.Array | int = 0, num_layers: int | None = None,
+               attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
+    """Run decoder layers [start, start + num_layers) over hidden h [T, D].
+
+    `start` may be traced (split prefill advances it call by call); `num_layers` is
+    static, so every layer chunk of the same size shares one trace.
+    """
+    n = cfg.num_layers if num_layers is None else num_layers
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                                           cfg.rope_scaling))
+
+    def body(carry, layer):
+        h, kv = carry
+        lp = jax.tree.map(lambda w: w[layer], params["layers"])
+        a, kv = _attention(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), kv, layer, batch,
+                           cos, sin, cfg, attention_backend)
+        h = h + a
+        h = h + gated_mlp(rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"],
+                          lp["w_up"], lp["w_down"])
+        return (h, kv), None
+
+    layers = jnp.arange(n, dtype=jnp.int32) + start
+    (h, kv), _ = jax.lax.scan(body, (h, kv), layers)
+    return h, kv
+
+
+def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,
+                   cfg: ModelConfig) -> jax.Array:
+    """h [T, D] -> logits [B, V] in f32, only for the tokens that are sampled."""
+    x = rms_norm(h[logits_indices], params["final_norm"], cfg.rms_norm_eps)  # [B, D]
+    if cfg.tie_word_embeddings:
+        return jnp.einsum("bd,vd->bv", x, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("bd,dv->bv", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
+            attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
+    """One full forward: logits [B, V] for each row's sampled token, and the updated pool."""
+    h = embed(params, batch.input_ids)
+    h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend)
+    return compute_logits(params, h, batch.logits_indices, cfg), kv

@@ -1,0 +1,45 @@
+"""ForwardBatch: the device-side description of one model call.
+
+Row and token layout (all sizes are static bucket sizes, so they are shapes):
+
+    tokens:  [ extend tokens (T_e, rows 0..B_e-1 back to back, then padding) | decode (B_d) ]
+    rows:    [ extend rows (B_e)                                             | decode (B_d) ]
+
+EXTEND has B_d == 0, DECODE has T_e == B_e == 0, MIXED has both. Padding tokens
+write their K/V to page 0 (reserved) at position 0; padding rows have seq_len 0.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import struct
+
+from runtime.forward_mode import ForwardMode
+
+__all__ = ["ForwardBatch", "ForwardMode"]
+
+
+@struct.dataclass
+class ForwardBatch:
+    input_ids: jax.Array       # [T] int32; T = T_e + B_d
+    positions: jax.Array       # [T] int32, position of each token in its sequence
+    out_cache_loc: jax.Array   # [T] int32, flat slot (page * page_size + offset) to write K/V
+    page_table: jax.Array      # [B, Np] int32 page ids per row; B = B_e + B_d
+    seq_lens: jax.Array        # [B] int32, KV length of each row including this step's tokens
+    query_start: jax.Array     # [B + 1] int32, offset of each row's first token in the token axis
+    logits_indices: jax.Array  # [B] int32, the token whose logits each row samples from
+    mode: ForwardMode = struct.field(pytree_node=False)
+    num_extend_tokens: int = struct.field(pytree_node=False)  # T_e
+    num_extend_seqs: int = struct.field(pytree_node=False)    # B_e
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def num_decode_seqs(self) -> int:
+        return self.num_seqs - self.num_extend_seqs

@@ -1,0 +1,74 @@
+"""Test helpers: tiny configs, a dense numpy Llama, and single-call batches."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models.layers import rope_inv_freq
+from runtime.batch_builder import BucketShape, pack_rows
+from runtime.config import ModelConfig, RopeScaling
+from runtime.forward_batch import ForwardBatch, ForwardMode
+
+TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                   num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
+                   rope_scaling=RopeScaling(factor=8.0, original_max_position_embeddings=64))
+
+
+@dataclasses.dataclass
+class SimpleRow:
+    input_ids: list[int]
+    start_pos: int
+    pages: list[int]
+
+
+def make_batch(mode: ForwardMode, extend: list[SimpleRow], decode: list[SimpleRow],
+               shape: BucketShape, page_size: int) -> ForwardBatch:
+    arrays = pack_rows(extend, decode, shape, page_size)
+    return ForwardBatch(**{k: jnp.asarray(v) for k, v in arrays.items()}, mode=mode,
+                        num_extend_tokens=shape.num_extend_tokens,
+                        num_extend_seqs=shape.num_extend_seqs)
+
+
+def dense_llama_logits(params: dict, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
+    """Straightforward numpy f64 Llama over one sequence -> logits [T, V]."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    t = len(ids)
+    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).astype(np.float64)
+    ang = np.arange(t)[:, None] * inv[None]
+    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
+
+    def norm(x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
+
+    def rope(x):
+        h = x.shape[-1] // 2
+        return np.concatenate([x[..., :h] * cos - x[..., h:] * sin,
+                               x[..., h:] * cos + x[..., :h] * sin], -1)
+
+    x = p["embed"][ids]
+    g = cfg.num_heads // cfg.num_kv_heads
+    for i in range(cfg.num_layers):
+        lp = {k: v[i] for k, v in p["layers"].items()}
+        a = norm(x, lp["attn_norm"])
+        q, k, v = a @ lp["wq"], a @ lp["wk"], a @ lp["wv"]
+        if cfg.attention_bias:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        q = rope(q.reshape(t, cfg.num_heads, cfg.head_dim))
+        k = np.repeat(rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim)), g, axis=1)
+        v = np.repeat(v.reshape(t, cfg.num_kv_heads, cfg.head_dim), g, axis=1)
+        s = np.einsum("thd,shd->hts", q, k) / np.sqrt(cfg.head_dim)
+        s = np.where(np.tril(np.ones((t, t), bool)), s, -np.inf)
+        pr = np.exp(s - s.max(-1, keepdims=True))
+        pr /= pr.sum(-1, keepdims=True)
+        o = np.einsum("hts,shd->thd", pr, v).reshape(t, -1)
+        x = x + o @ lp["wo"]
+        m = norm(x, lp["mlp_norm"])
+        silu = (m @ lp["w_gate"]) / (1 + np.exp(-(m @ lp["w_gate"])))
+        x = x + (silu * (m @ lp["w_up"])) @ lp["w_down"]
+    x = norm(x, p["final_norm"])
+    head = p["embed"].T if cfg.tie_word_embeddings else p["lm_head"]
+    return x @ head
