@@ -38,23 +38,23 @@ def param_shapes(cfg: ModelConfig) -> dict:
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict:
-    """Random weights with the real layout (norms near 1, matrices ~ N(0, 1/fan_in))."""
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda x: isinstance(x, tuple))
-    keys = jax.random.split(key, len(leaves))
+    """Random weights with the real layout: norms near 1, biases small, matrices
+    ~ N(0, 1/fan_in) so activations keep unit scale through depth, embeddings N(0, 1)."""
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg), is_leaf=is_shape)
+    keys = jax.random.split(key, len(flat))
     out = []
-    for (path, shape), k in zip(
-        jax.tree_util.tree_flatten_with_path(shapes, is_leaf=lambda x: isinstance(x, tuple))[0],
-        keys,
-    ):
-        name = jax.tree_util.keystr(path)
+    for (path, shape), k in zip(flat, keys, strict=True):
+        name = path[-1].key
+        x = jax.random.normal(k, shape)
         if "norm" in name:
-            w = 1.0 + 0.1 * jax.random.normal(k, shape)
-        elif name.endswith("['bq']") or name.endswith("['bk']") or name.endswith("['bv']"):
-            w = 0.1 * jax.random.normal(k, shape)
+            w = 1.0 + 0.1 * x
+        elif name in ("bq", "bk", "bv"):
+            w = 0.1 * x
+        elif name == "embed":
+            w = x
         else:
-            fan_in = shape[-2] if len(shape) >= 2 and "embed" not in name else 1.0
-            w = jax.random.normal(k, shape) * (fan_in ** -0.5 if "embed" not in name else 1.0)
+            w = x * shape[-2] ** -0.5
         out.append(w.astype(dtype))
     return jax.tree.unflatten(treedef, out)
 

@@ -64,9 +64,8 @@ class ModelConfig:
         known = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "llama": "llama",
                  "qwen2": "qwen2", "MistralForCausalLM": "llama"}
         if arch not in known:
-            raise ValueError(
-                f"unknown architecture {arch!r}; supported: {sorted(set(known) - {'llama', 'qwen2'})}"
-            )
+            supported = sorted(a for a in known if a[0].isupper())
+            raise ValueError(f"unknown architecture {arch!r}; supported: {supported}")
         family = known[arch]
         heads = cfg["num_attention_heads"]
         rs = cfg.get("rope_scaling") or None
