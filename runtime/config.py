@@ -68,10 +68,11 @@ class ModelConfig:
             raise ValueError(f"unknown architecture {arch!r}; supported: {supported}")
         family = known[arch]
         heads = cfg["num_attention_heads"]
-        rs = cfg.get("rope_scaling") or None
+        # transformers >= 5 writes the scaling into rope_parameters
+        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
+        kind = rs.get("rope_type", rs.get("type", "default"))
         rope_scaling = None
-        if rs is not None:
-            kind = rs.get("rope_type", rs.get("type"))
+        if kind != "default":
             if kind != "llama3":
                 raise ValueError(f"unsupported rope_scaling type {kind!r} (only 'llama3')")
             rope_scaling = RopeScaling(
@@ -126,3 +127,82 @@ class CacheConfig:
     @property
     def num_slots(self) -> int:
         return self.page_size * self.num_pages
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerConfig:
+    """Host scheduler knobs (SGLang names). `cache` is the geometry of the paged KV pool.
+
+    max_prefill_tokens: token budget of one extend batch (a longer lone prompt still runs
+      when chunking is off, else it could never be scheduled).
+    chunked_prefill_size: token-axis chunk size, None or 0 = off; also caps a batch's extend
+      tokens. At most one request is mid-chunk at a time.
+    max_extend_seqs: most rows in one extend batch.
+    enable_mixed_chunk: run the prefill rows and the running decode rows in one MIXED batch.
+    overlap: the engine launches batch N+1 before it calls process_results for batch N.
+    max_context_len: longest prompt + max_new_tokens accepted (e.g. the runner's largest
+      sequence bucket); None = only the pool size limits it.
+    """
+
+    cache: CacheConfig = CacheConfig()
+    max_running_requests: int = 256
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int | None = 2048
+    max_extend_seqs: int = 64
+    enable_mixed_chunk: bool = False
+    schedule_policy: str = "fcfs"
+    disable_prefix_cache: bool = False
+    overlap: bool = False
+    max_context_len: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy={self.schedule_policy!r}: expected 'fcfs' or 'lpm'")
+        for name in ("max_running_requests", "max_prefill_tokens", "max_extend_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
+            raise ValueError(f"chunked_prefill_size={self.chunked_prefill_size} must be >= 0")
+        if self.cache.num_pages < 2:
+            raise ValueError(f"num_pages={self.cache.num_pages}: page 0 is reserved, need >= 2")
+
+    @property
+    def chunk_size(self) -> int | None:
+        """Chunked-prefill size, None when chunking is off."""
+        return self.chunked_prefill_size or None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerConfig:
+    """Device-side knobs: dtype, attention backend and the static shape buckets.
+
+    Every (mode, bucket) pair is one trace, compiled at start-up:
+      DECODE: decode_buckets x kv_len_buckets
+      EXTEND: extend_token_buckets x extend_seq_buckets x kv_len_buckets
+      MIXED (enable_mixed): extend_token_buckets x extend_seq_buckets x decode_buckets
+        x kv_len_buckets
+    kv_len_buckets bound the page-table width, so a short batch never gathers the
+    pages a long context would need.
+    """
+
+    dtype: str = "float32"
+    attention_backend: str = "xla"
+    decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    extend_token_buckets: tuple[int, ...] = (64, 256, 512)
+    extend_seq_buckets: tuple[int, ...] = (1, 4)
+    kv_len_buckets: tuple[int, ...] = (256, 1024, 8192)
+    enable_mixed: bool = False
+    max_top_logprobs: int = 0
+    strict_compile: bool = False
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
+        if self.attention_backend not in ("xla", "pallas"):
+            raise ValueError(f"attention_backend={self.attention_backend!r}: "
+                             "expected 'xla' or 'pallas'")
+        for name in ("decode_buckets", "extend_token_buckets", "extend_seq_buckets",
+                     "kv_len_buckets"):
+            b = getattr(self, name)
+            if not b or list(b) != sorted(set(b)) or b[0] < 1:
+                raise ValueError(f"{name}={b}: need a non-empty increasing tuple of ints >= 1")

@@ -1,0 +1,378 @@
+"""Host scheduler: waiting and running queues, admission, chunked prefill, retraction.
+
+Plain Python (no jax). The engine loop is
+
+    batch = scheduler.next_batch()          # None: nothing runnable now
+    output = runner.forward(batch)
+    events = scheduler.process_results(batch, output)
+
+In overlap mode the engine launches batch N+1 before it calls process_results for batch N,
+so at most one batch is pending when next_batch() runs. A decode row whose previous token is
+still on the device feeds PREV_TOKEN; a request found finished when batch N's results arrive
+may already sit in batch N+1, and that row's token is discarded. Pages and slots are freed
+on the host at once: every batch that could reuse them is launched later, and the device
+runs batches in launch order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Callable, Iterable
+
+from runtime.config import SchedulerConfig
+from runtime.forward_mode import ForwardMode
+from runtime.kv_cache import PageAllocator, pages_for
+from runtime.prefix_cache import make_prefix_cache
+from runtime.request import FinishReason, Req, ReqStatus
+from runtime.schedule_batch import PREV_TOKEN, BatchRow, ScheduleBatch, StepOutput
+
+# Past this queue length "lpm" falls back to fcfs: matching every waiting prompt costs too much.
+LPM_MAX_QUEUE = 128
+
+
+@dataclasses.dataclass(frozen=True)
+class ReqEvent:
+    """What one sampled row did to its request: new_token_ids is [] or [token]."""
+
+    req: Req
+    new_token_ids: list[int]
+    finished: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_used_pages: int  # includes cached pages, evictable or not
+    num_total_pages: int
+    num_cached_pages: int
+    num_evictable_pages: int
+    prompt_tokens: int  # prompt tokens of first admissions
+    prefix_hit_tokens: int  # of those, tokens served from the prefix cache
+    num_retractions: int
+
+    @property
+    def token_usage(self) -> float:
+        """Fraction of the pool in use, not counting what eviction could free."""
+        return (self.num_used_pages - self.num_evictable_pages) / self.num_total_pages
+
+
+class Scheduler:
+    """Decides what runs each step and owns every request's pages and slot.
+
+    Prefill has priority over decode (a step with extend rows has no decode rows) unless
+    `enable_mixed_chunk`, where the running decode rows ride along in a MIXED batch.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        eos_token_ids: Iterable[int],
+        decode_fn: Callable[[list[int]], str] | None = None,
+    ):
+        self.config = config
+        self.page_size = config.cache.page_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode_fn = decode_fn
+        self.allocator = PageAllocator(config.cache.num_pages)
+        self.prefix_cache = make_prefix_cache(
+            self.allocator, self.page_size, not config.disable_prefix_cache
+        )
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []  # admission order: the last is the newest
+        self._reqs: dict[str, Req] = {}  # every unfinished request
+        self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
+        self._chunked: Req | None = None  # the one request that is mid chunked prefill
+        self._inflight = 0  # batches handed out whose results are not processed yet
+        self._prompt_tokens = 0
+        self._prefix_hit_tokens = 0
+        self._num_retractions = 0
+
+    # ---- public verbs ----
+
+    def add(self, req: Req) -> None:
+        """Queue a request; raises ValueError if it can never run."""
+        if req.rid in self._reqs:
+            raise ValueError(f"duplicate request id {req.rid!r}")
+        if not req.prompt_ids:
+            raise ValueError("empty prompt: at least one input token is needed")
+        if req.sampling.stop and self.decode_fn is None:
+            raise ValueError("stop strings need a tokenizer (the scheduler has no decode_fn)")
+        self._check_fits(len(req.prompt_ids), req.sampling.max_new_tokens)
+        req.status = ReqStatus.WAITING
+        self._reqs[req.rid] = req
+        self.waiting.append(req)
+
+    def abort(self, rid: str, message: str = "aborted") -> Req | None:
+        """Finish a request in any state and free what it holds; None if rid is unknown."""
+        req = self._reqs.get(rid)
+        if req is not None:
+            self._finish(req, FinishReason("abort", message=message))
+        return req
+
+    def is_idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            num_used_pages=self.allocator.num_used,
+            num_total_pages=self.allocator.capacity,
+            num_cached_pages=self.prefix_cache.num_pages,
+            num_evictable_pages=self.prefix_cache.evictable_pages,
+            prompt_tokens=self._prompt_tokens,
+            prefix_hit_tokens=self._prefix_hit_tokens,
+            num_retractions=self._num_retractions,
+        )
+
+    def next_batch(self) -> ScheduleBatch | None:
+        """The next batch to run, or None when nothing can run until results arrive."""
+        limit = 1 if self.config.overlap else 0
+        if self._inflight > limit:
+            raise RuntimeError(
+                f"{self._inflight} batches await process_results (overlap={self.config.overlap})"
+            )
+        if self.config.enable_mixed_chunk:
+            decode = self._schedule_decode()
+            extend = self._schedule_extend(len(decode))
+        else:
+            extend = self._schedule_extend(0)
+            decode = [] if extend else self._schedule_decode()
+        if not extend and not decode:
+            return None
+        if extend:
+            mode = ForwardMode.MIXED if decode else ForwardMode.EXTEND
+        else:
+            mode = ForwardMode.DECODE
+        self._inflight += 1
+        return ScheduleBatch(mode, extend, decode)
+
+    def process_results(self, batch: ScheduleBatch, output: StepOutput) -> list[ReqEvent]:
+        """Apply a batch's sampled tokens; returns one event per sampled, still-live row."""
+        rows = batch.rows
+        tokens = output.next_token_ids.tolist()
+        if len(tokens) != len(rows):
+            raise ValueError(f"{len(tokens)} tokens for {len(rows)} rows")
+        self._inflight -= 1
+        events = []
+        for i, row in enumerate(rows):
+            req = row.req
+            if i < len(batch.extend_rows) and req.status is ReqStatus.RUNNING:
+                self._cache_prefilled(req)
+            if not row.sample:
+                continue
+            req.num_pending -= 1
+            if req.finished:  # aborted, or finished while this batch was in flight
+                continue
+            events.append(self._accept(req, tokens[i], output, i))
+        return events
+
+    # ---- results ----
+
+    def _accept(self, req: Req, token: int, output: StepOutput, i: int) -> ReqEvent:
+        if len(req.output_ids) >= req.sampling.max_new_tokens:  # max_new_tokens == 0
+            self._finish(req, FinishReason("length"))
+            return ReqEvent(req, [], True)
+        req.output_ids.append(token)
+        if req.sampling.logprobs and output.logprobs is not None:
+            req.output_logprobs.append(float(output.logprobs[i]))
+        k = req.sampling.top_logprobs
+        if k and output.top_logprobs is not None:
+            ids, lps = output.top_logprobs
+            req.output_top_logprobs.append((ids[i, :k].tolist(), lps[i, :k].tolist()))
+        reason = req.check_finished(self.eos_token_ids, self.decode_fn)
+        if reason is not None:
+            self._finish(req, reason)
+        return ReqEvent(req, [token], reason is not None)
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        if req.status is ReqStatus.RUNNING:
+            self._release(req)
+            self.running.remove(req)
+        elif req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = ReqStatus.FINISHED
+        req.finish_reason = reason
+        del self._reqs[req.rid]
+
+    def _cache_prefilled(self, req: Req) -> None:
+        """Share a running request's whole prefilled pages, so concurrent requests with the
+        same prefix hit the cache. Called when the batch's results arrive: every batch that
+        writes those pages is launched by then, and a batch that reads them only later (a row
+        must never read KV that another row of the same batch writes). The lock moves to the
+        new deepest node, new before old, so no shared page is ever unlocked in between."""
+        full = min(req.kv_len, req.num_known) // self.page_size
+        result = self.prefix_cache.insert(req.all_ids[: full * self.page_size], req.pages[:full])
+        self.prefix_cache.lock(result.node)
+        self.prefix_cache.unlock(req.prefix_node)
+        req.prefix_node = result.node
+
+    # ---- extend ----
+
+    def _schedule_extend(self, decode_tokens: int) -> list[BatchRow]:
+        cfg = self.config
+        budget = min(cfg.max_prefill_tokens, cfg.chunk_size or cfg.max_prefill_tokens)
+        budget -= decode_tokens
+        rows: list[BatchRow] = []
+        if self._chunked is not None:
+            row = self._next_chunk(self._chunked, budget)
+            if row is not None:
+                rows.append(row)
+                budget -= len(row.input_ids)
+        for req in self._admission_order():
+            if budget <= 0 or len(rows) >= cfg.max_extend_seqs or not self._free_slots:
+                break
+            if req.num_pending:  # retracted while its last token was in flight
+                continue
+            row = self._admit(req, budget, first=not rows)
+            if row is None:
+                break
+            rows.append(row)
+            budget -= len(row.input_ids)
+        return rows
+
+    def _admission_order(self) -> list[Req]:
+        if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_QUEUE:
+            match = self.prefix_cache.match_prefix
+            return sorted(self.waiting, key=lambda r: -match(r.all_ids[:-1]).num_tokens)
+        return list(self.waiting)
+
+    def _admit(self, req: Req, budget: int, first: bool) -> BatchRow | None:
+        """Move req from waiting to running with its first extend row, or None if it can't."""
+        seq = req.all_ids
+        # Match on seq[:-1]: the last token must be fed to get the logits that sample.
+        match = self.prefix_cache.match_prefix(seq[:-1])
+        todo = len(seq) - match.num_tokens
+        if self.config.chunk_size is None:
+            n = todo
+            if n > budget and not first:
+                return None
+        else:
+            n = min(todo, budget)
+            if n < todo and self._chunked is not None:
+                return None
+        self.prefix_cache.lock(match.node)
+        need = pages_for(match.num_tokens + n, self.page_size) - len(match.pages)
+        # Keep a page per running request free, so admission does not force a retraction.
+        if not self._can_get(need + len(self.running)):
+            self.prefix_cache.unlock(match.node)
+            return None
+        self.allocator.incref(match.pages)
+        req.pages = match.pages + self._allocate(need)
+        req.prefix_node = match.node
+        req.kv_len = match.num_tokens
+        req.fill_len = len(seq)
+        req.req_slot = self._free_slots.pop()
+        req.status = ReqStatus.RUNNING
+        if req.num_retractions == 0:
+            req.cached_tokens = match.num_tokens
+            self._prompt_tokens += len(seq)
+            self._prefix_hit_tokens += match.num_tokens
+        self.waiting.remove(req)
+        self.running.append(req)
+        if n < todo:
+            self._chunked = req
+        return self._extend_row(req, n, new_slot=True)
+
+    def _next_chunk(self, req: Req, budget: int) -> BatchRow | None:
+        n = min(req.fill_len - req.kv_len, budget)
+        need = pages_for(req.kv_len + n, self.page_size) - len(req.pages)
+        if n <= 0 or not self._can_get(need):
+            return None
+        req.pages += self._allocate(need)
+        if req.kv_len + n == req.fill_len:
+            self._chunked = None
+        return self._extend_row(req, n, new_slot=False)
+
+    def _extend_row(self, req: Req, n: int, new_slot: bool) -> BatchRow:
+        start, end = req.kv_len, req.kv_len + n
+        req.kv_len = end
+        sample = end == req.fill_len
+        req.num_pending += sample
+        ids = req.all_ids[start:end]
+        return BatchRow(req, ids, start, req.pages[:], sample, new_slot)
+
+    # ---- decode and retraction ----
+
+    def _schedule_decode(self) -> list[BatchRow]:
+        rows: list[BatchRow] = []
+        scheduled: set[Req] = set()
+        for req in list(self.running):  # oldest first: the newest get retracted
+            if req.status is not ReqStatus.RUNNING or req.is_prefilling:
+                continue
+            if req.num_generated >= req.sampling.max_new_tokens:  # last token in flight
+                continue
+            if not self._reserve_decode_page(req, scheduled):
+                continue
+            rows.append(self._decode_row(req))
+            scheduled.add(req)
+        return rows
+
+    def _reserve_decode_page(self, req: Req, scheduled: set[Req]) -> bool:
+        """Make sure position kv_len has a page, retracting the newest unscheduled requests
+        if the pool is out of pages. False if req itself had to be retracted."""
+        if req.kv_len < len(req.pages) * self.page_size:
+            return True
+        while not self._can_get(1):
+            victim = next(r for r in reversed(self.running) if r not in scheduled)
+            self._retract(victim)
+            if victim is req:
+                return False
+        req.pages += self._allocate(1)
+        return True
+
+    def _decode_row(self, req: Req) -> BatchRow:
+        pos = req.kv_len
+        assert pos == req.num_known + req.num_pending - 1, "decode row out of step"
+        token = PREV_TOKEN if req.num_pending else req.output_ids[-1]
+        req.kv_len += 1
+        req.num_pending += 1
+        return BatchRow(req, [token], pos, req.pages[:], sample=True)
+
+    def _retract(self, req: Req) -> None:
+        """Send a running request back to the front of the queue; it keeps its tokens and
+        resumes by prefilling prompt + output so far (mostly from the prefix cache)."""
+        self._release(req)
+        self.running.remove(req)
+        req.status = ReqStatus.WAITING
+        req.kv_len = req.fill_len = 0
+        req.num_retractions += 1
+        self._num_retractions += 1
+        self.waiting.appendleft(req)
+
+    # ---- pages ----
+
+    def _check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        total = prompt_len + max_new_tokens
+        what = f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) = {total}"
+        limit = self.config.max_context_len
+        if limit is not None and total > limit:
+            raise ValueError(f"{what} exceeds the context length {limit}")
+        # A request must fit the pool alone, or retraction could not guarantee progress.
+        need, have = pages_for(total, self.page_size), self.allocator.capacity
+        if need > have:
+            raise ValueError(f"{what} needs {need} KV pages, the pool has {have}")
+
+    def _can_get(self, n: int) -> bool:
+        return n <= self.allocator.num_free + self.prefix_cache.evictable_pages
+
+    def _allocate(self, n: int) -> list[int]:
+        if n > self.allocator.num_free:
+            self.prefix_cache.evict(n - self.allocator.num_free)
+        return self.allocator.allocate(n)
+
+    def _release(self, req: Req) -> None:
+        """Return a running request's pages and slot; whole pages of known tokens whose KV is
+        written (or in flight) go into the prefix cache first."""
+        cached = min(req.kv_len, req.num_known) // self.page_size
+        self.prefix_cache.insert(req.all_ids[: cached * self.page_size], req.pages[:cached])
+        self.prefix_cache.unlock(req.prefix_node)
+        self.allocator.decref(req.pages[:cached])
+        # Pages past the cached ones were allocated for this request alone.
+        self.allocator.free(req.pages[cached:])
+        self._free_slots.append(req.req_slot)
+        req.pages, req.prefix_node, req.req_slot = [], None, -1
+        if self._chunked is req:
+            self._chunked = None

@@ -1,0 +1,116 @@
+"""Device mesh and the logical-axis rules that place each parameter on it.
+
+Every parameter dimension gets a logical name (`vocab`, `q_heads`, `mlp`, ...); one
+rules table maps logical names to mesh axes. Tensor parallelism is Megatron style:
+wq/wk/wv/w_gate/w_up are column-parallel (split on their output dim), wo/w_down are
+row-parallel (split on their input dim), embed/lm_head split on vocab, norms
+replicated. Parameters are replicated across `dp`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from models.llama import param_shapes
+from runtime.config import ModelConfig
+
+# Logical name of every dimension of every parameter (see models/params_layout.md).
+PARAM_AXES: dict[str, tuple[str | None, ...]] = {
+    "embed": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "lm_head": ("embed", "vocab"),
+    "attn_norm": ("layers", "embed"),
+    "mlp_norm": ("layers", "embed"),
+    "wq": ("layers", "embed", "q_heads"),
+    "wk": ("layers", "embed", "kv_heads"),
+    "wv": ("layers", "embed", "kv_heads"),
+    "wo": ("layers", "q_heads", "embed"),
+    "bq": ("layers", "q_heads"),
+    "bk": ("layers", "kv_heads"),
+    "bv": ("layers", "kv_heads"),
+    "w_gate": ("layers", "embed", "mlp"),
+    "w_up": ("layers", "embed", "mlp"),
+    "w_down": ("layers", "mlp", "embed"),
+}
+
+# Logical name -> mesh axis (None: replicated). The layer axis stays whole because
+# split prefill dynamic_slices it; `embed` stays whole so activations need no gather.
+DEFAULT_RULES: dict[str, str | None] = {
+    "vocab": "tp",
+    "q_heads": "tp",
+    "kv_heads": "tp",
+    "mlp": "tp",
+    "embed": None,
+    "layers": None,
+}
+
+
+def make_mesh(dp: int = 1, tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (dp, tp) mesh with Auto axes (so plain jit + shardings propagate as GSPMD)."""
+    if devices is None:
+        devices = jax.devices()
+    if dp < 1 or tp < 1:
+        raise ValueError(f"dp and tp must be >= 1, got dp={dp} tp={tp}")
+    if len(devices) < dp * tp:
+        raise ValueError(f"mesh dp={dp} x tp={tp} needs {dp * tp} devices, have {len(devices)}")
+    grid = np.array(list(devices)[: dp * tp]).reshape(dp, tp)  # [dp, tp]
+    return Mesh(grid, ("dp", "tp"))
+
+
+def _pieces(logical: str | None, size: int, cfg: ModelConfig) -> int:
+    """How many pieces a dim may be cut into: whole heads for attention dims (fused
+    [H*Dh] in weights, [H] in a KV cache), so each tp shard owns complete heads and
+    attention needs no collective inside a head; single elements otherwise."""
+    if logical == "q_heads":
+        return cfg.num_heads
+    if logical == "kv_heads":
+        return cfg.num_kv_heads
+    return size
+
+
+def logical_to_spec(
+    logical: Sequence[str | None],
+    shape: Sequence[int],
+    mesh: Mesh,
+    cfg: ModelConfig,
+    rules: Mapping[str, str | None] = DEFAULT_RULES,
+) -> PartitionSpec:
+    """PartitionSpec for one array; a dim whose pieces the mesh axis does not divide is
+    replicated instead (e.g. SmolLM2's 9 query heads with tp=2)."""
+    spec: list[str | None] = []
+    for name, size in zip(logical, shape, strict=True):
+        axis = rules.get(name) if name is not None else None
+        n = mesh.shape.get(axis, 1) if axis is not None else 1
+        if n == 1 or _pieces(name, size, cfg) % n:
+            axis = None  # a mesh without this axis, a size-1 axis, or an uneven split
+        spec.append(axis)
+    return PartitionSpec(*spec)
+
+
+def param_specs(
+    cfg: ModelConfig, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES
+) -> dict:
+    """The parameter tree of PartitionSpecs, same structure as `param_shapes(cfg)`."""
+    def spec(key: str, shape: tuple[int, ...]) -> PartitionSpec:
+        return logical_to_spec(PARAM_AXES[key], shape, mesh, cfg, rules)
+
+    shapes = param_shapes(cfg)
+    tree = {k: spec(k, v) for k, v in shapes.items() if k != "layers"}
+    tree["layers"] = {k: spec(k, v) for k, v in shapes["layers"].items()}
+    return tree
+
+
+def param_shardings(
+    cfg: ModelConfig, mesh: Mesh, rules: Mapping[str, str | None] = DEFAULT_RULES
+) -> dict:
+    """The parameter tree of NamedShardings on `mesh`."""
+    specs = param_specs(cfg, mesh, rules)
+    return jax.tree.map(
+        lambda s: NamedSharding(mesh, s),
+        specs,
+        is_leaf=lambda x: isinstance(x, PartitionSpec),
+    )

@@ -1,0 +1,215 @@
+"""Generate the committed numerical reference fixtures with Hugging Face transformers.
+
+Dev-time tool (needs the `reference` extra: torch, transformers, accelerate); CI never
+runs it, the tests only read what it writes:
+
+  tests/fixtures/smollm2_reference.npz / .json  SmolLM2 chat prompts: prompt ids, f32
+      last-position logits, greedy tokens (EOS ignored) with top-2 margins, teacher-forced
+      top-1, and checksums of transformers' state_dict for the GGUF importer test.
+  tests/fixtures/tiny_models/<name>/             seeded random HF models (safetensors +
+      config.json) and ref_logits.npz: logits [T, V] of a fixed token sequence.
+
+Usage: .venv/bin/python scripts/make_reference.py [--only=smollm2|tiny]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # everything is local; never reach the Hub
+
+import numpy as np
+import torch
+from absl import app, flags
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from runtime.checkpoint import default_gguf_path  # noqa: E402
+
+FLAGS = flags.DEFINE_string("out_dir", "tests/fixtures", "fixture folder")
+ONLY = flags.DEFINE_enum("only", None, ["smollm2", "tiny"], "generate just one group")
+NUM_GREEDY = flags.DEFINE_integer("num_greedy", 32, "greedy tokens per prompt")
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a haiku about the sea."}],
+]
+# Fixed input of the tiny models (ids < 256, positions 0..11).
+TINY_TOKENS = [1, 17, 42, 99, 128, 255, 3, 7, 64, 200, 31, 2]
+# Rows of q_proj / k_proj that straddle rope half-head and head boundaries, so a missing
+# or wrong Q/K un-permutation changes at least one of them.
+CHECK_ROWS = [0, 1, 2, 31, 32, 33, 63, 64, 65, 127, 128, 191]
+CHECK_COLS = [0, 1, 100, 575]
+
+
+@torch.no_grad()
+def greedy(model: torch.nn.Module, prompt: list[int], n: int) -> dict[str, np.ndarray]:
+    """Manual greedy loop with the KV cache, EOS ignored; plus a teacher-forced pass."""
+    ids = torch.tensor([prompt])
+    out = model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=True)
+    last_logits = out.logits[0, -1].float().numpy().copy()  # [V]
+    toks, margins, top_logits = [], [], []
+    for step in range(n):
+        top2 = torch.topk(out.logits[0, -1].float(), 2)
+        tok = int(top2.indices[0])
+        toks.append(tok)
+        margins.append(float(top2.values[0] - top2.values[1]))
+        top_logits.append(float(top2.values[0]))
+        if step == n - 1:
+            break
+        mask = torch.ones(1, len(prompt) + step + 1, dtype=torch.long)
+        out = model(input_ids=torch.tensor([[tok]]), past_key_values=out.past_key_values,
+                    attention_mask=mask, use_cache=True)
+    # One full forward over prompt + continuation: the top-1 at every continuation step.
+    full = torch.tensor([prompt + toks[:-1]])
+    tf_logits = model(input_ids=full, attention_mask=torch.ones_like(full)).logits[0]
+    tf = tf_logits[len(prompt) - 1:].float()  # [n, V]
+    tf_top2 = torch.topk(tf, 2, dim=-1)
+    return {
+        "prompt_ids": np.array(prompt, np.int32),
+        "last_logits": last_logits.astype(np.float32),
+        "greedy_ids": np.array(toks, np.int32),
+        "greedy_margins": np.array(margins, np.float32),
+        "greedy_top_logits": np.array(top_logits, np.float32),
+        "tf_top1": tf_top2.indices[:, 0].numpy().astype(np.int32),
+        "tf_margins": (tf_top2.values[:, 0] - tf_top2.values[:, 1]).numpy().astype(np.float32),
+    }
+
+
+def checksums(state: dict[str, torch.Tensor]) -> dict[str, dict]:
+    """Sums and chosen elements of a few HF-layout ([out, in]) weights."""
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.5.self_attn.k_proj.weight",
+             "model.layers.29.mlp.down_proj.weight", "model.embed_tokens.weight"]
+    out = {}
+    for name in names:
+        w = state[name].double().numpy()
+        rows = [r for r in CHECK_ROWS if r < w.shape[0]]
+        cols = [c for c in CHECK_COLS if c < w.shape[1]]
+        out[name] = {"shape": list(w.shape), "sum": float(w.sum()),
+                     "abs_sum": float(np.abs(w).sum()), "rows": rows, "cols": cols,
+                     "values": w[np.ix_(rows, cols)].tolist()}
+    return out
+
+
+def make_smollm2(out_dir: str) -> None:
+    path = default_gguf_path()
+    folder, name = os.path.split(path)
+    t0 = time.perf_counter()
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    print(f"loaded SmolLM2 in {time.perf_counter() - t0:.1f}s")
+    arrays: dict[str, np.ndarray] = {}
+    meta: dict = {"gguf": name, "num_greedy": NUM_GREEDY.value, "prompts": []}
+    for i, messages in enumerate(PROMPTS):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tok(text, add_special_tokens=False).input_ids
+        res = greedy(model, prompt, NUM_GREEDY.value)
+        arrays.update({f"p{i}_{k}": v for k, v in res.items()})
+        meta["prompts"].append({
+            "messages": messages, "text": text, "prompt_ids": prompt,
+            "greedy_ids": res["greedy_ids"].tolist(),
+            "greedy_text": tok.decode(res["greedy_ids"].tolist()),
+            "greedy_margins": [round(float(m), 5) for m in res["greedy_margins"]],
+            "tf_matches_greedy": int((res["tf_top1"] == res["greedy_ids"]).sum()),
+        })
+        print(f"prompt {i}: {len(prompt)} ids, greedy {meta['prompts'][-1]['greedy_text']!r}, "
+              f"min margin {res['greedy_margins'].min():.4f}")
+    meta["checksums"] = checksums(model.state_dict())
+    np.savez_compressed(os.path.join(out_dir, "smollm2_reference.npz"), **arrays)
+    with open(os.path.join(out_dir, "smollm2_reference.json"), "w") as f:
+        json.dump(meta, f, indent=1)
+
+
+def tiny_configs() -> dict[str, tuple[type, object]]:
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1,
+                  eos_token_id=2)
+    # original_max_position_embeddings=32 puts the llama3 smoothing band (wavelengths
+    # 8..32) inside head_dim 16's frequencies, so scaling changes logits within 12 tokens.
+    llama3_rope = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 32}
+    return {
+        "llama3_untied": (LlamaForCausalLM, LlamaConfig(
+            **common, rope_parameters=llama3_rope, tie_word_embeddings=False)),
+        "qwen2_bias_tied": (Qwen2ForCausalLM, Qwen2Config(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+            tie_word_embeddings=True)),
+        "llama_tied": (LlamaForCausalLM, LlamaConfig(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 1e5},
+            tie_word_embeddings=True)),
+        "llama_untied": (LlamaForCausalLM, LlamaConfig(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+            tie_word_embeddings=False)),
+    }
+
+
+@torch.no_grad()
+def randomize(model: torch.nn.Module, seed: int) -> None:
+    """Weights with O(1) logits: HF's 0.02 init leaves them near-uniform and uninformative.
+    Norms and biases move off 1/0 so that a misplaced one shows in the logits."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        noise = torch.randn(p.shape, generator=gen)
+        if "norm" in name:
+            p.copy_(1.0 + 0.2 * noise)
+        elif name.endswith("bias"):
+            p.copy_(0.5 * noise)
+        elif "embed" in name:
+            p.copy_(0.3 * noise)  # tied heads reuse it: keeps logits O(1)
+        else:
+            p.copy_(noise * p.shape[-1] ** -0.5)
+
+
+def make_tiny(out_dir: str) -> None:
+    tokens = torch.tensor([TINY_TOKENS])
+    for seed, (name, (cls, cfg)) in enumerate(tiny_configs().items()):
+        torch.manual_seed(seed)
+        model = cls(cfg).eval()
+        randomize(model, seed)
+        folder = os.path.join(out_dir, "tiny_models", name)
+        os.makedirs(folder, exist_ok=True)
+        for old in os.listdir(folder):
+            os.remove(os.path.join(folder, old))
+        # One model in bf16 (like real Qwen2 releases) and one sharded, to cover those paths.
+        if name.startswith("qwen2"):
+            model = model.to(torch.bfloat16)
+        shard = "100KB" if name == "llama3_untied" else "50MB"
+        model.save_pretrained(folder, max_shard_size=shard)
+        # Reload in f32: the reference is what transformers computes from the saved files
+        # (casting the live bf16 model back would keep its bf16-rounded rope buffers).
+        model = cls.from_pretrained(folder, dtype=torch.float32).eval()
+        logits = model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits[0]
+        np.savez_compressed(os.path.join(folder, "ref_logits.npz"),
+                            tokens=np.array(TINY_TOKENS, np.int32),
+                            logits=logits.float().numpy())  # [T, V]
+        print(f"{name}: {sorted(os.listdir(folder))}, logits std {float(logits.std()):.3f}")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    out_dir = os.path.abspath(FLAGS.value)
+    os.makedirs(out_dir, exist_ok=True)
+    torch.set_grad_enabled(False)
+    t0 = time.perf_counter()
+    if ONLY.value in (None, "tiny"):
+        make_tiny(out_dir)
+    if ONLY.value in (None, "smollm2"):
+        make_smollm2(out_dir)
+    print(f"fixtures written to {out_dir} in {time.perf_counter() - t0:.1f}s")
+
+
+if __name__ == "__main__":
+    app.run(main)
