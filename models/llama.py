@@ -9,10 +9,16 @@ import jax
 import jax.numpy as jnp
 
 from models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_inv_freq
-from pallas_kernels import get_attention_fn
+from pallas_kernels.attention_ref import paged_attention_ref
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
 from runtime.kv_pool import KVPool, write_kv
+
+
+def get_attention_fn(backend: str):
+    if backend == "xla":
+        return paged_attention_ref
+    raise ValueError(f"unknown attention backend {backend!r}")
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -66,8 +72,8 @@ def embed(params: dict, input_ids: jax.Array) -> jax.Array:
 
 def _attention(lp: dict, x: jax.Array, kv: KVPool, layer: jax.Array, batch: ForwardBatch,
                cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
-               attention_backend: str) -> tuple[jax.Array, KVPool]:
-    """x [T, D] (normed) -> [T, D]; writes this step's K/V into the pool first."""
+               attention_backend: str) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] (normed) -> (out [T, D], k, v [T, Hkv, Dh]); the caller writes k, v."""
     t = x.shape[0]
     q = x @ lp["wq"]  # [T, Hq*Dh]
     k = x @ lp["wk"]  # [T, Hkv*Dh]
@@ -77,12 +83,11 @@ def _attention(lp: dict, x: jax.Array, kv: KVPool, layer: jax.Array, batch: Forw
     q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, Hq, Dh]
     k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, Hkv, Dh]
     v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    kv = write_kv(kv, layer, batch.out_cache_loc, k, v)
     attn = get_attention_fn(attention_backend)
-    o = attn(q, kv.k, kv.v, layer, batch.page_table, batch.seq_lens, batch.query_start,
+    o = attn(q, k, v, kv.k, kv.v, layer, batch.page_table, batch.seq_lens, batch.query_start,
              batch.positions, num_extend_tokens=batch.num_extend_tokens,
              num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5)
-    return o.reshape(t, cfg.q_size) @ lp["wo"], kv
+    return o.reshape(t, cfg.q_size) @ lp["wo"], k, v
 
 
 def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
@@ -91,25 +96,25 @@ def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg:
     """Run decoder layers [start, start + num_layers) over hidden h [T, D].
 
     `start` may be traced (split prefill advances it call by call); `num_layers` is
-    static, so every layer chunk of the same size shares one trace.
+    static, so every layer chunk of the same size shares one trace. The pool is only
+    read inside the loop; this step's K/V are written once after it.
     """
     n = cfg.num_layers if num_layers is None else num_layers
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
                                                            cfg.rope_scaling))
 
-    def body(carry, layer):
-        h, kv = carry
+    def body(h, layer):
         lp = jax.tree.map(lambda w: w[layer], params["layers"])
-        a, kv = _attention(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), kv, layer, batch,
-                           cos, sin, cfg, attention_backend)
+        a, k, v = _attention(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), kv, layer,
+                             batch, cos, sin, cfg, attention_backend)
         h = h + a
         h = h + gated_mlp(rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"],
                           lp["w_up"], lp["w_down"])
-        return (h, kv), None
+        return h, (k, v)
 
     layers = jnp.arange(n, dtype=jnp.int32) + start
-    (h, kv), _ = jax.lax.scan(body, (h, kv), layers)
-    return h, kv
+    h, (k, v) = jax.lax.scan(body, h, layers)  # k, v [n, T, Hkv, Dh]
+    return h, write_kv(kv, layers, batch.out_cache_loc, k, v)
 
 
 def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,

@@ -12,6 +12,10 @@ from typing import Protocol
 
 import numpy as np
 
+# Position of padding tokens: past any real position, so a causal mask keeps every real
+# query from attending to padding keys that share its row's slice of the token axis.
+PAD_POSITION = 1 << 30
+
 
 class Row(Protocol):
     input_ids: Sequence[int]  # tokens fed this step; -1 = "the token sampled last step"
@@ -41,7 +45,7 @@ def pack_rows(extend_rows: Sequence[Row], decode_rows: Sequence[Row], shape: Buc
     if n_ext > te or len(extend_rows) > be or len(decode_rows) > bd:
         raise ValueError(f"rows do not fit bucket {shape}")
     input_ids = np.zeros(t, np.int32)
-    positions = np.zeros(t, np.int32)
+    positions = np.full(t, PAD_POSITION, np.int32)
     out_cache_loc = np.zeros(t, np.int32)
     page_table = np.zeros((b, npg), np.int32)
     seq_lens = np.zeros(b, np.int32)
@@ -52,13 +56,14 @@ def pack_rows(extend_rows: Sequence[Row], decode_rows: Sequence[Row], shape: Buc
         n = len(row.input_ids)
         end = row.start_pos + n
         pages = np.asarray(row.pages, np.int32)
-        if len(pages) > npg:
-            raise ValueError(f"row needs {len(pages)} pages; bucket has {npg}")
+        ctx_pages = -(-row.start_pos // page_size)  # the table lists earlier context only
+        if ctx_pages > npg:
+            raise ValueError(f"row needs {ctx_pages} context pages; bucket has {npg}")
         pos = np.arange(row.start_pos, end, dtype=np.int32)
         input_ids[tok0:tok0 + n] = row.input_ids
         positions[tok0:tok0 + n] = pos
         out_cache_loc[tok0:tok0 + n] = pages[pos // page_size] * page_size + pos % page_size
-        page_table[row_idx, :len(pages)] = pages
+        page_table[row_idx, :ctx_pages] = pages[:ctx_pages]
         seq_lens[row_idx] = end
         query_start[row_idx] = tok0
         logits_indices[row_idx] = tok0 + n - 1

@@ -6,7 +6,12 @@ Row and token layout (all sizes are static bucket sizes, so they are shapes):
     rows:    [ extend rows (B_e)                                             | decode (B_d) ]
 
 EXTEND has B_d == 0, DECODE has T_e == B_e == 0, MIXED has both. Padding tokens
-write their K/V to page 0 (reserved) at position 0; padding rows have seq_len 0.
+write their K/V to page 0 (reserved) and sit at position PAD_POSITION (past every real
+position, so causal masks exclude them); padding rows have seq_len 0.
+
+The page table of a row lists the pages of its *earlier* context (positions before
+this step's tokens); this step's K/V reach attention directly and are scattered into
+the pool (at out_cache_loc) after the layer stack.
 """
 
 from __future__ import annotations

@@ -44,13 +44,15 @@ def init_kv_pool(model: ModelConfig, cache: CacheConfig, dtype: jnp.dtype,
     return KVPool(k=zeros(), v=zeros())
 
 
-def write_kv(kv: KVPool, layer: jax.Array, slots: jax.Array, k: jax.Array,
+def write_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
              v: jax.Array) -> KVPool:
-    """Scatter this step's k, v [T, Hkv, Dh] into layer `layer` at flat slots [T].
+    """Scatter k, v [N, T, Hkv, Dh] of layers [N] into flat slots [T] of the pool.
 
-    The pool is viewed as [L, P * S, Hkv, Dh] (a free reshape) so a slot is one index.
+    Called once per step after the layer stack (see pallas_kernels/attention_ref.py for
+    why not inside it). The pool is viewed as [L, P * S, Hkv, Dh], a free reshape.
     """
     L, P, S, H, D = kv.k.shape
-    kf = kv.k.reshape(L, P * S, H, D).at[layer, slots].set(k.astype(kv.k.dtype))
-    vf = kv.v.reshape(L, P * S, H, D).at[layer, slots].set(v.astype(kv.v.dtype))
+    idx = (layers[:, None], slots[None, :])  # [N, 1], [1, T] -> [N, T]
+    kf = kv.k.reshape(L, P * S, H, D).at[idx].set(k.astype(kv.k.dtype))
+    vf = kv.v.reshape(L, P * S, H, D).at[idx].set(v.astype(kv.v.dtype))
     return KVPool(k=kf.reshape(L, P, S, H, D), v=vf.reshape(L, P, S, H, D))

@@ -1,0 +1,122 @@
+"""Pure-jnp ragged paged attention: the reference twin of the kernels and the CPU fast path.
+
+The pool holds each row's *earlier* context only; this step's K/V arrive as dense
+`k_new`/`v_new` and are written to the pool after the layer stack (one scatter per
+step, outside the layer loop). Keeping reads and writes of the pool out of the same
+loop iteration is what lets XLA update the donated pool in place; a gather after a
+scatter on the same carried buffer made XLA copy the whole pool every layer.
+
+Each query attends to two parts, softmaxed jointly:
+  prefix: pool positions [0, seq_len - q_len) of its row, through the page table;
+  new:    this step's tokens of its row, causally.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+_MASKED = -1e30  # finite, so a fully masked (padding) row gives 0 instead of NaN
+
+
+def _gather_pages(pool: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
+    """pool [L, P, S, Hkv, Dh], page_table [B, Np] -> [B, Np * S, Hkv, Dh] (one gather)."""
+    b, n_pages = page_table.shape
+    _, _, s, h, d = pool.shape
+    return pool[layer, page_table].reshape(b, n_pages * s, h, d)
+
+
+def _masked_softmax_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                           sm_scale: float, soft_cap: float | None) -> jax.Array:
+    """q [N, Hkv, G, Q, Dh], k/v [N, K, Hkv, Dh], mask [N, Q, K] -> [N, Hkv, G, Q, Dh]."""
+    s = jnp.einsum("nhgqd,nkhd->nhgqk", q, k, preferred_element_type=jnp.float32) * sm_scale
+    if soft_cap is not None:
+        s = soft_cap * jnp.tanh(s / soft_cap)
+    mask = mask[:, None, None]  # [N, 1, 1, Q, K]
+    s = jnp.where(mask, s, _MASKED)
+    p = jnp.exp(s - s.max(axis=-1, keepdims=True)) * mask
+    denom = jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
+    out = jnp.einsum("nhgqk,nkhd->nhgqd", p.astype(v.dtype), v,
+                     preferred_element_type=jnp.float32)
+    return (out / denom).astype(q.dtype)
+
+
+def _in_window(kv_pos: jax.Array, q_pos: jax.Array, sliding_window: int | None) -> jax.Array:
+    if sliding_window is None:
+        return jnp.ones(jnp.broadcast_shapes(kv_pos.shape, q_pos.shape), bool)
+    return kv_pos > q_pos - sliding_window
+
+
+def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_scale,
+            sliding_window, soft_cap):
+    """q/k_new/v_new [B, H*, Dh]: each row's one query sits at position seq_len - 1."""
+    b, hq, d = q.shape
+    hkv = k_new.shape[1]
+    k = jnp.concatenate([_gather_pages(k_pool, layer, page_table), k_new[:, None]], axis=1)
+    v = jnp.concatenate([_gather_pages(v_pool, layer, page_table), v_new[:, None]], axis=1)
+    q_pos = (seq_lens - 1)[:, None]  # [B, 1]
+    kv_pos = jnp.arange(k.shape[1] - 1)[None, :]  # [1, K]
+    prefix = (kv_pos < q_pos) & _in_window(kv_pos, q_pos, sliding_window)  # [B, K]
+    mask = jnp.concatenate([prefix, jnp.ones((b, 1), bool)], axis=1)[:, None, :]  # [B, 1, K+1]
+    qg = q.reshape(b, hkv, hq // hkv, 1, d)
+    return _masked_softmax_attend(qg, k, v, mask, sm_scale, soft_cap).reshape(b, hq, d)
+
+
+def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, query_start,
+            positions, sm_scale, sliding_window, soft_cap):
+    """q [T_e, Hq, Dh] of B_e rows laid back to back. All shapes stay static: every token
+    scores the prefixes of all B_e rows and all T_e new tokens, masked to its own row."""
+    t, hq, d = q.shape
+    b = page_table.shape[0]
+    hkv = k_new.shape[1]
+    tok_row = jnp.searchsorted(query_start[1:], jnp.arange(t), side="right")  # [T_e]
+    q_len = query_start[1:] - query_start[:-1]  # [B_e]
+    prefix_len = jnp.append(seq_lens - q_len, 0)[tok_row]  # [T_e]; padding tokens: row B_e
+    kp = _gather_pages(k_pool, layer, page_table)  # [B_e, K, Hkv, Dh]
+    vp = _gather_pages(v_pool, layer, page_table)
+    kmax = kp.shape[1]
+    kv_row = jnp.repeat(jnp.arange(b), kmax)  # [B_e * K]
+    kv_pos = jnp.tile(jnp.arange(kmax), b)  # [B_e * K]
+    q_pos = positions[:, None]  # [T_e, 1]
+    prefix = ((kv_row[None] == tok_row[:, None]) & (kv_pos[None] < prefix_len[:, None])
+              & _in_window(kv_pos[None], q_pos, sliding_window))  # [T_e, B_e * K]
+    new = ((tok_row[None] == tok_row[:, None]) & (tok_row[None] < b)
+           & (positions[None] <= q_pos) & _in_window(positions[None], q_pos, sliding_window))
+    k = jnp.concatenate([kp.reshape(b * kmax, hkv, d), k_new], axis=0)[None]  # [1, K', Hkv, Dh]
+    v = jnp.concatenate([vp.reshape(b * kmax, hkv, d), v_new], axis=0)[None]
+    mask = jnp.concatenate([prefix, new], axis=1)[None]  # [1, T_e, K']
+    qg = q.reshape(t, hkv, hq // hkv, d).transpose(1, 2, 0, 3)[None]  # [1, Hkv, G, T_e, Dh]
+    out = _masked_softmax_attend(qg, k, v, mask, sm_scale, soft_cap)  # [1, Hkv, G, T_e, Dh]
+    return out[0].transpose(2, 0, 1, 3).reshape(t, hq, d)
+
+
+def paged_attention_ref(
+    q: jax.Array,            # [T, Hq, Dh]
+    k_new: jax.Array,        # [T, Hkv, Dh] this step's keys (rope applied)
+    v_new: jax.Array,        # [T, Hkv, Dh]
+    k_pool: jax.Array,       # [L, P, S, Hkv, Dh] earlier context
+    v_pool: jax.Array,       # [L, P, S, Hkv, Dh]
+    layer: jax.Array,        # [] int32
+    page_table: jax.Array,   # [B, Np] int32, pages of each row's earlier context
+    seq_lens: jax.Array,     # [B] int32, context + this step's tokens
+    query_start: jax.Array,  # [B + 1] int32
+    positions: jax.Array,    # [T] int32
+    *,
+    num_extend_tokens: int,
+    num_extend_seqs: int,
+    sm_scale: float,
+    sliding_window: int | None = None,
+    soft_cap: float | None = None,
+) -> jax.Array:
+    """Attention for the extend rows then the decode rows of a batch -> [T, Hq, Dh]."""
+    te, be = num_extend_tokens, num_extend_seqs
+    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    parts = []
+    if te:
+        parts.append(_extend(q[:te], k_new[:te], v_new[:te], k_pool, v_pool, layer,
+                             page_table[:be], seq_lens[:be], query_start[:be + 1],
+                             positions[:te], **common))
+    if q.shape[0] > te:
+        parts.append(_decode(q[te:], k_new[te:], v_new[te:], k_pool, v_pool, layer,
+                             page_table[be:], seq_lens[be:], **common))
+    return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
