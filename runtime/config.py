@@ -206,3 +206,38 @@ class RunnerConfig:
             b = getattr(self, name)
             if not b or list(b) != sorted(set(b)) or b[0] < 1:
                 raise ValueError(f"{name}={b}: need a non-empty increasing tuple of ints >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerArgs:
+    """Everything `scripts/serve.py` and `Engine` take (flag names follow SGLang's).
+
+    model: an orbax checkpoint made by scripts/convert_checkpoint.py, a GGUF file, a
+    Hugging Face folder, or "default" (the embedded SmolLM2-135M-Instruct).
+    """
+
+    model: str = "default"
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    page_size: int = 16
+    max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
+    mem_fraction: float = 0.8
+    max_running_requests: int = 32
+    max_prefill_tokens: int = 512
+    chunked_prefill_size: int | None = 512
+    max_extend_seqs: int = 4
+    enable_mixed_chunk: bool = False
+    schedule_policy: str = "fcfs"
+    disable_prefix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    attention_backend: str | None = None  # None: xla on CPU, pallas on GPU
+    decode_buckets: tuple[int, ...] | None = None  # None: powers of two to max_running
+    extend_token_buckets: tuple[int, ...] | None = None  # None: from max_prefill_tokens
+    kv_len_buckets: tuple[int, ...] | None = None  # None: from the model's context
+    max_top_logprobs: int = 5
+    compilation_cache_dir: str | None = "~/.cache/xlaserve/jax"
+    checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"
+    strict_compile: bool = False
+    max_queued_requests: int = 1024

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import random
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -151,6 +152,13 @@ class Req:
     )
     # Prefix-cache node this request holds locked while running.
     prefix_node: Node | None = None
+    # Seed of the request's sampling randomness: the caller's seed, else a random one.
+    rng_seed: int = -1
+
+    def __post_init__(self) -> None:
+        if self.rng_seed < 0:
+            seed = self.sampling.seed
+            self.rng_seed = (seed if seed is not None else random.getrandbits(32)) & 0xFFFFFFFF
 
     @property
     def all_ids(self) -> list[int]:

@@ -1,0 +1,213 @@
+"""Engine: the offline API. Owns a Scheduler (host) and a ModelRunner (device).
+
+    engine = Engine(ServerArgs())
+    out = engine.generate(["What is the capital of France?"], SamplingParams(temperature=0))
+
+`step()` is one scheduler iteration. With overlap scheduling (the default) it launches
+batch N+1 before reading back batch N, so host scheduling hides behind device work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+
+from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
+from runtime.engine_setup import load_model, runner_config, size_kv_pool
+from runtime.model_runner import ModelRunner, PendingStep
+from runtime.request import Req, SamplingParams
+from runtime.scheduler import ReqEvent, Scheduler
+from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """What a request has produced so far; `delta` is the text new since the last event."""
+
+    rid: str
+    text: str
+    output_ids: list[int]
+    finished: bool
+    delta: str = ""
+    meta_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+class _Tracked:
+    """Engine-side state of one request: its detokenizer and timestamps."""
+
+    def __init__(self, req: Req, tokenizer: Tokenizer | None) -> None:
+        self.req = req
+        skip = req.sampling.skip_special_tokens
+        self.detok = IncrementalDetokenizer(tokenizer, skip) if tokenizer else None
+        self.created = time.perf_counter()
+        self.first_token: float | None = None
+        self.emitted = ""  # text already handed out by stream events
+
+    def visible_text(self) -> str:
+        """Text that is safe to show: cut at a matched stop string; while running, hold
+        back a tail that could still become the start of a stop string."""
+        if self.detok is None:
+            return ""
+        text = self.detok.text + (self.detok.flush() if self.req.finished else "")
+        if self.req.finished and self.req.finish_reason is not None:
+            return self.req.finish_reason.trim(text)
+        hold = max((len(s) - 1 for s in self.req.sampling.stop), default=0)
+        return text[:len(text) - hold] if hold else text
+
+
+class Engine:
+    """Continuous-batching generation engine (offline API; the HTTP server wraps it)."""
+
+    def __init__(self, args: ServerArgs, *, model: tuple[ModelConfig, dict] | None = None,
+                 tokenizer: Tokenizer | None = None, runner: ModelRunner | None = None) -> None:
+        self.args = args
+        if args.compilation_cache_dir:
+            jax.config.update("jax_compilation_cache_dir",
+                              os.path.expanduser(args.compilation_cache_dir))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        if runner is None:
+            if model is None:
+                model_cfg, params, tokenizer = load_model(args)
+            else:
+                model_cfg, params = model
+            rcfg = runner_config(args, model_cfg)
+            cache = CacheConfig(page_size=args.page_size,
+                                num_pages=size_kv_pool(args, model_cfg, rcfg.dtype))
+            runner = ModelRunner(model_cfg, params, cache, rcfg, args.max_running_requests)
+            runner.warmup()
+        self.runner = runner
+        self.model_cfg = runner.model_cfg
+        self.tokenizer = tokenizer
+        eos = tokenizer.eos_token_ids if tokenizer else self.model_cfg.eos_token_ids
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                cache=runner.cache_cfg,
+                max_running_requests=args.max_running_requests,
+                max_prefill_tokens=args.max_prefill_tokens,
+                chunked_prefill_size=args.chunked_prefill_size,
+                max_extend_seqs=args.max_extend_seqs,
+                enable_mixed_chunk=args.enable_mixed_chunk,
+                schedule_policy=args.schedule_policy,
+                disable_prefix_cache=args.disable_prefix_cache,
+                overlap=not args.disable_overlap_schedule,
+                max_context_len=runner.max_seq_len,
+            ),
+            eos_token_ids=eos,
+            decode_fn=tokenizer.decode if tokenizer else None,
+        )
+        self._overlap = not args.disable_overlap_schedule
+        self._pending: PendingStep | None = None
+        self._tracked: dict[str, _Tracked] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | Sequence[int], sampling: SamplingParams | None = None,
+                    rid: str | None = None) -> str:
+        """Queue a prompt (text, tokenized without special tokens added beyond the model's
+        BOS rule, or token ids). Raises ValueError for invalid input."""
+        sampling = sampling or SamplingParams()
+        sampling.validate(self.model_cfg.vocab_size)
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass input_ids")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            ids = [int(i) for i in prompt]
+            bad = [i for i in ids if not 0 <= i < self.model_cfg.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids {bad[:5]} outside [0, {self.model_cfg.vocab_size})")
+        rid = rid or f"req-{next(self._ids)}"
+        req = Req(rid=rid, prompt_ids=ids, sampling=sampling)
+        self.scheduler.add(req)
+        self._tracked[rid] = _Tracked(req, self.tokenizer)
+        return rid
+
+    def abort(self, rid: str) -> None:
+        """Abort a request wherever it is; its pages are freed at once."""
+        self.scheduler.abort(rid)
+        self._tracked.pop(rid, None)
+
+    # ---- the loop ------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return not self.scheduler.is_idle() or self._pending is not None
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule and launch one batch; read back the previous one (overlap) or this one."""
+        batch = self.scheduler.next_batch()
+        launched = self.runner.launch(batch) if batch is not None else None
+        if self._overlap:
+            done, self._pending = self._pending, launched
+        else:
+            done = launched
+        if done is None:
+            return []
+        events = self.scheduler.process_results(done.batch, done.result())
+        return [self._output(e) for e in events]
+
+    def _output(self, event: ReqEvent) -> RequestOutput:
+        t = self._tracked[event.req.rid]
+        req = event.req
+        now = time.perf_counter()
+        if event.new_token_ids and t.first_token is None:
+            t.first_token = now
+        if t.detok is not None and event.new_token_ids:
+            t.detok.feed(event.new_token_ids)
+        text = t.visible_text()
+        delta, t.emitted = text[len(t.emitted):], text
+        meta: dict[str, Any] = {"prompt_tokens": len(req.prompt_ids),
+                                "completion_tokens": len(req.output_ids),
+                                "cached_tokens": req.cached_tokens}
+        if event.finished:
+            self._tracked.pop(req.rid, None)
+            reason = req.finish_reason
+            meta["finish_reason"] = reason.to_json() if reason else None
+            meta["e2e_latency"] = now - t.created
+            if t.first_token is not None:
+                meta["ttft"] = t.first_token - t.created
+            if req.sampling.logprobs or req.sampling.top_logprobs:
+                meta["output_token_logprobs"] = list(req.output_logprobs)
+                meta["output_top_logprobs"] = list(req.output_top_logprobs)
+        return RequestOutput(rid=req.rid, text=text, output_ids=list(req.output_ids),
+                             finished=event.finished, delta=delta, meta_info=meta)
+
+    # ---- conveniences --------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[str | Sequence[int]],
+                 sampling: SamplingParams | Sequence[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run prompts to completion (continuously batched) and return their outputs."""
+        if sampling is None or isinstance(sampling, SamplingParams):
+            sampling = [sampling or SamplingParams()] * len(prompts)
+        rids = [self.add_request(p, s) for p, s in zip(prompts, sampling, strict=True)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(rids):
+            for out in self.step():
+                if out.finished:
+                    done[out.rid] = out
+        return [done[r] for r in rids]
+
+    def stream(self, prompt: str | Sequence[int],
+               sampling: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield this request's outputs as they arrive (other requests keep running)."""
+        rid = self.add_request(prompt, sampling)
+        while True:
+            for out in self.step():
+                if out.rid == rid:
+                    yield out
+                    if out.finished:
+                        return
+
+    def run_until_idle(self) -> None:
+        while self.has_work():
+            self.step()

@@ -1,0 +1,109 @@
+"""Turning ServerArgs into a loaded model, shape buckets and a sized KV pool."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import jax
+import jax.numpy as jnp
+import psutil
+
+from runtime import checkpoint
+from runtime.config import ModelConfig, RunnerConfig, ServerArgs
+from runtime.kv_pool import kv_bytes_per_token
+from runtime.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+# A CPU pool sized from mem_fraction would be most of the machine's RAM; this many
+# tokens is plenty for a CPU server and keeps start-up allocation cheap.
+_CPU_DEFAULT_KV_TOKENS = 32768
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+def default_dtype(args: ServerArgs) -> str:
+    return args.dtype or ("bfloat16" if on_gpu() else "float32")
+
+
+def _tokenizer_for(path: str) -> Tokenizer | None:
+    if path.endswith(".gguf"):
+        return Tokenizer.from_gguf(path)
+    if os.path.exists(os.path.join(path, "tokenizer.json")):
+        return Tokenizer.from_hf_dir(path)
+    return None
+
+
+def load_model(args: ServerArgs) -> tuple[ModelConfig, dict, Tokenizer | None]:
+    """Load weights and tokenizer for `args.model` (see ServerArgs.model)."""
+    dtype = default_dtype(args)
+    path = args.model
+    if path == "default":
+        path = checkpoint.ensure_default_checkpoint(
+            os.path.expanduser(args.checkpoint_cache_dir), dtype)
+    path = os.path.abspath(os.path.expanduser(path))
+    if checkpoint.is_complete_checkpoint(path):
+        cfg, params = checkpoint.restore_checkpoint(path, dtype=dtype)
+        source = checkpoint.read_tokenizer_source(path)
+        tokenizer = _tokenizer_for(source) if source else None
+    else:
+        cfg, params = checkpoint.load_any(path)
+        tokenizer = _tokenizer_for(path)
+    if tokenizer is None:
+        logger.warning("no tokenizer found for %s: only input_ids prompts work", path)
+    return cfg, params, tokenizer
+
+
+def _powers(lo: int, hi: int, factor: int) -> tuple[int, ...]:
+    """lo, lo * factor, ... capped with hi itself as the last bucket."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    return tuple(out + [hi])
+
+
+def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
+    """Buckets: decode batch sizes in powers of two up to max_running_requests; extend
+    token counts in powers of four up to the largest extend batch; KV lengths in powers
+    of four up to the model's context."""
+    chunk = args.chunked_prefill_size or 0
+    max_extend = min(args.max_prefill_tokens, chunk) if chunk else model_cfg.max_position_embeddings
+    context = model_cfg.max_position_embeddings
+    page = args.page_size
+    kv = args.kv_len_buckets or _powers(min(256, context), context, 4)
+    if any(b % page for b in kv):
+        raise ValueError(f"kv_len_buckets {kv} must be multiples of page_size {page}")
+    return RunnerConfig(
+        dtype=default_dtype(args),
+        attention_backend=args.attention_backend or ("pallas" if on_gpu() else "xla"),
+        decode_buckets=args.decode_buckets or _powers(1, args.max_running_requests, 2),
+        extend_token_buckets=args.extend_token_buckets or _powers(min(64, max_extend),
+                                                                  max_extend, 4),
+        extend_seq_buckets=tuple(sorted({1, args.max_extend_seqs})),
+        kv_len_buckets=kv,
+        enable_mixed=args.enable_mixed_chunk,
+        max_top_logprobs=args.max_top_logprobs,
+        strict_compile=args.strict_compile,
+    )
+
+
+def size_kv_pool(args: ServerArgs, model_cfg: ModelConfig, dtype: str) -> int:
+    """Number of pages (page 0 included) from max_total_tokens, else from mem_fraction of
+    the free device memory (GPU) or a fixed CPU default."""
+    per_token = kv_bytes_per_token(model_cfg, jnp.dtype(dtype))
+    tokens = args.max_total_tokens
+    if tokens is None and on_gpu():
+        stats = jax.devices()[0].memory_stats() or {}
+        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+        tokens = int(free * args.mem_fraction) // per_token
+    elif tokens is None:
+        avail = psutil.virtual_memory().available * args.mem_fraction
+        tokens = min(_CPU_DEFAULT_KV_TOKENS, int(avail) // per_token)
+    pages = tokens // args.page_size + 1
+    logger.info("KV pool: %d pages x %d tokens (%.2f GiB)", pages, args.page_size,
+                pages * args.page_size * per_token / 2**30)
+    return pages
