@@ -70,8 +70,10 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, query_
     b = page_table.shape[0]
     hkv = k_new.shape[1]
     tok_row = jnp.searchsorted(query_start[1:], jnp.arange(t), side="right")  # [T_e]
-    q_len = query_start[1:] - query_start[:-1]  # [B_e]
-    prefix_len = jnp.append(seq_lens - q_len, 0)[tok_row]  # [T_e]; padding tokens: row B_e
+    # A row's cached prefix ends where its first new token sits. (Not seq_len - q_len: the
+    # last row's span in query_start also covers the bucket's padding tokens.)
+    row_first = jnp.take(query_start, tok_row, mode="clip")  # [T_e]
+    prefix_len = jnp.take(positions, row_first, mode="clip")  # [T_e]
     kp = _gather_pages(k_pool, layer, page_table)  # [B_e, K, Hkv, Dh]
     vp = _gather_pages(v_pool, layer, page_table)
     kmax = kp.shape[1]

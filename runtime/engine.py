@@ -88,9 +88,14 @@ class Engine:
         self.model_cfg = runner.model_cfg
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_ids if tokenizer else self.model_cfg.eos_token_ids
+        # The scheduler may use fewer pages than the runner's pool holds (max_total_tokens),
+        # so one compiled runner serves engines of any smaller pool size.
+        num_pages = runner.cache_cfg.num_pages
+        if args.max_total_tokens is not None:
+            num_pages = min(num_pages, args.max_total_tokens // args.page_size + 1)
         self.scheduler = Scheduler(
             SchedulerConfig(
-                cache=runner.cache_cfg,
+                cache=CacheConfig(page_size=runner.cache_cfg.page_size, num_pages=num_pages),
                 max_running_requests=args.max_running_requests,
                 max_prefill_tokens=args.max_prefill_tokens,
                 chunked_prefill_size=args.chunked_prefill_size,

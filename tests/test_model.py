@@ -80,3 +80,22 @@ def test_prefix_then_decode_and_mixed_match_dense():
     np.testing.assert_allclose(np.asarray(logits[0]),
                                dense_llama_logits(params, cfg, b + [3])[-1], atol=2e-4,
                                rtol=1e-4)
+
+
+def test_last_row_prefix_with_bucket_padding():
+    """All extend rows real, the last one on a cached prefix, padding tokens after it."""
+    cfg, params = _params(False, False)
+    rng = np.random.default_rng(2)
+    a = list(rng.integers(0, cfg.vocab_size, 9))
+    b = list(rng.integers(0, cfg.vocab_size, 11))
+    kv = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=32), np.float32)
+    fwd = _fwd(cfg)
+    _, kv = fwd(params, kv, make_batch(ForwardMode.EXTEND, [SimpleRow(b[:8], 0, [5, 6])], [],
+                                       BucketShape(16, 1, 0, 4), PAGE))
+    rows = [SimpleRow(a, 0, [1, 2, 3]), SimpleRow(b[8:], 8, [5, 6, 7])]
+    logits, _ = fwd(params, kv, make_batch(ForwardMode.EXTEND, rows, [],
+                                           BucketShape(16, 2, 0, 4), PAGE))
+    np.testing.assert_allclose(np.asarray(logits[0]), dense_llama_logits(params, cfg, a)[-1],
+                               atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(logits[1]), dense_llama_logits(params, cfg, b)[-1],
+                               atol=2e-4, rtol=1e-4)
