@@ -72,3 +72,25 @@ def dense_llama_logits(params: dict, cfg: ModelConfig, ids: list[int]) -> np.nda
     x = norm(x, p["final_norm"])
     head = p["embed"].T if cfg.tie_word_embeddings else p["lm_head"]
     return x @ head
+
+
+def all_position_logits(params: dict, cfg: ModelConfig, ids: list[int], page_size: int = 16,
+                        attention_backend: str = "xla") -> np.ndarray:
+    """Our forward over one sequence in a single EXTEND call -> logits [T, V] (f32)."""
+    from models import llama
+    from runtime.config import CacheConfig
+    from runtime.kv_pool import init_kv_pool
+
+    t = len(ids)
+    n_pages = -(-t // page_size)
+    kv = init_kv_pool(cfg, CacheConfig(page_size=page_size, num_pages=n_pages + 1), np.float32)
+    batch = make_batch(ForwardMode.EXTEND, [SimpleRow(list(ids), 0, list(range(1, n_pages + 1)))],
+                       [], BucketShape(t, 1, 0, n_pages), page_size)
+
+    @jax.jit
+    def run(params, kv, batch):
+        h, _ = llama.run_layers(params, kv, llama.embed(params, batch.input_ids), batch, cfg,
+                                attention_backend=attention_backend)
+        return llama.compute_logits(params, h, jnp.arange(t), cfg)
+
+    return np.asarray(run(params, kv, batch))

@@ -1,0 +1,98 @@
+"""Our JAX model against Hugging Face transformers on the same weights (committed fixtures
+made by scripts/make_reference.py, so CI needs no torch)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from runtime import checkpoint
+from runtime.config import ServerArgs
+from runtime.engine import Engine
+from runtime.request import SamplingParams
+from tests.model_utils import all_position_logits
+
+FIXTURES = Path(__file__).parent / "fixtures"
+MIN_MARGIN = 0.05  # compare free-running greedy only up to the first near-tie
+
+
+def _ckpt_cache() -> str:
+    return os.path.expanduser(ServerArgs().checkpoint_cache_dir)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """The default model through the real path: GGUF -> orbax -> restore."""
+    path = checkpoint.ensure_default_checkpoint(_ckpt_cache(), "float32")
+    return checkpoint.restore_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    meta = json.loads((FIXTURES / "smollm2_reference.json").read_text())
+    arrays = np.load(FIXTURES / "smollm2_reference.npz")
+    return meta, arrays
+
+
+def _comparable_prefix(margins: np.ndarray) -> int:
+    """Number of leading greedy steps that are safe to compare token by token."""
+    small = np.flatnonzero(margins < MIN_MARGIN)
+    return int(small[0]) + 1 if small.size else len(margins)
+
+
+@pytest.mark.parametrize("p", [0, 1])
+def test_smollm2_last_logits_match_transformers(smollm2, reference, p):
+    cfg, params = smollm2
+    _, ref = reference
+    ids = ref[f"p{p}_prompt_ids"].tolist()
+    logits = all_position_logits(params, cfg, ids)[-1]
+    err = np.abs(logits - ref[f"p{p}_last_logits"]).max()
+    assert err < 1e-3, f"max abs logit error {err}"
+
+
+@pytest.mark.parametrize("p", [0, 1])
+def test_smollm2_teacher_forced_top1_matches_transformers(smollm2, reference, p):
+    """Past any near-tie: feed transformers' 32 greedy tokens and compare each step's
+    argmax wherever transformers' own top-2 margin is clear of float noise."""
+    cfg, params = smollm2
+    _, ref = reference
+    prompt = ref[f"p{p}_prompt_ids"].tolist()
+    cont = ref[f"p{p}_greedy_ids"].tolist()
+    logits = all_position_logits(params, cfg, prompt + cont[:-1])[len(prompt) - 1:]
+    clear = ref[f"p{p}_tf_margins"] > 1e-3
+    assert clear.sum() >= 28
+    np.testing.assert_array_equal(logits.argmax(-1)[clear], ref[f"p{p}_tf_top1"][clear])
+
+
+@pytest.mark.parametrize("name", ["llama3_untied", "qwen2_bias_tied", "llama_tied",
+                                  "llama_untied"])
+def test_tiny_models_match_transformers(name):
+    folder = FIXTURES / "tiny_models" / name
+    cfg, params = checkpoint.load_hf_safetensors(str(folder))
+    ref = np.load(folder / "ref_logits.npz")
+    logits = all_position_logits(params, cfg, ref["tokens"].tolist(), page_size=4)
+    np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=1e-4)
+
+
+def test_smollm2_greedy_8_concurrent_match_transformers(smollm2, reference):
+    """8 concurrent requests (the two fixture prompts, four times each) through the Engine:
+    32 greedy tokens equal transformers' up to the first step whose top-2 margin < 0.05."""
+    cfg, params = smollm2
+    _, ref = reference
+    args = ServerArgs(max_running_requests=8, decode_buckets=(8,), extend_token_buckets=(128,),
+                      kv_len_buckets=(128,), max_prefill_tokens=128, chunked_prefill_size=128,
+                      max_extend_seqs=4, max_total_tokens=4096, compilation_cache_dir=None,
+                      strict_compile=True, max_top_logprobs=0)
+    eng = Engine(args, model=(cfg, params))
+    prompts = [ref[f"p{i % 2}_prompt_ids"].tolist() for i in range(8)]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=32,
+                                                ignore_eos=True))
+    for i, out in enumerate(outs):
+        want = ref[f"p{i % 2}_greedy_ids"].tolist()
+        n = _comparable_prefix(ref[f"p{i % 2}_greedy_margins"])
+        assert out.output_ids[:n] == want[:n], (i, n, out.output_ids, want)
+    eng.runner.check_no_compiles()
