@@ -1,0 +1,160 @@
+"""The FastAPI app, its operational routes (/health, /metrics, /debug/trace), bearer-token
+auth, and `serve()`: uvicorn in the main thread, the engine on its own thread.
+
+Start-up order: uvicorn listens at once and /health answers 503 while the engine thread
+loads and compiles; it turns 200 when warm-up is done. On SIGTERM / SIGINT uvicorn stops
+accepting connections and lets in-flight responses finish (up to GRACEFUL_SHUTDOWN_S);
+then the lifespan ends the engine thread, which aborts whatever is still running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+import hmac
+import logging
+import os
+import signal
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import uvicorn
+from fastapi import FastAPI, Query
+from fastapi.responses import JSONResponse, Response
+from starlette.datastructures import Headers
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runtime.config import ServerArgs
+from runtime.engine import Engine
+from runtime.metrics import CONTENT_TYPE, ExecutionTrace, ServerMetrics
+from runtime.server import native_api, openai_api
+from runtime.server.engine_loop import EngineLoop
+from runtime.server.errors import error_body, install_error_handlers
+from runtime.server.serving import RETRY_AFTER_S, ServerContext
+
+logger = logging.getLogger(__name__)
+
+GRACEFUL_SHUTDOWN_S = 30
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+class BearerAuth:
+    """Every route but /health needs `Authorization: Bearer <api_key>`."""
+
+    def __init__(self, app: ASGIApp, api_key: str, metrics: ServerMetrics) -> None:
+        self._app, self._expected = app, f"Bearer {api_key}".encode()
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"] != "/health":
+            given = Headers(scope=scope).get("authorization", "").encode()
+            if not hmac.compare_digest(given, self._expected):  # constant time
+                self._metrics.http_errors.labels("401").inc()
+                body = error_body(401, "missing or invalid API key: send the header "
+                                  "'Authorization: Bearer <api_key>'", code="invalid_api_key")
+                reply = JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
+                await reply(scope, receive, send)
+                return
+        await self._app(scope, receive, send)
+
+
+def create_app(ctx: ServerContext) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        ctx.engine_loop.start(asyncio.get_running_loop())
+        yield
+        # In a worker thread, so the loop still delivers the final (abort) outputs.
+        await asyncio.to_thread(ctx.engine_loop.stop)
+
+    app = FastAPI(title="xlaserve", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.ctx = ctx
+    install_error_handlers(app, ctx.metrics)
+    if ctx.api_key:
+        app.add_middleware(BearerAuth, api_key=ctx.api_key, metrics=ctx.metrics)
+    app.include_router(native_api.router)
+    app.include_router(openai_api.router)
+
+    @app.get("/health")
+    async def health() -> Response:
+        status = ctx.engine_loop.status()
+        if status == "ok":
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body(503, status, code="service_unavailable"), 503,
+                            headers={"Retry-After": str(RETRY_AFTER_S)})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/debug/trace")
+    async def trace(n: int = Query(64, ge=0, le=4096)) -> dict[str, Any]:
+        """The last n forward steps (mode, rows, bucket shape) and the scheduler state."""
+        stats = ctx.metrics.stats
+        engine = ctx.engine_loop.engine
+        counts = dict(engine.runner.step_counts) if engine else {}
+        return {"steps": ctx.trace.last(n),
+                "step_counts": {mode.value: c for mode, c in counts.items()},
+                "scheduler": dataclasses.asdict(stats) if stats else None}
+
+    return app
+
+
+def model_name(args: ServerArgs) -> str:
+    if args.model == "default":
+        return DEFAULT_MODEL_NAME
+    return os.path.basename(os.path.normpath(args.model))
+
+
+def build_server(args: ServerArgs, engine_factory: Callable[[], Engine] | None = None,
+                 served_model_name: str | None = None,
+                 log_level: str = "info") -> tuple[uvicorn.Server, ServerContext]:
+    """The uvicorn server and its context, not started (tests run it in a thread)."""
+    metrics, trace = ServerMetrics(), ExecutionTrace()
+    holder: list[uvicorn.Server] = []
+
+    def on_fatal() -> None:  # the engine cannot serve: let uvicorn shut down
+        holder[0].should_exit = True
+
+    loop = EngineLoop(engine_factory or functools.partial(Engine, args), metrics, trace,
+                      on_ready=functools.partial(log_ready, args), on_fatal=on_fatal)
+    ctx = ServerContext(loop, metrics, trace, served_model_name or model_name(args),
+                        args.api_key, args.max_queued_requests)
+    config = uvicorn.Config(create_app(ctx), host=args.host, port=args.port,
+                            log_level=log_level, access_log=False,
+                            timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    holder.append(uvicorn.Server(config))
+    return holder[0], ctx
+
+
+def serve(args: ServerArgs, served_model_name: str | None = None) -> int:
+    """Run until SIGTERM / SIGINT; returns the process exit code."""
+    server, ctx = build_server(args, served_model_name=served_model_name)
+    # After its graceful shutdown uvicorn restores the handlers it found and raises the
+    # signal again; the default handlers would then kill us (exit -15) or raise
+    # KeyboardInterrupt. Handlers that do nothing let a clean shutdown exit 0.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
+    server.run()
+    if ctx.engine_loop.error is not None:
+        logger.error("exiting: the engine failed (%s)", ctx.engine_loop.error)
+        return 1
+    return 0
+
+
+def log_ready(args: ServerArgs, engine: Engine) -> None:
+    runner, cfg = engine.runner, engine.runner.cfg
+    pool = engine.scheduler.config.cache
+    logger.info("model %s: %s, %d layers, vocab %d, context %d, dtype %s, attention %s",
+                model_name(args), engine.model_cfg.architecture, engine.model_cfg.num_layers,
+                engine.model_cfg.vocab_size, runner.max_seq_len, cfg.dtype,
+                cfg.attention_backend)
+    logger.info("compiled %d executables: decode buckets %s, extend token buckets %s, "
+                "extend seq buckets %s, kv_len buckets %s%s", len(runner.step_keys()),
+                cfg.decode_buckets, cfg.extend_token_buckets, cfg.extend_seq_buckets,
+                cfg.kv_len_buckets, " (+ mixed)" if cfg.enable_mixed else "")
+    logger.info("KV pool: %d pages x %d tokens = %d tokens", pool.num_pages, pool.page_size,
+                pool.num_slots)
+    logger.info("ready: listening on http://%s:%d", args.host, args.port)

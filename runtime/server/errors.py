@@ -1,0 +1,112 @@
+"""OpenAI-style errors: `{"error": {"message", "type", "param", "code"}}` for every 4xx/5xx.
+
+Handlers turn our APIError, Starlette's HTTP errors (404, 405) and anything unexpected
+(500) into that body, so a client always gets JSON that says what went wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import Any
+
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from runtime.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY_BYTES = 8 << 20
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          405: "invalid_request_error", 413: "invalid_request_error",
+          503: "service_unavailable_error"}
+
+
+class APIError(Exception):
+    """An error reply. `param` names the offending request field, where there is one."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None,
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": _TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    def reply(status: int, message: str, param: str | None = None, code: str | None = None,
+              headers: dict[str, str] | None = None) -> JSONResponse:
+        metrics.http_errors.labels(str(status)).inc()
+        return JSONResponse(error_body(status, message, param, code), status, headers=headers)
+
+    async def on_api_error(_: Request, e: APIError) -> JSONResponse:
+        return reply(e.status, e.message, e.param, e.code, e.headers)
+
+    async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
+        return reply(e.status_code, str(e.detail), headers=e.headers)
+
+    async def on_unexpected(_: Request, e: Exception) -> JSONResponse:
+        logger.exception("unhandled error", exc_info=e)
+        return reply(500, f"internal server error: {type(e).__name__}", code="internal_error")
+
+    app.add_exception_handler(APIError, on_api_error)
+    app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(Exception, on_unexpected)
+
+
+async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    """The body as a JSON object; 413 past `max_bytes` (checked before reading it when the
+    client declares a length), 400 for anything that is not a JSON object."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise _too_large(int(declared), max_bytes)
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > max_bytes:
+            raise _too_large(len(body), max_bytes)
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}",
+                       code="invalid_json") from e
+    if not isinstance(data, dict):
+        raise APIError(400, f"the request body must be a JSON object, not "
+                       f"{type(data).__name__}", code="invalid_json")
+    return data
+
+
+def _too_large(size: int, limit: int) -> APIError:
+    return APIError(413, f"request body of {size} bytes is over the limit of {limit} bytes",
+                    code="request_too_large")
+
+
+# Union members in pydantic's error locations ("str", "list[int]", a model's class name),
+# not field names (which are all snake_case).
+_TYPE_TAG = re.compile(r"^([A-Z].*|str|int|float|bool|none|.*\[.*\]|function-.*)$")
+
+
+def validation_error(e: pydantic.ValidationError) -> APIError:
+    """The most specific problem pydantic found (the deepest location: for a union, the
+    branch the client evidently meant), as a 400 naming the field."""
+    err = max(e.errors(include_url=False), key=lambda x: len(x["loc"]))
+    loc = [str(p) for p in err["loc"] if not _TYPE_TAG.match(str(p))]
+    param = ".".join(loc) or None
+    if err["type"] == "extra_forbidden":
+        return APIError(400, f"Unrecognized request argument supplied: {param}", param=param,
+                        code="unknown_parameter")
+    message = err["msg"].removeprefix("Value error, ")
+    if err["type"] == "missing":
+        message = "this field is required"
+    return APIError(400, f"{param}: {message}" if param else message, param=param,
+                    code="invalid_value")

@@ -1,0 +1,113 @@
+"""SGLang's native API: POST /generate.
+
+A request is one prompt (`text` or `input_ids`) or a batch of them; each runs
+`sampling_params.n` times. The reply is `{text, output_ids, meta_info}` for a single prompt
+with n = 1, else a list in prompt-major order (prompt i, choice j at i * n + j). Streaming
+sends SSE events with the cumulative text of one member (`index` says which) and ends with
+`data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pydantic
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from runtime.engine import RequestOutput
+from runtime.request import SamplingParams
+from runtime.server.engine_loop import RequestGroup
+from runtime.server.errors import APIError, read_json, validation_error
+from runtime.server.protocol import GenerateRequest, NativeSampling
+from runtime.server.serving import (
+    SSE_DONE,
+    ServerContext,
+    SSEResponse,
+    check_prompt,
+    check_sampling,
+    collect,
+    finite,
+    new_id,
+    sse,
+    submit,
+)
+
+router = APIRouter()
+
+# SamplingParams field -> the name a /generate client wrote.
+_NAMES = {f.name: f"sampling_params.{f.name}" for f in dataclasses.fields(SamplingParams)}
+_NAMES |= {"seed": "sampling_params.sampling_seed", "top_logprobs": "top_logprobs_num",
+           "logprobs": "return_logprob"}
+
+
+@router.post("/generate")
+async def generate(request: Request) -> Any:
+    ctx: ServerContext = request.app.state.ctx
+    try:
+        req = GenerateRequest.model_validate(await read_json(request))
+    except pydantic.ValidationError as e:
+        raise validation_error(e) from e
+    prompts, samplings = _members(ctx, req)
+    rid = new_id("gen")
+    group = await submit(ctx, rid, prompts, samplings)
+    single = not req.is_batch and len(prompts) == 1
+    if req.stream:
+        return SSEResponse(_events(group, single), lambda: ctx.engine_loop.abort(group))
+    items = [_item(o) for o in await collect(request, ctx, group)]
+    return JSONResponse(items[0] if single else items)
+
+
+def _members(ctx: ServerContext, req: GenerateRequest) -> tuple[list[list[int]],
+                                                                list[SamplingParams]]:
+    """(prompt ids, sampling) of every engine request, prompt-major."""
+    if req.text is not None:
+        texts = req.text if isinstance(req.text, list) else [req.text]
+        prompts = [ctx.tokenizer.encode(t) for t in texts]
+        param = "text"
+    else:
+        ids = req.input_ids or []
+        prompts = ids if req.is_batch else [ids]  # type: ignore[assignment]
+        param = "input_ids"
+    if not prompts:
+        raise APIError(400, f"{param}: the batch is empty", param=param, code="invalid_value")
+    per_prompt = req.sampling_params
+    if isinstance(per_prompt, NativeSampling):
+        per_prompt = [per_prompt] * len(prompts)
+    elif len(per_prompt) != len(prompts):
+        raise APIError(400, f"sampling_params has {len(per_prompt)} entries for "
+                       f"{len(prompts)} prompts", param="sampling_params", code="invalid_value")
+    top = req.top_logprobs_num if req.return_logprob else 0
+    out_prompts, out_sampling = [], []
+    for ids, native in zip(prompts, per_prompt, strict=True):
+        sp = native.to_params(req.return_logprob, top)
+        check_sampling(ctx, sp, _NAMES)
+        check_prompt(ctx, ids, sp.max_new_tokens, param, "sampling_params.max_new_tokens")
+        for j in range(native.n):
+            seed = None if sp.seed is None else sp.seed + j  # distinct but reproducible
+            out_prompts.append(list(ids))
+            out_sampling.append(dataclasses.replace(sp, seed=seed))
+    return out_prompts, out_sampling
+
+
+def _item(out: RequestOutput) -> dict[str, Any]:
+    meta: dict[str, Any] = {"id": out.rid, "finish_reason": None, **out.meta_info}
+    if "output_token_logprobs" in meta:
+        ids = out.output_ids
+        meta["output_token_logprobs"] = [[finite(lp), t, None] for lp, t in
+                                         zip(meta["output_token_logprobs"], ids, strict=False)]
+        meta["output_top_logprobs"] = [
+            [[finite(lp), t, None] for t, lp in zip(top_ids, lps, strict=True)]
+            for top_ids, lps in meta["output_top_logprobs"]]
+    return {"text": out.text, "output_ids": list(out.output_ids), "meta_info": meta}
+
+
+async def _events(group: RequestGroup, single: bool) -> AsyncIterator[str]:
+    async for index, out in group.stream():
+        item = _item(out)
+        if not single:
+            item["index"] = index
+        yield sse(item)
+    yield SSE_DONE

@@ -1,0 +1,185 @@
+"""Request bodies of the native and the OpenAI-compatible APIs (pydantic, strict types).
+
+Strict: a string where a number belongs is an error, not a conversion. Unknown fields are
+errors too ("Unrecognized request argument supplied", as OpenAI says). Range checks that
+SamplingParams.validate also makes are kept here only where the OpenAI name differs, so a
+client reads its own parameter name in the error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from runtime.request import SamplingParams
+
+MAX_N = 64  # choices per request: more is almost surely a client bug
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class NativeSampling(_Strict):
+    """SGLang's `sampling_params`; unset fields take SamplingParams' defaults."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    sampling_seed: int | None = None
+
+    def to_params(self, logprobs: bool, top_logprobs: int) -> SamplingParams:
+        d = self.model_dump(exclude_none=True, exclude={"n", "sampling_seed"})
+        if self.sampling_seed is not None:
+            d["seed"] = self.sampling_seed
+        return SamplingParams.from_dict(d | {"logprobs": logprobs, "top_logprobs": top_logprobs})
+
+
+class GenerateRequest(_Strict):
+    """POST /generate: one of `text` / `input_ids`, each a single prompt or a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: NativeSampling | list[NativeSampling] = Field(
+        default_factory=NativeSampling)
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = Field(0, ge=0)
+
+    @model_validator(mode="after")
+    def _one_prompt_kind(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of `text` and `input_ids`")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+
+class OpenAISampling(_Strict):
+    """Fields /v1/completions and /v1/chat/completions share, plus SGLang's extensions."""
+
+    model: str | None = None
+    temperature: float = Field(1.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # SGLang extensions (the openai client sends them through `extra_body`)
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    @model_validator(mode="after")
+    def _check_common(self) -> OpenAISampling:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    def to_params(self, max_tokens: int, choice: int, logprobs: bool,
+                  top_logprobs: int) -> SamplingParams:
+        """Choice j of n samples with seed + j, so a seeded request's choices still differ."""
+        return SamplingParams(
+            max_new_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=self.top_k, min_p=self.min_p, frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            repetition_penalty=self.repetition_penalty,
+            stop=(self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ()),
+            stop_token_ids=tuple(self.stop_token_ids or ()), ignore_eos=self.ignore_eos,
+            skip_special_tokens=self.skip_special_tokens,
+            seed=None if self.seed is None else self.seed + choice,
+            logprobs=logprobs, top_logprobs=top_logprobs)
+
+
+class CompletionRequest(OpenAISampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int = Field(16, ge=0)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _check_unsupported(self) -> CompletionRequest:
+        if self.echo:
+            raise ValueError("echo is not supported")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of must equal n (no server-side reranking)")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    """A message; extra keys (tool_calls, name, ...) pass through to the chat template."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        d = self.model_dump(exclude_none=True)
+        if isinstance(self.content, list):  # text parts only: join them as the model reads
+            d["content"] = "".join(p.text for p in self.content)
+        return d
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(OpenAISampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+
+    @model_validator(mode="after")
+    def _check_chat(self) -> ChatCompletionRequest:
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        if self.tools:
+            raise ValueError("tools are not supported")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens

@@ -1,0 +1,104 @@
+"""Serve a model over HTTP: SGLang's native /generate and the OpenAI-compatible /v1 API.
+
+  .venv/bin/python scripts/serve.py                      # embedded SmolLM2 on 127.0.0.1:30000
+  .venv/bin/python scripts/serve.py --model=/ckpt --port=8000 --api_key=secret
+
+Flags carry SGLang's names in snake_case. /health answers 503 until warm-up is done.
+SIGTERM or Ctrl-C: stop accepting, let in-flight requests finish, exit 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from runtime.config import ServerArgs  # noqa: E402
+from runtime.server import serve  # noqa: E402
+
+_D = ServerArgs()
+flags.DEFINE_string("model", _D.model, "orbax checkpoint, GGUF file, Hugging Face folder, or "
+                    "'default' (the embedded SmolLM2-135M-Instruct)")
+flags.DEFINE_string("served_model_name", None, "model name in /v1 replies (default: from "
+                    "--model)")
+flags.DEFINE_string("host", _D.host, "address to listen on")
+flags.DEFINE_integer("port", _D.port, "port to listen on")
+flags.DEFINE_string("api_key", None, "require 'Authorization: Bearer <key>' (not on /health)")
+flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "default: float32 on CPU, "
+                  "bfloat16 on GPU")
+flags.DEFINE_integer("page_size", _D.page_size, "tokens per KV page")
+flags.DEFINE_integer("max_total_tokens", None, "KV pool size in tokens (default: from "
+                     "--mem_fraction)")
+flags.DEFINE_float("mem_fraction", _D.mem_fraction, "share of free memory for the KV pool")
+flags.DEFINE_integer("max_running_requests", _D.max_running_requests, "decode batch limit")
+flags.DEFINE_integer("max_prefill_tokens", _D.max_prefill_tokens, "tokens per prefill batch")
+flags.DEFINE_integer("chunked_prefill_size", _D.chunked_prefill_size, "prefill chunk "
+                     "size; <= 0 turns chunking off")
+flags.DEFINE_integer("max_extend_seqs", _D.max_extend_seqs, "prompts per prefill batch")
+flags.DEFINE_bool("enable_mixed_chunk", _D.enable_mixed_chunk, "run prefill chunks and "
+                  "decodes in one batch")
+flags.DEFINE_enum("schedule_policy", _D.schedule_policy, ["fcfs", "lpm"], "admission order")
+flags.DEFINE_bool("disable_prefix_cache", _D.disable_prefix_cache, "no radix prefix cache")
+flags.DEFINE_bool("disable_overlap_schedule", _D.disable_overlap_schedule, "schedule step "
+                  "N+1 only after step N's results are back")
+flags.DEFINE_enum("attention_backend", None, ["xla", "pallas"], "default: xla on CPU, "
+                  "pallas on GPU")
+flags.DEFINE_list("decode_buckets", None, "decode batch sizes to compile (default: powers "
+                  "of two up to --max_running_requests)")
+flags.DEFINE_list("extend_token_buckets", None, "prefill token counts to compile")
+flags.DEFINE_list("kv_len_buckets", None, "sequence lengths to compile (multiples of "
+                  "--page_size; the largest is the context length)")
+flags.DEFINE_integer("max_top_logprobs", _D.max_top_logprobs, "most top logprobs a request "
+                     "may ask for")
+flags.DEFINE_integer("max_queued_requests", _D.max_queued_requests, "waiting requests "
+                     "beyond this get 503 with Retry-After")
+flags.DEFINE_string("compilation_cache_dir", _D.compilation_cache_dir, "persistent XLA "
+                    "compilation cache ('' turns it off)")
+flags.DEFINE_string("checkpoint_cache_dir", _D.checkpoint_cache_dir, "where the default "
+                    "model is converted to")
+flags.DEFINE_bool("strict_compile", _D.strict_compile, "fail on any compilation after "
+                  "warm-up")
+
+FLAGS = flags.FLAGS
+
+
+def _buckets(values: list[str] | None) -> tuple[int, ...] | None:
+    return tuple(int(v) for v in values) if values else None
+
+
+def server_args() -> ServerArgs:
+    return ServerArgs(
+        model=FLAGS.model, host=FLAGS.host, port=FLAGS.port, api_key=FLAGS.api_key or None,
+        dtype=FLAGS.dtype, page_size=FLAGS.page_size, max_total_tokens=FLAGS.max_total_tokens,
+        mem_fraction=FLAGS.mem_fraction, max_running_requests=FLAGS.max_running_requests,
+        max_prefill_tokens=FLAGS.max_prefill_tokens,
+        chunked_prefill_size=FLAGS.chunked_prefill_size if FLAGS.chunked_prefill_size > 0
+        else None,
+        max_extend_seqs=FLAGS.max_extend_seqs, enable_mixed_chunk=FLAGS.enable_mixed_chunk,
+        schedule_policy=FLAGS.schedule_policy, disable_prefix_cache=FLAGS.disable_prefix_cache,
+        disable_overlap_schedule=FLAGS.disable_overlap_schedule,
+        attention_backend=FLAGS.attention_backend,
+        decode_buckets=_buckets(FLAGS.decode_buckets),
+        extend_token_buckets=_buckets(FLAGS.extend_token_buckets),
+        kv_len_buckets=_buckets(FLAGS.kv_len_buckets), max_top_logprobs=FLAGS.max_top_logprobs,
+        compilation_cache_dir=FLAGS.compilation_cache_dir or None,
+        checkpoint_cache_dir=FLAGS.checkpoint_cache_dir, strict_compile=FLAGS.strict_compile,
+        max_queued_requests=FLAGS.max_queued_requests)
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    # Replaces absl's root handler, whose --verbosity would apply to every logger; orbax
+    # (restore steps, through absl) and jax ("no TPU backend") stay at WARNING.
+    logging.basicConfig(level=logging.INFO, force=True,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("absl", "jax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    sys.exit(serve(server_args(), served_model_name=FLAGS.served_model_name))
+
+
+if __name__ == "__main__":
+    app.run(main)
