@@ -102,38 +102,6 @@ def _layer(lp: dict, layer: jax.Array, h: jax.Array, kv: KVPool, batch: ForwardB
     return h, (k, v)
 
 
-def unstack_layers(params: dict) -> dict:
-    """Add per-layer weight copies for run_layers_unrolled (doubles layer weight memory).
-
-    `layer_ids` is an input array rather than Python ints so the KV gathers keep a dynamic
-    layer index: with a constant one XLA slices (copies) the layer's whole pool first.
-    """
-    n = params["layers"]["attn_norm"].shape[0]
-    per_layer = [jax.tree.map(lambda w, i=i: w[i], params["layers"]) for i in range(n)]
-    return {**params, "layer_list": per_layer, "layer_ids": jnp.arange(n, dtype=jnp.int32)}
-
-
-def run_layers_unrolled(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
-                        cfg: ModelConfig, attention_backend: str = "xla",
-                        ) -> tuple[jax.Array, KVPool]:
-    """All layers as straight-line code over separate per-layer arrays (unstack_layers).
-
-    XLA CPU materializes a dynamic slice of the stacked weights before each dot, so a
-    scanned decode step moves every weight byte three times; here each is read once,
-    which matters when decode is memory-bound. Costs compile time linear in depth.
-    """
-    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
-                                                           cfg.rope_scaling))
-    ks, vs = [], []
-    for i, lp in enumerate(params["layer_list"]):
-        h, (k, v) = _layer(lp, params["layer_ids"][i], h, kv, batch, cos, sin, cfg,
-                           attention_backend)
-        ks.append(k)
-        vs.append(v)
-    return h, write_kv(kv, params["layer_ids"], batch.out_cache_loc, jnp.stack(ks),
-                       jnp.stack(vs))
-
-
 def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
                *, start: jax.Array | int = 0, num_layers: int | None = None,
                attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
@@ -166,13 +134,8 @@ def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,
 
 
 def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
-            attention_backend: str = "xla", unrolled: bool = False,
-            ) -> tuple[jax.Array, KVPool]:
-    """One full forward: logits [B, V] for each row's sampled token, and the updated pool.
-    `unrolled` needs params from unstack_layers."""
+            attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
+    """One full forward: logits [B, V] for each row's sampled token, and the updated pool."""
     h = embed(params, batch.input_ids)
-    if unrolled:
-        h, kv = run_layers_unrolled(params, kv, h, batch, cfg, attention_backend)
-    else:
-        h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend)
+    h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend)
     return compute_logits(params, h, batch.logits_indices, cfg), kv

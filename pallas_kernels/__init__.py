@@ -1,13 +1,46 @@
-"""Attention kernels. `get_attention_fn(backend)` picks the implementation a model calls."""
+"""Attention kernels. `get_attention_fn(backend)` picks the implementation a model calls.
+
+Two call forms exist while the model moves from one to the other:
+`get_attention_fn`: (q, k_pool, v_pool, layer, ...), every key already in the pool
+(ragged_paged_attention.py); `get_paged_attention_fn`: (q, k_new, v_new, k_pool, v_pool,
+layer, ...), the pool holding earlier context only (attention_ref.py).
+"""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention_ref
+import jax
+
+from pallas_kernels.ragged_paged_attention import (
+    paged_attention,
+    ragged_paged_attention,
+    ragged_paged_attention_ref,
+)
+
+
+def _interpret() -> bool:
+    return jax.default_backend() == "cpu"  # Pallas compiles for GPUs; a CPU interprets
 
 
 def get_attention_fn(backend: str) -> Callable:
+    """"xla": the jnp reference (the fast path on CPU). "pallas": the Pallas kernels,
+    compiled on a GPU and in interpret mode on a CPU backend (where Pallas cannot compile)."""
     if backend == "xla":
         return ragged_paged_attention_ref
+    if backend == "pallas":
+        return functools.partial(ragged_paged_attention, interpret=_interpret())
+    raise ValueError(f"unknown attention backend {backend!r}; expected 'xla' or 'pallas'")
+
+
+def get_paged_attention_fn(backend: str) -> Callable:
+    """As get_attention_fn, for the call form with this step's K/V passed densely."""
+    if backend == "xla":
+        # Imported here: attention_ref.py arrives with the model's move to this form.
+        from pallas_kernels.attention_ref import paged_attention_ref
+
+        return paged_attention_ref
+    if backend == "pallas":
+        return functools.partial(paged_attention, interpret=_interpret())
     raise ValueError(f"unknown attention backend {backend!r}; expected 'xla' or 'pallas'")

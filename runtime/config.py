@@ -194,10 +194,6 @@ class RunnerConfig:
     enable_mixed: bool = False
     max_top_logprobs: int = 0
     strict_compile: bool = False
-    # DECODE executables run the layers as straight-line code over per-layer weight copies
-    # (models.llama.run_layers_unrolled): faster memory-bound decode on CPU, at the price of
-    # a second copy of the layer weights and longer compiles.
-    unrolled_decode: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -241,7 +237,6 @@ class ServerArgs:
     extend_token_buckets: tuple[int, ...] | None = None  # None: from max_prefill_tokens
     kv_len_buckets: tuple[int, ...] | None = None  # None: from the model's context
     max_top_logprobs: int = 5
-    unrolled_decode: bool | None = None  # None: on for CPU (see RunnerConfig)
     compilation_cache_dir: str | None = "~/.cache/xlaserve/jax"
     checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"
     strict_compile: bool = False

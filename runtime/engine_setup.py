@@ -88,7 +88,6 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         enable_mixed=args.enable_mixed_chunk,
         max_top_logprobs=args.max_top_logprobs,
         strict_compile=args.strict_compile,
-        unrolled_decode=(not on_gpu()) if args.unrolled_decode is None else args.unrolled_decode,
     )
 
 

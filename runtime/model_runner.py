@@ -79,10 +79,6 @@ class ModelRunner:
         self.max_running = max_running_requests
         self.dtype = jnp.dtype(runner_cfg.dtype)
         self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
-        self._decode_params = self.params
-        if runner_cfg.unrolled_decode:
-            unstacked = llama.unstack_layers(self.params)
-            self._decode_params = {k: v for k, v in unstacked.items() if k != "layers"}
         self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, self.dtype)
         s, v = max_running_requests + 1, model_cfg.vocab_size
         self.state = SlotState(last_tokens=jnp.zeros(s, jnp.int32),
@@ -137,7 +133,6 @@ class ModelRunner:
         te, be = shape.num_extend_tokens, shape.num_extend_seqs
         cfg, backend, top_n = self.model_cfg, self.cfg.attention_backend, self.cfg.max_top_logprobs
         dummy = self.max_running
-        unrolled = self._unrolled(key)
 
         def step(params, kv, state, arrays, row_slots, sample_mask, sp):
             # Decode inputs of -1 are the tokens this slot sampled in the previous step,
@@ -147,7 +142,7 @@ class ModelRunner:
                             arrays["input_ids"])
             batch = ForwardBatch(**{**arrays, "input_ids": ids}, mode=key.mode,
                                  num_extend_tokens=te, num_extend_seqs=be)
-            logits, kv = llama.forward(params, kv, batch, cfg, backend, unrolled)  # [B, V]
+            logits, kv = llama.forward(params, kv, batch, cfg, backend)  # [B, V]
             out = sampling.sample(logits, sp, state.token_counts[row_slots],
                                   state.prompt_mask[row_slots], num_top_logprobs=top_n,
                                   all_greedy=key.all_greedy)
@@ -160,12 +155,6 @@ class ModelRunner:
             return out, kv, state
 
         return jax.jit(step, donate_argnums=(1, 2))
-
-    def _unrolled(self, key: StepKey) -> bool:
-        return self.cfg.unrolled_decode and key.mode is ForwardMode.DECODE
-
-    def _params_for(self, key: StepKey) -> dict:
-        return self._decode_params if self._unrolled(key) else self.params
 
     def _abstract_inputs(self, shape: BucketShape):
         t = shape.num_extend_tokens + shape.num_decode_seqs
@@ -185,7 +174,7 @@ class ModelRunner:
         abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=getattr(a, "sharding", None)))
         for key in tqdm(keys, desc="compiling buckets", disable=not progress, unit="trace"):
-            lowered = self._step_fn(key).lower(abstract(self._params_for(key)), abstract(self.kv),
+            lowered = self._step_fn(key).lower(abstract(self.params), abstract(self.kv),
                                                abstract(self.state),
                                                *self._abstract_inputs(key.shape))
             self._executables[key] = lowered.compile()
@@ -247,7 +236,7 @@ class ModelRunner:
                 row_slots[i] = r.req.req_slot
                 sample_mask[i] = r.sample
         sp = sampling.SamplingBatch.create(b, **_sampling_columns(padded))
-        out, self.kv, self.state = exe(self._params_for(key), self.kv, self.state, arrays,
+        out, self.kv, self.state = exe(self.params, self.kv, self.state, arrays,
                                        row_slots, sample_mask, sp)
         self.step_counts[batch.mode] += 1
         self.check_no_compiles()
