@@ -53,6 +53,7 @@ class ServerMetrics:
         self.forward_steps = Counter(f"{PREFIX}forward_steps", "Forward steps launched by mode",
                                      ["mode"], registry=r)
         self.stats: SchedulerStats | None = None
+        self.compiles_after_warmup = 0
         r.register(_SchedulerCollector(self))
 
     def render(self) -> bytes:
@@ -70,6 +71,10 @@ class _SchedulerCollector(Collector):
                                        "process (warm-up included; growth after it is a bug)")
         compiles.add_metric([], compile_counter().count)
         yield compiles
+        late = CounterMetricFamily(f"{PREFIX}compilations_after_warmup", "XLA compilations "
+                                   "since the model runner's warm-up (must stay 0)")
+        late.add_metric([], self._metrics.compiles_after_warmup)
+        yield late
         s = self._metrics.stats
         if s is None:
             return

@@ -76,6 +76,7 @@ class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: dict, cache_cfg: CacheConfig,
                  runner_cfg: RunnerConfig, max_running_requests: int) -> None:
         self.model_cfg, self.cache_cfg, self.cfg = model_cfg, cache_cfg, runner_cfg
+        compile_counter()  # listen from here on, so warm-up compilations are counted too
         self.max_running = max_running_requests
         self.dtype = jnp.dtype(runner_cfg.dtype)
         self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
@@ -188,12 +189,18 @@ class ModelRunner:
         logger.info("compiled %d executables in %.1f s", len(keys), secs)
         return secs
 
+    @property
+    def compiles_after_warmup(self) -> int:
+        """Compilations in this process since warm-up (0 before it)."""
+        if self._warm_compiles is None:
+            return 0
+        return compile_counter().count - self._warm_compiles
+
     def check_no_compiles(self) -> None:
         """In strict mode, fail if anything compiled since warm-up."""
-        if self._warm_compiles is not None and self.cfg.strict_compile:
-            n = compile_counter().count - self._warm_compiles
-            if n:
-                raise CompileAfterWarmupError(f"{n} compilation(s) after warm-up")
+        if self.cfg.strict_compile and self.compiles_after_warmup:
+            raise CompileAfterWarmupError(
+                f"{self.compiles_after_warmup} compilation(s) after warm-up")
 
     # ---- execution -----------------------------------------------------------------------
 

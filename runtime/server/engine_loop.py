@@ -178,6 +178,7 @@ class EngineLoop:
             return
         self.engine = engine
         self.metrics.stats = engine.scheduler.stats()
+        self.metrics.compiles_after_warmup = engine.runner.compiles_after_warmup
         self.ready.set()
         if self._on_ready is not None:
             self._on_ready(engine)
@@ -220,6 +221,8 @@ class EngineLoop:
             if engine.has_work():
                 self._publish(engine.step())
             self.metrics.stats = engine.scheduler.stats()
+            self.metrics.compiles_after_warmup = engine.runner.compiles_after_warmup
+        self.metrics.compiles_after_warmup = engine.runner.compiles_after_warmup
 
     def _take(self, block: bool) -> list[Any]:
         cmds = [self._commands.get()] if block else []
