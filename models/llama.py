@@ -9,16 +9,10 @@ import jax
 import jax.numpy as jnp
 
 from models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_inv_freq
-from pallas_kernels.attention_ref import paged_attention_ref
+from pallas_kernels import get_paged_attention_fn
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
 from runtime.kv_pool import KVPool, write_kv
-
-
-def get_attention_fn(backend: str):
-    if backend == "xla":
-        return paged_attention_ref
-    raise ValueError(f"unknown attention backend {backend!r}")
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -83,7 +77,7 @@ def _attention(lp: dict, x: jax.Array, kv: KVPool, layer: jax.Array, batch: Forw
     q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, Hq, Dh]
     k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, Hkv, Dh]
     v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    attn = get_attention_fn(attention_backend)
+    attn = get_paged_attention_fn(attention_backend)
     o = attn(q, k, v, kv.k, kv.v, layer, batch.page_table, batch.seq_lens, batch.query_start,
              batch.positions, num_extend_tokens=batch.num_extend_tokens,
              num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5)

@@ -1,9 +1,9 @@
 """Attention kernels. `get_attention_fn(backend)` picks the implementation a model calls.
 
-Two call forms exist while the model moves from one to the other:
-`get_attention_fn`: (q, k_pool, v_pool, layer, ...), every key already in the pool
-(ragged_paged_attention.py); `get_paged_attention_fn`: (q, k_new, v_new, k_pool, v_pool,
-layer, ...), the pool holding earlier context only (attention_ref.py).
+Two call forms: `get_attention_fn` gives (q, k_pool, v_pool, layer, ...) functions, every
+key already in the pool (ragged_paged_attention.py); `get_paged_attention_fn` gives
+(q, k_new, v_new, k_pool, v_pool, layer, ...) functions, the pool holding earlier context
+only (attention_ref.py), which is the form models/llama.py calls.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import jax
 
+from pallas_kernels.attention_ref import paged_attention_ref
 from pallas_kernels.ragged_paged_attention import (
     paged_attention,
     ragged_paged_attention,
@@ -37,9 +38,6 @@ def get_attention_fn(backend: str) -> Callable:
 def get_paged_attention_fn(backend: str) -> Callable:
     """As get_attention_fn, for the call form with this step's K/V passed densely."""
     if backend == "xla":
-        # Imported here: attention_ref.py arrives with the model's move to this form.
-        from pallas_kernels.attention_ref import paged_attention_ref
-
         return paged_attention_ref
     if backend == "pallas":
         return functools.partial(paged_attention, interpret=_interpret())

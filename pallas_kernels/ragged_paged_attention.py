@@ -6,7 +6,9 @@ query per row): see runtime/forward_batch.py for the token/row layout.
 
 `ragged_paged_attention_ref` is the pure-jnp reference and the fast path on CPU.
 `ragged_paged_attention` is the Pallas kernel for the GPU with the same signature and
-semantics; on the CPU it runs in interpret mode (tests). Its design:
+semantics, and `paged_attention` the kernel twin of attention_ref.paged_attention_ref
+(this step's K/V passed densely, the pool holding earlier context). On the CPU both run
+in interpret mode (tests). The design:
 
 * Work is cut into query tiles of M (a multiple of 64) rows. A tile belongs to one batch
   row and one KV head; its rows are (token, query head) pairs of that row, the G query
@@ -14,11 +16,14 @@ semantics; on the CPU it runs in interpret mode (tests). Its design:
   grouped-query attention reads every KV page once per tile. A decode row is one tile
   (G of its M rows used); an extend row is cdiv(q_len, M // G) tiles. Decode and extend
   tiles go through the same kernel launch, which is what makes MIXED batches one call.
-* Each program (tile, KV head) walks its row's pages in blocks of BK tokens (BK/S pages)
-  with an online softmax, skipping blocks the causal mask and the sliding window exclude.
-* 16-bit inputs run on Pallas Mosaic GPU (TMA page copies into swizzled shared memory,
-  double buffered; wgmma for QK^T and PV). f32 inputs run on the Pallas Triton backend;
-  `_mosaic_supports` says why.
+* Each program (tile, KV head, KV split) walks blocks of BK tokens (BK / S pages, or a run
+  of dense new tokens) with an online softmax, skipping blocks the causal mask and the
+  sliding window exclude. Small decode batches split each tile's blocks over several
+  programs (flash-decoding), merged by log-sum-exp afterwards.
+* 16-bit inputs run on Pallas Mosaic GPU (TMA copies into swizzled shared memory, a ring
+  of `num_slots` buffers in flight; wgmma for QK^T and PV). f32 inputs run on the Pallas
+  Triton backend; `_mosaic_unsupported` says why.
+* Padding (rows with seq_len 0, tokens past a row's real tokens) gives zeros.
 """
 
 from __future__ import annotations
@@ -30,7 +35,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-from jax.experimental.pallas import triton as pltriton
+
+try:  # deprecated since jax 0.11 (f32 only; see _mosaic_unsupported)
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:
+    pltriton = None
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives 0 instead of NaN
 
@@ -548,6 +557,8 @@ def _call_mosaic(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new, cfg, i
         ],
         interpret=_gpu_interpret_params() if interpret else None,
     )(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new)
+    if not cfg["has_extend_tiles"]:  # decode only: just the G live rows of each tile
+        out, lse = out[..., :cfg["group"], :], lse[..., :cfg["group"]]
     return _merge_splits(out, lse)
 
 
@@ -562,6 +573,9 @@ def _merge_splits(out, lse):
 
 
 def _call_triton(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new, cfg, interpret):
+    if pltriton is None:
+        raise NotImplementedError("f32 attention needs Pallas' Triton backend, which this "
+                                  "jax no longer has; use bf16 or attention_backend='xla'")
     nt, hkv, m_rows, dh = q_tiles.shape
     anywhere = pl.BlockSpec(memory_space=pl.ANY)  # whole array, indexed inside the kernel
     tile = pl.BlockSpec((None, None, m_rows, dh), lambda t, h: (t, h, 0, 0))
@@ -599,6 +613,7 @@ def _attention(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, que
     _, _, _, hkv, dh = k_pool.shape
     if cfg["num_splits"] is None:
         cfg["num_splits"] = _default_splits(meta.shape[0] * hkv)
+    cfg["has_extend_tiles"] = nte > 0
     if k_new is None:  # never read; a stand-in so both forms share one kernel signature
         k_new = v_new = jnp.zeros((cfg["block_kv"], hkv, dh), k_pool.dtype)
     else:  # a block of new tokens may run past T: pad so its copies stay in bounds, to a

@@ -1,0 +1,423 @@
+"""Benchmark the Pallas ragged paged attention kernels on one device; write JSON.
+
+On the GPU (H200 defaults; no network needed, a few minutes):
+
+    .venv/bin/python scripts/bench_kernels.py --out=bench_kernels.json
+
+On the CPU, tiny sizes and interpret mode, to check the script end to end:
+
+    .venv/bin/python scripts/bench_kernels.py --smoke --out=/tmp/bench_kernels_smoke.json
+
+Sections, each recorded even when another fails (a failure is an entry in "errors"):
+  correctness  the kernels against ragged_paged_attention_ref on this device (mixed
+               batches, sliding window, soft cap; bf16 -> Mosaic GPU, f32 -> Triton)
+  roofline     a measured copy bandwidth next to the nominal --peak_hbm_tbps
+  decode       achieved HBM bandwidth of decode attention at long context, side by side
+               with the XLA reference (paged gather) and jax.nn.dot_product_attention
+               on the same K/V laid out densely
+  prefill      TFLOP/s of causal extend attention, same three contenders
+  kv_write     runtime.kv_pool.write_kv against the pool size (in place or copying?)
+  sweep        Mosaic block_kv x num_slots, and num_splits, on two decode shapes
+Every timing loops over the pool's layers inside one jit, so each call reads distinct
+memory (no L2 reuse) and dispatch costs are amortized; contenders alternate A B A B and
+medians are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+from jax import lax
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pallas_kernels.ragged_paged_attention import (  # noqa: E402
+    _attention,
+    ragged_paged_attention_ref,
+)
+from runtime.batch_builder import BucketShape, pack_rows  # noqa: E402
+from runtime.kv_pool import KVPool, write_kv  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out", "bench_kernels.json", "JSON results path")
+flags.DEFINE_bool("smoke", False, "tiny sizes in interpret mode (CPU check of this script)")
+flags.DEFINE_float("peak_hbm_tbps", 4.8, "nominal HBM bandwidth, TB/s (H200: 4.8)")
+flags.DEFINE_float("peak_bf16_tflops", 989.0, "nominal dense bf16 TFLOP/s (H200: 989)")
+flags.DEFINE_list("models", ["smollm2", "llama8b"], "head layouts to run")
+flags.DEFINE_list("decode_batches", ["8", "64"], "decode batch sizes")
+flags.DEFINE_list("decode_contexts", ["8192", "32768"], "decode context lengths")
+flags.DEFINE_integer("prefill_rows", 2, "extend rows in the prefill benchmark")
+flags.DEFINE_integer("prefill_tokens", 2048, "new tokens per extend row")
+flags.DEFINE_integer("page_size", 16, "KV page size")
+flags.DEFINE_integer("iters", 10, "timed calls per contender")
+flags.DEFINE_float("target_gb_per_call", 4.0, "layers per timed call are chosen to read ~this")
+flags.DEFINE_bool("sweep", True, "sweep the Mosaic kernel's block_kv and num_slots")
+flags.DEFINE_enum("form", "auto", ["auto", "new", "pool"],
+                  "call form to time: this step's K/V passed densely (new) or all in the pool; "
+                  "auto: new if pallas_kernels.attention_ref exists")
+
+# (query heads, KV heads, head_dim)
+HEADS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
+
+
+@dataclasses.dataclass
+class _Row:
+    input_ids: list[int]
+    start_pos: int
+    pages: list[int]
+
+
+def _interpret() -> bool:
+    return FLAGS.smoke or jax.default_backend() == "cpu"
+
+
+def _paged_attention_ref():
+    try:
+        from pallas_kernels.attention_ref import paged_attention_ref
+    except ImportError:
+        return None
+    return paged_attention_ref
+
+
+def _form() -> str:
+    if FLAGS.form != "auto":
+        return FLAGS.form
+    return "new" if _paged_attention_ref() else "pool"
+
+
+def _batch(extend, decode, page_size, pages_per_seq, rng, form):
+    """extend: (new, prefix) per row; decode: seq_len per row (0: a padding row). Pages
+    are a random permutation of 1.. (page 0 is padding), so rows scatter through the pool.
+    The page table lists all of a row's pages ("pool" form) or its earlier context's."""
+    specs = list(extend) + [(1, n - 1) for n in decode if n > 0]
+    need = [-(-(p + n) // page_size) for n, p in specs]
+    perm = rng.permutation(np.arange(1, sum(need) + 1)).tolist()
+    rows = []
+    for n_pages, (n, prefix) in zip(need, specs, strict=True):
+        pages, perm = perm[:n_pages], perm[n_pages:]
+        rows.append(_Row([0] * n, prefix, pages))
+    te, be = sum(n for n, _ in extend), len(extend)
+    shape = BucketShape(te, be, len(decode), pages_per_seq)
+    arrays = pack_rows(rows[:be], rows[be:], shape, page_size)
+    table = np.zeros_like(arrays["page_table"])
+    for i, r in zip([*range(be), *range(be, be + len(rows) - be)], rows, strict=True):
+        n = len(r.pages) if form == "pool" else -(-r.start_pos // page_size)
+        table[i, :n] = r.pages[:n]
+    arrays["page_table"] = table
+    meta = {k: jnp.asarray(arrays[k]) for k in ("page_table", "seq_lens", "query_start",
+                                                "positions")}
+    return meta, te, be, sum(need) + 1
+
+
+def _pools(key, layers, num_pages, page_size, hkv, dh, dtype):
+    shape = (layers, num_pages, page_size, hkv, dh)
+    k1, k2 = jax.random.split(key)
+    make = jax.jit(lambda k: jax.random.normal(k, shape, dtype))
+    return make(k1), make(k2)
+
+
+def _attn_fn(kind: str, form: str, te: int, be: int, sm_scale: float, **kw):
+    """-> attn(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, query_start,
+    positions); the "pool" form ignores k_new / v_new."""
+    common = dict(num_extend_tokens=te, num_extend_seqs=be, sm_scale=sm_scale,
+                  sliding_window=kw.pop("sliding_window", None),
+                  soft_cap=kw.pop("soft_cap", None))
+    if kind == "pallas":
+        fn = functools.partial(_attention, interpret=_interpret(), **common, **kw)
+        return fn if form == "new" else lambda q, kn, vn, *rest: fn(q, None, None, *rest)
+    if form == "new":
+        return functools.partial(_paged_attention_ref(), **common)
+    ref = functools.partial(ragged_paged_attention_ref, **common)
+    return lambda q, kn, vn, *rest: ref(q, *rest)
+
+
+def _over_layers(attn, layers: int):
+    """jit(q, k_new, v_new, k_pool, v_pool, meta) -> sum over layers of attention outputs."""
+
+    def run(q, k_new, v_new, k_pool, v_pool, meta):
+        def body(layer, acc):
+            o = attn(q, k_new, v_new, k_pool, v_pool, layer, meta["page_table"],
+                     meta["seq_lens"], meta["query_start"], meta["positions"])
+            return acc + o.astype(jnp.float32)
+        return lax.fori_loop(0, layers, body, jnp.zeros(q.shape, jnp.float32))
+    return jax.jit(run)
+
+
+def _new_kv(key, t, hkv, dh, dtype):
+    k1, k2 = jax.random.split(key)
+    return (jax.random.normal(k1, (t, hkv, dh), dtype), jax.random.normal(k2, (t, hkv, dh),
+                                                                          dtype))
+
+
+def _dense_over_layers(layers: int, causal: bool, implementation):
+    """jax.nn.dot_product_attention over dense K/V [L, B, S, Hkv, Dh], q [B, T, Hq, Dh]."""
+
+    def run(q, k, v):
+        def body(layer, acc):
+            o = jax.nn.dot_product_attention(q, k[layer], v[layer], is_causal=causal,
+                                             implementation=implementation)
+            return acc + o.astype(jnp.float32)
+        return lax.fori_loop(0, layers, body, jnp.zeros(q.shape, jnp.float32))
+    return jax.jit(run)
+
+
+def _dense_attention(layers, causal, q, k, v):
+    """The fastest dot_product_attention that compiles here: cuDNN, else XLA."""
+    for impl in ("cudnn", "xla"):
+        fn = _dense_over_layers(layers, causal, impl)
+        try:
+            jax.block_until_ready(fn(q, k, v))
+            return fn, impl
+        except Exception:  # cuDNN rejects some shapes (and is absent on CPU)
+            continue
+    raise RuntimeError("no dot_product_attention implementation compiled")
+
+
+def _time_side_by_side(contenders: dict, iters: int) -> dict[str, float]:
+    """{name: (fn, args)} -> median seconds per call, calls interleaved A B A B."""
+    for fn, args in contenders.values():
+        jax.block_until_ready(fn(*args))  # compile and warm
+    times = {name: [] for name in contenders}
+    for _ in range(iters):
+        for name, (fn, args) in contenders.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(fn(*args))
+            times[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def _max_err(a, b) -> float:
+    return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+
+
+def bench_correctness(rng) -> list[dict]:
+    hq, hkv, dh = HEADS["smollm2"]
+    s = FLAGS.page_size
+    extend, decode = [(s + 1, 0), (37, 300), (5, s)], [1, s, s + 1, 520, 0]
+    out = []
+    forms = ["pool", "new"] if _paged_attention_ref() else ["pool"]
+    for form in forms:
+        meta, te, be, num_pages = _batch(extend, decode, s, 40, rng, form)
+        t = te + len(decode)
+        for dtype, tol in ((jnp.bfloat16, 2e-2), (jnp.float32, 1e-5 if _interpret() else 1e-4)):
+            k_pool, v_pool = _pools(jax.random.key(1), 2, num_pages, s, hkv, dh, dtype)
+            k_new, v_new = _new_kv(jax.random.key(3), t, hkv, dh, dtype)
+            q = (2 * jax.random.normal(jax.random.key(2), (t, hq, dh))).astype(dtype)
+            args = (q, k_new, v_new, k_pool, v_pool, jnp.int32(1), meta["page_table"],
+                    meta["seq_lens"], meta["query_start"], meta["positions"])
+            real = np.ones(t, bool)
+            real[-1] = False  # the padding decode row: zeros here, don't-care in the refs
+            for extra in ({}, {"sliding_window": 100, "soft_cap": 20.0}):
+                # The reference at full f32 precision: XLA on a GPU may otherwise use tf32.
+                with jax.default_matmul_precision("highest"):
+                    ref = jax.jit(_attn_fn("ref", form, te, be, dh ** -0.5, **extra))(*args)
+                got = jax.jit(_attn_fn("pallas", form, te, be, dh ** -0.5, **extra))(*args)
+                err = _max_err(got[real], ref[real])
+                name = jnp.dtype(dtype).name
+                out.append(dict(form=form, dtype=name, **extra, max_abs_err=err, tol=tol,
+                                ok=err < tol))
+                print(f"correctness {form} {name} {extra}: max err {err:.3g} "
+                      f"({'ok' if err < tol else 'FAIL'})")
+    return out
+
+
+def bench_roofline() -> dict:
+    n = (1 << 20) if FLAGS.smoke else int(FLAGS.target_gb_per_call * 2 ** 30) // 2
+    x = jnp.ones((n,), jnp.bfloat16)
+    copy = jax.jit(lambda a: a + jnp.bfloat16(1))
+    t = _time_side_by_side({"copy": (copy, (x,))}, FLAGS.iters)["copy"]
+    tbps = 2 * x.nbytes / t / 1e12  # read + write
+    print(f"roofline: measured copy {tbps:.3f} TB/s (nominal {FLAGS.peak_hbm_tbps})")
+    return dict(copy_bytes=2 * x.nbytes, seconds=t, measured_tbps=tbps,
+                nominal_tbps=FLAGS.peak_hbm_tbps)
+
+
+def _layers_for(bytes_per_layer: int, cap: int) -> int:
+    if FLAGS.smoke:
+        return 2
+    return int(np.clip(FLAGS.target_gb_per_call * 2 ** 30 // bytes_per_layer, 1, cap))
+
+
+def bench_decode(model: str, batch: int, context: int, rng, measured_tbps, **kernel_kw) -> dict:
+    hq, hkv, dh = HEADS[model]
+    s, dtype = FLAGS.page_size, jnp.bfloat16
+    kv_bytes_per_layer = 2 * batch * context * hkv * dh * 2
+    layers = _layers_for(kv_bytes_per_layer, 32)
+    form = _form()
+    meta, _, _, num_pages = _batch([], [context] * batch, s, -(-context // s), rng, form)
+    k_pool, v_pool = _pools(jax.random.key(3), layers, num_pages, s, hkv, dh, dtype)
+    q = jax.random.normal(jax.random.key(4), (batch, hq, dh), dtype)
+    args = (q, *_new_kv(jax.random.key(5), batch, hkv, dh, dtype), k_pool, v_pool, meta)
+    scale = dh ** -0.5
+    contenders = {"pallas": (_over_layers(_attn_fn("pallas", form, 0, 0, scale, **kernel_kw),
+                                          layers), args)}
+    if not kernel_kw:
+        contenders["ref"] = (_over_layers(_attn_fn("ref", form, 0, 0, scale), layers), args)
+    dpa_impl = None
+    if not kernel_kw:
+        # The same K/V, densely laid out per row [L, B, context, Hkv, Dh].
+        pt = meta["page_table"]
+        dense = jax.jit(lambda p: p[:, pt].reshape(layers, batch, -1, hkv, dh)[:, :, :context])
+        kd, vd = dense(k_pool), dense(v_pool)
+        qd = q[:, None]  # [B, 1, Hq, Dh]
+        dpa, dpa_impl = _dense_attention(layers, False, qd, kd, vd)
+        contenders["dpa"] = (dpa, (qd, kd, vd))
+    t = _time_side_by_side(contenders, FLAGS.iters)
+    moved = layers * kv_bytes_per_layer
+    res = dict(model=model, form=form, batch=batch, context=context, layers=layers,
+               page_size=s, kv_bytes_per_call=moved, dpa_implementation=dpa_impl, **kernel_kw)
+    for name, sec in t.items():
+        res[f"{name}_s"] = sec
+        res[f"{name}_tbps"] = moved / sec / 1e12
+    res["pallas_frac_of_nominal"] = res["pallas_tbps"] / FLAGS.peak_hbm_tbps
+    if measured_tbps:
+        res["pallas_frac_of_measured_copy"] = res["pallas_tbps"] / measured_tbps
+    for other in ("ref", "dpa"):
+        if other in t:
+            res[f"speedup_vs_{other}"] = t[other] / t["pallas"]
+    print(f"decode {model} B={batch} ctx={context} L={layers} {kernel_kw or ''}: "
+          + ", ".join(f"{n} {res[f'{n}_tbps']:.3g} TB/s" for n in t))
+    return res
+
+
+def bench_prefill(model: str, rng) -> dict:
+    hq, hkv, dh = HEADS[model]
+    s, dtype = FLAGS.page_size, jnp.bfloat16
+    rows, n = FLAGS.prefill_rows, FLAGS.prefill_tokens
+    form = _form()
+    meta, te, be, num_pages = _batch([(n, 0)] * rows, [], s, -(-n // s), rng, form)
+    layers = 2 if FLAGS.smoke else 4
+    k_pool, v_pool = _pools(jax.random.key(5), layers, num_pages, s, hkv, dh, dtype)
+    q = jax.random.normal(jax.random.key(6), (te, hq, dh), dtype)
+    args = (q, *_new_kv(jax.random.key(7), te, hkv, dh, dtype), k_pool, v_pool, meta)
+    scale = dh ** -0.5
+    # Dense K/V for dot_product_attention: the same amount of data (its values do not
+    # matter for timing), laid out [L, rows, n, Hkv, Dh].
+    dense = jax.jit(lambda p: p[:, 1:1 + rows * -(-n // s)].reshape(layers, rows, -1, hkv,
+                                                                   dh)[:, :, :n])
+    kd, vd = dense(k_pool), dense(v_pool)
+    qd = q.reshape(rows, n, hq, dh)
+    dpa, dpa_impl = _dense_attention(layers, True, qd, kd, vd)
+    t = _time_side_by_side({
+        "pallas": (_over_layers(_attn_fn("pallas", form, te, be, scale), layers), args),
+        "ref": (_over_layers(_attn_fn("ref", form, te, be, scale), layers), args),
+        "dpa": (dpa, (qd, kd, vd)),
+    }, FLAGS.iters)
+    # QK^T and PV over the causal pairs: 2 matmuls x 2 flops per multiply-add.
+    flops = layers * rows * 4 * hq * dh * n * (n + 1) // 2
+    res = dict(model=model, form=form, rows=rows, tokens_per_row=n, layers=layers,
+               page_size=s, flops_per_call=flops, dpa_implementation=dpa_impl)
+    for name, sec in t.items():
+        res[f"{name}_s"] = sec
+        res[f"{name}_tflops"] = flops / sec / 1e12
+    res["pallas_frac_of_nominal"] = res["pallas_tflops"] / FLAGS.peak_bf16_tflops
+    res["speedup_vs_ref"], res["speedup_vs_dpa"] = t["ref"] / t["pallas"], t["dpa"] / t["pallas"]
+    print(f"prefill {model} {rows}x{n}: "
+          + ", ".join(f"{k} {res[f'{k}_tflops']:.3g} TFLOP/s" for k in t))
+    return res
+
+
+def bench_kv_write() -> list[dict]:
+    """write_kv of one decode step (64 tokens, SmolLM2 heads, 30 layers) into pools of two
+    sizes: an in-place update costs the same for both; a copying one grows with the pool."""
+    _, hkv, dh = HEADS["smollm2"]
+    s, t, n_layers = FLAGS.page_size, 64, 30
+    # write_kv takes one layer's K/V [T, Hkv, Dh], or (newer) all layers' [L, T, Hkv, Dh]
+    # in one scatter after the layer stack.
+    per_step = list(inspect.signature(write_kv).parameters)[1] == "layers"
+    layer = jnp.arange(n_layers, dtype=jnp.int32) if per_step else jnp.int32(3)
+    k = jnp.ones((n_layers, t, hkv, dh) if per_step else (t, hkv, dh), jnp.bfloat16)
+    slots = jnp.arange(t, dtype=jnp.int32) * s + s  # one token in each of pages 1..64
+    out = []
+    for pages in ((64, 256) if FLAGS.smoke else (1024, 16384)):
+        zeros = jax.jit(lambda n=pages: jnp.zeros((n_layers, n, s, hkv, dh), jnp.bfloat16))
+        pool = KVPool(zeros(), zeros())
+        step = jax.jit(lambda kv, sl, k: write_kv(kv, layer, sl, k, k), donate_argnums=0)
+        pool = step(pool, slots, k)  # compile
+        times = []
+        for _ in range(FLAGS.iters):
+            t0 = time.perf_counter()
+            pool = jax.block_until_ready(step(pool, slots, k))
+            times.append(time.perf_counter() - t0)
+        out.append(dict(pool_bytes=2 * pool.k.nbytes, tokens=t, all_layers=per_step,
+                        seconds=float(np.median(times))))
+        print(f"kv_write pool {2 * pool.k.nbytes / 2 ** 30:.2f} GiB "
+              f"({'all layers' if per_step else 'one layer'}): {out[-1]['seconds']:.2e} s")
+        del pool
+    return out
+
+
+def _sweep_points():
+    """Mosaic variants on a big-batch shape (block_kv x num_slots) and a small-batch one
+    (num_splits, whose default is a heuristic). In smoke mode, one of each."""
+    if FLAGS.smoke:
+        return [("llama8b", 2, 256, dict(block_kv=64, num_slots=2)),
+                ("smollm2", 2, 256, dict(num_splits=2))]
+    points = [("llama8b", 64, 8192, dict(block_kv=bk, num_slots=n))
+              for bk in (64, 128) for n in (2, 3, 4)]
+    return points + [("smollm2", 8, 8192, dict(num_splits=k)) for k in (1, 4, 8, 16)]
+
+
+def main(argv):
+    del argv
+    if FLAGS.smoke:
+        FLAGS.decode_batches, FLAGS.decode_contexts = ["2"], ["256"]
+        FLAGS.prefill_rows, FLAGS.prefill_tokens, FLAGS.iters = 1, 64, 2
+    rng = np.random.default_rng(0)
+    dev = jax.devices()[0]
+    results = dict(env=dict(jax=jax.__version__, backend=jax.default_backend(),
+                            device=dev.device_kind, smoke=FLAGS.smoke,
+                            interpret=_interpret(), form=_form()),
+                   peak=dict(hbm_tbps=FLAGS.peak_hbm_tbps, bf16_tflops=FLAGS.peak_bf16_tflops),
+                   correctness=[], decode=[], prefill=[], kv_write=[], sweep=[], errors=[])
+
+    def section(name, fn, *args, **kw):
+        try:
+            got = fn(*args, **kw)
+        except Exception as e:  # keep going: one GPU run should yield every number it can
+            results["errors"].append(dict(section=name, error=repr(e),
+                                          traceback=traceback.format_exc()))
+            print(f"{name}: ERROR {e!r}")
+            return None
+        return got
+
+    results["correctness"] = section("correctness", bench_correctness, rng) or []
+    roof = section("roofline", bench_roofline)
+    results["roofline"] = roof
+    measured = roof["measured_tbps"] if roof else None
+    for model in FLAGS.models:
+        for batch in map(int, FLAGS.decode_batches):
+            for ctx in map(int, FLAGS.decode_contexts):
+                r = section(f"decode {model} {batch} {ctx}", bench_decode, model, batch, ctx,
+                            rng, measured)
+                if r:
+                    results["decode"].append(r)
+        r = section(f"prefill {model}", bench_prefill, model, rng)
+        if r:
+            results["prefill"].append(r)
+    results["kv_write"] = section("kv_write", bench_kv_write) or []
+    if FLAGS.sweep:
+        for model, batch, ctx, kw in _sweep_points():
+            r = section(f"sweep {model} {batch} {ctx} {kw}", bench_decode, model, batch, ctx,
+                        rng, measured, **kw)
+            if r:
+                results["sweep"].append(r)
+    Path(FLAGS.out).write_text(json.dumps(results, indent=1))
+    print(f"wrote {FLAGS.out}")
+    failed = results["errors"] or not all(c["ok"] for c in results["correctness"])
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    app.run(main)
