@@ -96,7 +96,9 @@ class ModelRunner:
         return kv_len // self.cache_cfg.page_size
 
     def step_keys(self) -> list[StepKey]:
-        """Every executable the runner may call, fixed at start-up."""
+        """Every executable the runner may call, fixed at start-up. Only DECODE gets an
+        argmax-only (all-greedy) twin: its step is short enough for the general sampler
+        to show, while an extend step's cost dwarfs it and twins would double warm-up."""
         c = self.cfg
         nps = [self._pages(n) for n in c.kv_len_buckets]
         keys = []
@@ -104,12 +106,12 @@ class ModelRunner:
             for bd in c.decode_buckets:
                 keys += [StepKey(ForwardMode.DECODE, BucketShape(0, 0, bd, n), greedy)
                          for n in nps]
-            for te in c.extend_token_buckets:
-                for be in (b for b in c.extend_seq_buckets if b <= te):
-                    decodes = [0] + (list(c.decode_buckets) if c.enable_mixed else [])
-                    for bd in decodes:
-                        mode = ForwardMode.MIXED if bd else ForwardMode.EXTEND
-                        keys += [StepKey(mode, BucketShape(te, be, bd, n), greedy) for n in nps]
+        for te in c.extend_token_buckets:
+            for be in (b for b in c.extend_seq_buckets if b <= te):
+                decodes = [0] + (list(c.decode_buckets) if c.enable_mixed else [])
+                for bd in decodes:
+                    mode = ForwardMode.MIXED if bd else ForwardMode.EXTEND
+                    keys += [StepKey(mode, BucketShape(te, be, bd, n), False) for n in nps]
         return keys
 
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
@@ -225,7 +227,8 @@ class ModelRunner:
         """Dispatch one step asynchronously; the returned PendingStep reads it back."""
         rows = [*batch.extend_rows, *batch.decode_rows]
         shape = self.bucket_for(batch)
-        greedy = all(r.req.sampling.temperature == 0 for r in rows)
+        greedy = batch.mode is ForwardMode.DECODE and all(
+            r.req.sampling.temperature == 0 for r in rows)
         key = StepKey(batch.mode, shape, greedy)
         exe = self._executables[key]
         self.init_slots(batch.extend_rows)

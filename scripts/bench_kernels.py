@@ -9,8 +9,8 @@ On the CPU, tiny sizes and interpret mode, to check the script end to end:
     .venv/bin/python scripts/bench_kernels.py --smoke --out=/tmp/bench_kernels_smoke.json
 
 Sections, each recorded even when another fails (a failure is an entry in "errors"):
-  correctness  the kernels against ragged_paged_attention_ref on this device (mixed
-               batches, sliding window, soft cap; bf16 -> Mosaic GPU, f32 -> Triton)
+  correctness  the kernels against paged_attention_ref on this device (mixed batches,
+               sliding window, soft cap; bf16 -> Mosaic GPU, f32 -> Triton)
   roofline     a measured copy bandwidth next to the nominal --peak_hbm_tbps
   decode       achieved HBM bandwidth of decode attention at long context, side by side
                with the XLA reference (paged gather) and jax.nn.dot_product_attention
@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import json
 import sys
 import time
@@ -43,8 +42,8 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pallas_kernels.ragged_paged_attention import (  # noqa: E402
-    _attention,
-    ragged_paged_attention_ref,
+    paged_attention,
+    paged_attention_ref,
 )
 from runtime.batch_builder import BucketShape, pack_rows  # noqa: E402
 from runtime.kv_pool import KVPool, write_kv  # noqa: E402
@@ -63,9 +62,6 @@ flags.DEFINE_integer("page_size", 16, "KV page size")
 flags.DEFINE_integer("iters", 10, "timed calls per contender")
 flags.DEFINE_float("target_gb_per_call", 4.0, "layers per timed call are chosen to read ~this")
 flags.DEFINE_bool("sweep", True, "sweep the Mosaic kernel's block_kv and num_slots")
-flags.DEFINE_enum("form", "auto", ["auto", "new", "pool"],
-                  "call form to time: this step's K/V passed densely (new) or all in the pool; "
-                  "auto: new if pallas_kernels.attention_ref exists")
 
 # (query heads, KV heads, head_dim)
 HEADS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
@@ -82,24 +78,10 @@ def _interpret() -> bool:
     return FLAGS.smoke or jax.default_backend() == "cpu"
 
 
-def _paged_attention_ref():
-    try:
-        from pallas_kernels.attention_ref import paged_attention_ref
-    except ImportError:
-        return None
-    return paged_attention_ref
-
-
-def _form() -> str:
-    if FLAGS.form != "auto":
-        return FLAGS.form
-    return "new" if _paged_attention_ref() else "pool"
-
-
-def _batch(extend, decode, page_size, pages_per_seq, rng, form):
+def _batch(extend, decode, page_size, pages_per_seq, rng):
     """extend: (new, prefix) per row; decode: seq_len per row (0: a padding row). Pages
     are a random permutation of 1.. (page 0 is padding), so rows scatter through the pool.
-    The page table lists all of a row's pages ("pool" form) or its earlier context's."""
+    The page table lists the pages of each row's earlier context."""
     specs = list(extend) + [(1, n - 1) for n in decode if n > 0]
     need = [-(-(p + n) // page_size) for n, p in specs]
     perm = rng.permutation(np.arange(1, sum(need) + 1)).tolist()
@@ -112,7 +94,7 @@ def _batch(extend, decode, page_size, pages_per_seq, rng, form):
     arrays = pack_rows(rows[:be], rows[be:], shape, page_size)
     table = np.zeros_like(arrays["page_table"])
     for i, r in zip([*range(be), *range(be, be + len(rows) - be)], rows, strict=True):
-        n = len(r.pages) if form == "pool" else -(-r.start_pos // page_size)
+        n = -(-r.start_pos // page_size)
         table[i, :n] = r.pages[:n]
     arrays["page_table"] = table
     meta = {k: jnp.asarray(arrays[k]) for k in ("page_table", "seq_lens", "query_start",
@@ -127,19 +109,15 @@ def _pools(key, layers, num_pages, page_size, hkv, dh, dtype):
     return make(k1), make(k2)
 
 
-def _attn_fn(kind: str, form: str, te: int, be: int, sm_scale: float, **kw):
+def _attn_fn(kind: str, te: int, be: int, sm_scale: float, **kw):
     """-> attn(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, query_start,
-    positions); the "pool" form ignores k_new / v_new."""
+    positions): the kernels ("pallas", kw may hold their tuning knobs) or the reference."""
     common = dict(num_extend_tokens=te, num_extend_seqs=be, sm_scale=sm_scale,
                   sliding_window=kw.pop("sliding_window", None),
                   soft_cap=kw.pop("soft_cap", None))
     if kind == "pallas":
-        fn = functools.partial(_attention, interpret=_interpret(), **common, **kw)
-        return fn if form == "new" else lambda q, kn, vn, *rest: fn(q, None, None, *rest)
-    if form == "new":
-        return functools.partial(_paged_attention_ref(), **common)
-    ref = functools.partial(ragged_paged_attention_ref, **common)
-    return lambda q, kn, vn, *rest: ref(q, *rest)
+        return functools.partial(paged_attention, interpret=_interpret(), **common, **kw)
+    return functools.partial(paged_attention_ref, **common)
 
 
 def _over_layers(attn, layers: int):
@@ -206,29 +184,26 @@ def bench_correctness(rng) -> list[dict]:
     s = FLAGS.page_size
     extend, decode = [(s + 1, 0), (37, 300), (5, s)], [1, s, s + 1, 520, 0]
     out = []
-    forms = ["pool", "new"] if _paged_attention_ref() else ["pool"]
-    for form in forms:
-        meta, te, be, num_pages = _batch(extend, decode, s, 40, rng, form)
-        t = te + len(decode)
-        for dtype, tol in ((jnp.bfloat16, 2e-2), (jnp.float32, 1e-5 if _interpret() else 1e-4)):
-            k_pool, v_pool = _pools(jax.random.key(1), 2, num_pages, s, hkv, dh, dtype)
-            k_new, v_new = _new_kv(jax.random.key(3), t, hkv, dh, dtype)
-            q = (2 * jax.random.normal(jax.random.key(2), (t, hq, dh))).astype(dtype)
-            args = (q, k_new, v_new, k_pool, v_pool, jnp.int32(1), meta["page_table"],
-                    meta["seq_lens"], meta["query_start"], meta["positions"])
-            real = np.ones(t, bool)
-            real[-1] = False  # the padding decode row: zeros here, don't-care in the refs
-            for extra in ({}, {"sliding_window": 100, "soft_cap": 20.0}):
-                # The reference at full f32 precision: XLA on a GPU may otherwise use tf32.
-                with jax.default_matmul_precision("highest"):
-                    ref = jax.jit(_attn_fn("ref", form, te, be, dh ** -0.5, **extra))(*args)
-                got = jax.jit(_attn_fn("pallas", form, te, be, dh ** -0.5, **extra))(*args)
-                err = _max_err(got[real], ref[real])
-                name = jnp.dtype(dtype).name
-                out.append(dict(form=form, dtype=name, **extra, max_abs_err=err, tol=tol,
-                                ok=err < tol))
-                print(f"correctness {form} {name} {extra}: max err {err:.3g} "
-                      f"({'ok' if err < tol else 'FAIL'})")
+    meta, te, be, num_pages = _batch(extend, decode, s, 40, rng)
+    t = te + len(decode)
+    for dtype, tol in ((jnp.bfloat16, 2e-2), (jnp.float32, 1e-5 if _interpret() else 1e-4)):
+        k_pool, v_pool = _pools(jax.random.key(1), 2, num_pages, s, hkv, dh, dtype)
+        k_new, v_new = _new_kv(jax.random.key(3), t, hkv, dh, dtype)
+        q = (2 * jax.random.normal(jax.random.key(2), (t, hq, dh))).astype(dtype)
+        args = (q, k_new, v_new, k_pool, v_pool, jnp.int32(1), meta["page_table"],
+                meta["seq_lens"], meta["query_start"], meta["positions"])
+        real = np.ones(t, bool)
+        real[-1] = False  # the padding decode row: zeros here, don't-care in the reference
+        for extra in ({}, {"sliding_window": 100, "soft_cap": 20.0}):
+            # The reference at full f32 precision: XLA on a GPU may otherwise use tf32.
+            with jax.default_matmul_precision("highest"):
+                ref = jax.jit(_attn_fn("ref", te, be, dh ** -0.5, **extra))(*args)
+            got = jax.jit(_attn_fn("pallas", te, be, dh ** -0.5, **extra))(*args)
+            err = _max_err(got[real], ref[real])
+            name = jnp.dtype(dtype).name
+            out.append(dict(dtype=name, **extra, max_abs_err=err, tol=tol, ok=err < tol))
+            print(f"correctness {name} {extra}: max err {err:.3g} "
+                  f"({'ok' if err < tol else 'FAIL'})")
     return out
 
 
@@ -254,16 +229,15 @@ def bench_decode(model: str, batch: int, context: int, rng, measured_tbps, **ker
     s, dtype = FLAGS.page_size, jnp.bfloat16
     kv_bytes_per_layer = 2 * batch * context * hkv * dh * 2
     layers = _layers_for(kv_bytes_per_layer, 32)
-    form = _form()
-    meta, _, _, num_pages = _batch([], [context] * batch, s, -(-context // s), rng, form)
+    meta, _, _, num_pages = _batch([], [context] * batch, s, -(-context // s), rng)
     k_pool, v_pool = _pools(jax.random.key(3), layers, num_pages, s, hkv, dh, dtype)
     q = jax.random.normal(jax.random.key(4), (batch, hq, dh), dtype)
     args = (q, *_new_kv(jax.random.key(5), batch, hkv, dh, dtype), k_pool, v_pool, meta)
     scale = dh ** -0.5
-    contenders = {"pallas": (_over_layers(_attn_fn("pallas", form, 0, 0, scale, **kernel_kw),
+    contenders = {"pallas": (_over_layers(_attn_fn("pallas", 0, 0, scale, **kernel_kw),
                                           layers), args)}
     if not kernel_kw:
-        contenders["ref"] = (_over_layers(_attn_fn("ref", form, 0, 0, scale), layers), args)
+        contenders["ref"] = (_over_layers(_attn_fn("ref", 0, 0, scale), layers), args)
     dpa_impl = None
     if not kernel_kw:
         # The same K/V, densely laid out per row [L, B, context, Hkv, Dh].
@@ -275,7 +249,7 @@ def bench_decode(model: str, batch: int, context: int, rng, measured_tbps, **ker
         contenders["dpa"] = (dpa, (qd, kd, vd))
     t = _time_side_by_side(contenders, FLAGS.iters)
     moved = layers * kv_bytes_per_layer
-    res = dict(model=model, form=form, batch=batch, context=context, layers=layers,
+    res = dict(model=model, batch=batch, context=context, layers=layers,
                page_size=s, kv_bytes_per_call=moved, dpa_implementation=dpa_impl, **kernel_kw)
     for name, sec in t.items():
         res[f"{name}_s"] = sec
@@ -295,8 +269,7 @@ def bench_prefill(model: str, rng) -> dict:
     hq, hkv, dh = HEADS[model]
     s, dtype = FLAGS.page_size, jnp.bfloat16
     rows, n = FLAGS.prefill_rows, FLAGS.prefill_tokens
-    form = _form()
-    meta, te, be, num_pages = _batch([(n, 0)] * rows, [], s, -(-n // s), rng, form)
+    meta, te, be, num_pages = _batch([(n, 0)] * rows, [], s, -(-n // s), rng)
     layers = 2 if FLAGS.smoke else 4
     k_pool, v_pool = _pools(jax.random.key(5), layers, num_pages, s, hkv, dh, dtype)
     q = jax.random.normal(jax.random.key(6), (te, hq, dh), dtype)
@@ -310,13 +283,13 @@ def bench_prefill(model: str, rng) -> dict:
     qd = q.reshape(rows, n, hq, dh)
     dpa, dpa_impl = _dense_attention(layers, True, qd, kd, vd)
     t = _time_side_by_side({
-        "pallas": (_over_layers(_attn_fn("pallas", form, te, be, scale), layers), args),
-        "ref": (_over_layers(_attn_fn("ref", form, te, be, scale), layers), args),
+        "pallas": (_over_layers(_attn_fn("pallas", te, be, scale), layers), args),
+        "ref": (_over_layers(_attn_fn("ref", te, be, scale), layers), args),
         "dpa": (dpa, (qd, kd, vd)),
     }, FLAGS.iters)
     # QK^T and PV over the causal pairs: 2 matmuls x 2 flops per multiply-add.
     flops = layers * rows * 4 * hq * dh * n * (n + 1) // 2
-    res = dict(model=model, form=form, rows=rows, tokens_per_row=n, layers=layers,
+    res = dict(model=model, rows=rows, tokens_per_row=n, layers=layers,
                page_size=s, flops_per_call=flops, dpa_implementation=dpa_impl)
     for name, sec in t.items():
         res[f"{name}_s"] = sec
@@ -333,27 +306,25 @@ def bench_kv_write() -> list[dict]:
     sizes: an in-place update costs the same for both; a copying one grows with the pool."""
     _, hkv, dh = HEADS["smollm2"]
     s, t, n_layers = FLAGS.page_size, 64, 30
-    # write_kv takes one layer's K/V [T, Hkv, Dh], or (newer) all layers' [L, T, Hkv, Dh]
-    # in one scatter after the layer stack.
-    per_step = list(inspect.signature(write_kv).parameters)[1] == "layers"
-    layer = jnp.arange(n_layers, dtype=jnp.int32) if per_step else jnp.int32(3)
-    k = jnp.ones((n_layers, t, hkv, dh) if per_step else (t, hkv, dh), jnp.bfloat16)
+    # All layers' K/V [L, T, Hkv, Dh] in one scatter, as the model writes after its layers.
+    layers = jnp.arange(n_layers, dtype=jnp.int32)
+    k = jnp.ones((n_layers, t, hkv, dh), jnp.bfloat16)
     slots = jnp.arange(t, dtype=jnp.int32) * s + s  # one token in each of pages 1..64
     out = []
     for pages in ((64, 256) if FLAGS.smoke else (1024, 16384)):
         zeros = jax.jit(lambda n=pages: jnp.zeros((n_layers, n, s, hkv, dh), jnp.bfloat16))
         pool = KVPool(zeros(), zeros())
-        step = jax.jit(lambda kv, sl, k: write_kv(kv, layer, sl, k, k), donate_argnums=0)
+        step = jax.jit(lambda kv, sl, k: write_kv(kv, layers, sl, k, k), donate_argnums=0)
         pool = step(pool, slots, k)  # compile
         times = []
         for _ in range(FLAGS.iters):
             t0 = time.perf_counter()
             pool = jax.block_until_ready(step(pool, slots, k))
             times.append(time.perf_counter() - t0)
-        out.append(dict(pool_bytes=2 * pool.k.nbytes, tokens=t, all_layers=per_step,
+        out.append(dict(pool_bytes=2 * pool.k.nbytes, tokens=t, layers=n_layers,
                         seconds=float(np.median(times))))
-        print(f"kv_write pool {2 * pool.k.nbytes / 2 ** 30:.2f} GiB "
-              f"({'all layers' if per_step else 'one layer'}): {out[-1]['seconds']:.2e} s")
+        print(f"kv_write pool {2 * pool.k.nbytes / 2 ** 30:.2f} GiB: "
+              f"{out[-1]['seconds']:.2e} s")
         del pool
     return out
 
@@ -378,7 +349,7 @@ def main(argv):
     dev = jax.devices()[0]
     results = dict(env=dict(jax=jax.__version__, backend=jax.default_backend(),
                             device=dev.device_kind, smoke=FLAGS.smoke,
-                            interpret=_interpret(), form=_form()),
+                            interpret=_interpret()),
                    peak=dict(hbm_tbps=FLAGS.peak_hbm_tbps, bf16_tflops=FLAGS.peak_bf16_tflops),
                    correctness=[], decode=[], prefill=[], kv_write=[], sweep=[], errors=[])
 

@@ -1,12 +1,10 @@
-"""Pallas ragged paged attention against the jnp references, on the CPU (interpret mode).
+"""The Pallas paged attention kernels against their jnp twin paged_attention_ref, on the
+CPU (interpret mode).
 
 f32 inputs take the Triton body (generic Pallas interpreter), 16-bit inputs the Mosaic GPU
 body (Mosaic GPU's interpreter, which also simulates the TMA copies and barriers), exactly
 as they would on a GPU; `impl="mosaic"` in f32 checks the Mosaic body's logic at f32
-tolerance. Both call forms are checked: "pool" (every key in the pool, against
-ragged_paged_attention_ref) and "new" (this step's K/V passed densely, against
-attention_ref.paged_attention_ref). GPU lowering is checked from the CPU for the shapes
-the runtime serves.
+tolerance. GPU lowering is checked from the CPU for the shapes the runtime serves.
 """
 
 from __future__ import annotations
@@ -20,14 +18,8 @@ import numpy as np
 import pytest
 
 from models import llama
-from pallas_kernels import get_attention_fn, get_paged_attention_fn
-from pallas_kernels.attention_ref import paged_attention_ref
-from pallas_kernels.ragged_paged_attention import (
-    _attention,
-    paged_attention,
-    ragged_paged_attention,
-    ragged_paged_attention_ref,
-)
+from pallas_kernels import get_paged_attention_fn
+from pallas_kernels.ragged_paged_attention import paged_attention, paged_attention_ref
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, ModelConfig
 from runtime.forward_batch import ForwardBatch
@@ -37,17 +29,16 @@ from tests.model_utils import TINY, SimpleRow, make_batch
 
 HKV, DH, LAYERS, LAYER = 2, 64, 2, 1
 TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
-FORMS = ["pool", "new"]
 
 
-def _batch(extend: list[tuple[int, int]], decode: list[int], page_size: int, form: str,
+def _batch(extend: list[tuple[int, int]], decode: list[int], page_size: int,
            pad_tokens: int = 3, spare_row: bool = True):
     """extend: (new tokens, cached prefix) per row; decode: seq_len per row. Adds padding
     tokens, a padding decode row (seq_len 0) and, with spare_row, a padding extend row
     (without it the padding tokens fall in the last real row's query range). Pages are
-    handed out from 1 up (page 0 is reserved). The page table lists every page of a row
-    ("pool" form) or only those of its earlier context ("new" form), whatever pack_rows
-    puts there."""
+    handed out from 1 up (page 0 is reserved). The page table lists only the pages of a
+    row's earlier context, whatever pack_rows puts there, so a kernel that read pages
+    past a row's prefix would read page 0."""
     next_page = 1
 
     def row(n_new: int, prefix: int) -> SimpleRow:
@@ -67,14 +58,14 @@ def _batch(extend: list[tuple[int, int]], decode: list[int], page_size: int, for
     batch = make_batch(mode, ext, dec, BucketShape(te, be, bd, npg), page_size)
     table = np.zeros((be + bd, npg), np.int32)
     for i, r in zip([*range(len(ext)), *range(be, be + len(dec))], ext + dec, strict=True):
-        n = len(r.pages) if form == "pool" else -(-r.start_pos // page_size)
+        n = -(-r.start_pos // page_size)
         table[i, :n] = r.pages[:n]
     return batch.replace(page_table=jnp.asarray(table)), next_page
 
 
-def _check(extend, decode, *, page_size, group, dtype, form="pool", impl=None,
-           sliding_window=None, soft_cap=None, num_splits=None, spare_row=True, seed=0):
-    batch, n_pages = _batch(extend, decode, page_size, form, spare_row=spare_row)
+def _check(extend, decode, *, page_size, group, dtype, impl=None, sliding_window=None,
+           soft_cap=None, num_splits=None, spare_row=True, seed=0):
+    batch, n_pages = _batch(extend, decode, page_size, spare_row=spare_row)
     rng = np.random.default_rng(seed)
     pool_shape = (LAYERS, n_pages + 2, page_size, HKV, DH)
     k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), dtype) for _ in "kv")
@@ -82,23 +73,16 @@ def _check(extend, decode, *, page_size, group, dtype, form="pool", impl=None,
     # Scores of a few units, so the soft cap and the softmax are both far from trivial.
     q = jnp.asarray(2 * rng.standard_normal((t, HKV * group, DH)), dtype)
     k_new, v_new = (jnp.asarray(rng.standard_normal((t, HKV, DH)), dtype) for _ in "kv")
-    meta = (jnp.int32(LAYER), batch.page_table, batch.seq_lens, batch.query_start,
-            batch.positions)
+    args = (q, k_new, v_new, k_pool, v_pool, jnp.int32(LAYER), batch.page_table,
+            batch.seq_lens, batch.query_start, batch.positions)
     kw = dict(num_extend_tokens=batch.num_extend_tokens, num_extend_seqs=batch.num_extend_seqs,
               sm_scale=DH ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
-    kernel = functools.partial(_attention, impl=impl, interpret=True, num_splits=num_splits,
-                               **kw)
-    if form == "pool":
-        ref = jax.jit(functools.partial(ragged_paged_attention_ref, **kw))(q, k_pool, v_pool,
-                                                                           *meta)
-        out = jax.jit(kernel)(q, None, None, k_pool, v_pool, *meta)
-    else:
-        args = (q, k_new, v_new, k_pool, v_pool, *meta)
-        ref = jax.jit(functools.partial(paged_attention_ref, **kw))(*args)
-        out = jax.jit(kernel)(*args)
+    ref = jax.jit(functools.partial(paged_attention_ref, **kw))(*args)
+    out = jax.jit(functools.partial(paged_attention, impl=impl, interpret=True,
+                                    num_splits=num_splits, **kw))(*args)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     # Padding tokens and the seq_len-0 decode row give exact zeros from the kernels; the
-    # references let some of them attend to padding K/V (don't-care outputs), so only
+    # reference lets some of them attend to padding K/V (don't-care outputs), so only
     # real tokens are compared.
     real = np.zeros(batch.num_tokens, bool)
     real[:sum(n for n, _ in extend)] = True
@@ -112,69 +96,58 @@ def _ragged_lens(s: int) -> list[int]:
     return [1, s, s + 1, 2 * s + 5, 9 * s + 7]  # 0 is the padding row _batch adds
 
 
-# Fewer "new" form cases: its pool path is the "pool" form's; what it adds (a block of
-# dense new tokens after the pages) does not depend on the group size.
-@pytest.mark.parametrize("group,page_size,form", [
-    *[(g, s, "pool") for g in (1, 3, 8) for s in (16, 64)], (3, 16, "new"), (8, 64, "new")])
-def test_decode_ragged_lengths(group, page_size, form):
-    _check([], _ragged_lens(page_size), page_size=page_size, group=group, dtype=jnp.float32,
-           form=form)
-
-
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_extend_on_cached_prefix(page_size, form):
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_decode_ragged_lengths(group, page_size):
+    _check([], _ragged_lens(page_size), page_size=page_size, group=group, dtype=jnp.float32)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_extend_on_cached_prefix(page_size):
     s = page_size
     rows = [(1, 0), (s, 0), (s + 1, 3), (5, s), (2, 2 * s - 1), (70, 2 * s + 1)]
-    _check(rows, [], page_size=page_size, group=3, dtype=jnp.float32, form=form)
+    _check(rows, [], page_size=page_size, group=3, dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("group", [1, 8])
-def test_mixed_batch(group, form):
+def test_mixed_batch(group):
     _check([(17, 0), (3, 16), (40, 100)], _ragged_lens(16), page_size=16, group=group,
-           dtype=jnp.float32, form=form)
+           dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("sliding_window,soft_cap,form", [
-    (20, None, "new"), (None, 5.0, "pool"), (37, 5.0, "pool"), (37, 5.0, "new")])
-def test_sliding_window_and_soft_cap(sliding_window, soft_cap, form):
+@pytest.mark.parametrize("sliding_window,soft_cap", [(20, None), (None, 5.0), (37, 5.0)])
+def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
     _check([(40, 0), (9, 30)], [1, 19, 21, 150], page_size=16, group=3, dtype=jnp.float32,
-           form=form, sliding_window=sliding_window, soft_cap=soft_cap)
+           sliding_window=sliding_window, soft_cap=soft_cap)
 
 
-@pytest.mark.parametrize("form", FORMS)
-def test_padding_tokens_in_last_row(form):
+def test_padding_tokens_in_last_row():
     """No spare extend row: the bucket's padding tokens sit in the last real row's query
     range (query_start), which has a cached prefix."""
-    _check([(5, 0), (9, 20)], [1, 40], page_size=16, group=3, dtype=jnp.float32, form=form,
+    _check([(5, 0), (9, 20)], [1, 40], page_size=16, group=3, dtype=jnp.float32,
            spare_row=False)
 
 
 # The Mosaic GPU body: in bf16 as the GPU runs it, and in f32 to hold its logic to 1e-5.
 # Rows of 300+ tokens span several KV blocks, so the slot ring and the online softmax
 # across blocks are exercised; with 3 KV splits some splits of short rows are empty.
-@pytest.mark.parametrize("dtype,page_size,group,window,cap,splits,form", [
-    (jnp.bfloat16, 16, 3, None, None, 1, "pool"),
-    (jnp.bfloat16, 64, 8, 100, 20.0, 3, "new"),
-    (jnp.float32, 16, 3, 150, 5.0, 3, "pool"),
-    (jnp.float32, 16, 3, 150, 5.0, 3, "new"),
+@pytest.mark.parametrize("dtype,page_size,group,window,cap,splits", [
+    (jnp.bfloat16, 16, 3, None, None, 1),
+    (jnp.bfloat16, 64, 8, 100, 20.0, 3),
+    (jnp.float32, 16, 3, 150, 5.0, 3),
 ])
-def test_mosaic_body(dtype, page_size, group, window, cap, splits, form):
+def test_mosaic_body(dtype, page_size, group, window, cap, splits):
     s = page_size
     _check([(s + 1, 0), (30, 300)], [1, s, s + 1, 520], page_size=page_size, group=group,
-           dtype=dtype, form=form, impl="mosaic", sliding_window=window, soft_cap=cap,
-           num_splits=splits)
+           dtype=dtype, impl="mosaic", sliding_window=window, soft_cap=cap, num_splits=splits)
 
 
 def test_mosaic_decode_only_group_1_split():
-    _check([], _ragged_lens(16), page_size=16, group=1, dtype=jnp.bfloat16, form="new",
-           num_splits=4)
+    _check([], _ragged_lens(16), page_size=16, group=1, dtype=jnp.bfloat16, num_splits=4)
 
 
 def test_triton_body_bf16():
-    _check([(20, 5)], [1, 33], page_size=16, group=3, dtype=jnp.bfloat16, form="new",
-           impl="triton")
+    _check([(20, 5)], [1, 33], page_size=16, group=3, dtype=jnp.bfloat16, impl="triton")
 
 
 # ------------------------------------------------------------------------ GPU lowering
@@ -191,82 +164,61 @@ def _lower_for_cuda(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _attention_args(cfg: ModelConfig, bucket, page_size: int, dtype, form: str,
-                    num_pages: int = 4096):
+def _attention_args(cfg: ModelConfig, bucket, page_size: int, dtype, num_pages: int = 4096):
     te, be, bd, npg = bucket
     sds = jax.ShapeDtypeStruct
     pool = sds((cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
     new = sds((te + bd, cfg.num_kv_heads, cfg.head_dim), dtype)
     b, t = be + bd, te + bd
-    kv = (new, new, pool, pool) if form == "new" else (pool, pool)
-    return (sds((t, cfg.num_heads, cfg.head_dim), dtype), *kv, sds((), jnp.int32),
-            sds((b, npg), jnp.int32), sds((b,), jnp.int32), sds((b + 1,), jnp.int32),
-            sds((t,), jnp.int32))
+    return (sds((t, cfg.num_heads, cfg.head_dim), dtype), new, new, pool, pool,
+            sds((), jnp.int32), sds((b, npg), jnp.int32), sds((b,), jnp.int32),
+            sds((b + 1,), jnp.int32), sds((t,), jnp.int32))
 
 
-def _compiled(form: str, **kw):
-    fn = paged_attention if form == "new" else ragged_paged_attention
-    return functools.partial(fn, interpret=False, **kw)
+def _compiled(bucket, **kw):
+    return functools.partial(paged_attention, interpret=False, num_extend_tokens=bucket[0],
+                             num_extend_seqs=bucket[1], **kw)
 
 
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("mode", list(BUCKETS))
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
-def test_smollm2_kernels_lower_for_cuda(mode, dtype, form):
+def test_smollm2_kernels_lower_for_cuda(mode, dtype):
     bucket = BUCKETS[mode]
-    fn = _compiled(form, num_extend_tokens=bucket[0], num_extend_seqs=bucket[1],
-                   sm_scale=0.125)
-    text = _lower_for_cuda(fn, *_attention_args(SMOLLM2, bucket, 16, dtype, form))
-    # bf16 must be the Mosaic GPU kernel; f32 the Triton one (see _mosaic_unsupported).
+    text = _lower_for_cuda(_compiled(bucket, sm_scale=0.125),
+                           *_attention_args(SMOLLM2, bucket, 16, dtype))
+    # bf16 must be the Mosaic GPU kernel; f32 the Triton one (see mosaic_unsupported).
     assert ("mosaic_gpu" if dtype == jnp.bfloat16 else "triton") in text
 
 
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("mode", ["decode", "mixed"])
-def test_split_kv_lowers_for_cuda(mode, form):
+def test_split_kv_lowers_for_cuda(mode):
     """On a GPU small batches run with several KV splits per tile (on the CPU the default
     is 1), so lower that configuration explicitly."""
     bucket = (0, 0, 8, 512) if mode == "decode" else BUCKETS[mode]
-    fn = functools.partial(_attention, num_extend_tokens=bucket[0], num_extend_seqs=bucket[1],
-                           sm_scale=0.125, interpret=False, num_splits=8)
-    args = _attention_args(SMOLLM2, bucket, 16, jnp.bfloat16, form)
-    if form == "pool":
-        args = (args[0], None, None, *args[1:])
-    assert "mosaic_gpu" in _lower_for_cuda(fn, *args)
+    fn = _compiled(bucket, sm_scale=0.125, num_splits=8)
+    assert "mosaic_gpu" in _lower_for_cuda(fn, *_attention_args(SMOLLM2, bucket, 16,
+                                                                 jnp.bfloat16))
 
 
-@pytest.mark.parametrize("form", FORMS)
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_llama8b_heads_lower_for_cuda(page_size, form):
+def test_llama8b_heads_lower_for_cuda(page_size):
     cfg = dataclasses.replace(SMOLLM2, **LLAMA8B_HEADS)
     bucket = BUCKETS["mixed"]
-    fn = _compiled(form, num_extend_tokens=bucket[0], num_extend_seqs=bucket[1],
-                   sm_scale=128 ** -0.5, sliding_window=4096, soft_cap=50.0)
-    args = _attention_args(cfg, bucket, page_size, jnp.bfloat16, form)
+    fn = _compiled(bucket, sm_scale=128 ** -0.5, sliding_window=4096, soft_cap=50.0)
+    args = _attention_args(cfg, bucket, page_size, jnp.bfloat16)
     assert "mosaic_gpu" in _lower_for_cuda(fn, *args)
 
 
-def _model_attention(backend: str, interpret: bool):
-    """What models/llama.py's get_attention_fn should give for `backend`, in whichever call
-    form the model uses: it is moving from the all-in-pool form (8 positional arguments)
-    to dense new K/V (10)."""
-
-    def attn(*args, **kw):
-        dense_new = len(args) == 10
-        if backend == "xla":
-            fn = (get_paged_attention_fn if dense_new else get_attention_fn)("xla")
-        else:
-            fn = functools.partial(paged_attention if dense_new else ragged_paged_attention,
-                                   interpret=interpret)
-        return fn(*args, **kw)
-    return attn
+def _compiled_kernels(backend: str):
+    """get_paged_attention_fn as it behaves on a GPU: "pallas" gives compiled kernels."""
+    assert backend == "pallas"
+    return functools.partial(paged_attention, interpret=False)
 
 
 @pytest.mark.parametrize("mode", list(BUCKETS))
 def test_smollm2_forward_lowers_for_cuda(mode, monkeypatch):
     """The model's own call site (inside the layer scan) with compiled kernels, bf16."""
-    monkeypatch.setattr(llama, "get_attention_fn", lambda b: _model_attention(b, False),
-                        raising=False)
+    monkeypatch.setattr(llama, "get_paged_attention_fn", _compiled_kernels)
     te, be, bd, npg = BUCKETS[mode]
     sds = jax.ShapeDtypeStruct
     params = jax.tree.map(lambda s: sds(s, jnp.bfloat16), llama.param_shapes(SMOLLM2),
@@ -287,11 +239,9 @@ def test_smollm2_forward_lowers_for_cuda(mode, monkeypatch):
 
 # ------------------------------------------------------------------------ end to end
 
-def test_tiny_model_pallas_equals_xla(monkeypatch):
+def test_tiny_model_pallas_equals_xla():
     """Prefill a prompt, extend it on its cached prefix, then a MIXED step; logits and the
     written pool must agree between attention_backend="pallas" and "xla"."""
-    monkeypatch.setattr(llama, "get_attention_fn", lambda b: _model_attention(b, True),
-                        raising=False)
     page = 4
     params = llama.init_params(TINY, jax.random.key(0))
     rng = np.random.default_rng(0)
@@ -317,17 +267,15 @@ def test_tiny_model_pallas_equals_xla(monkeypatch):
     for got, want in zip(results["pallas"][0], results["xla"][0], strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     # Page 0 takes the padding tokens' K/V, which differ: the kernels give padding tokens
-    # zero attention output, the references whatever their masks let through.
+    # zero attention output, the reference whatever its masks let through.
     np.testing.assert_allclose(results["pallas"][1][:, 1:], results["xla"][1][:, 1:], atol=1e-5)
     np.testing.assert_allclose(results["pallas"][2][:, 1:], results["xla"][2][:, 1:], atol=1e-5)
 
 
-def test_get_attention_fn():
-    interpret = jax.default_backend() == "cpu"
-    assert get_attention_fn("xla") is ragged_paged_attention_ref
-    for getter, kernel in ((get_attention_fn, ragged_paged_attention),
-                           (get_paged_attention_fn, paged_attention)):
-        fn = getter("pallas")
-        assert fn.func is kernel and fn.keywords["interpret"] == interpret
-        with pytest.raises(ValueError):
-            getter("cuda")
+def test_get_paged_attention_fn():
+    assert get_paged_attention_fn("xla") is paged_attention_ref
+    fn = get_paged_attention_fn("pallas")
+    assert fn.func is paged_attention
+    assert fn.keywords["interpret"] == (jax.default_backend() == "cpu")
+    with pytest.raises(ValueError):
+        get_paged_attention_fn("cuda")
