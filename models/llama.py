@@ -5,6 +5,8 @@ Parameter layout: models/params_layout.md.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -96,6 +98,15 @@ def _layer(lp: dict, layer: jax.Array, h: jax.Array, kv: KVPool, batch: ForwardB
     return h, (k, v)
 
 
+def unstack_layers(params: dict) -> dict:
+    """Replace the stacked `layers` by `layer_list`, one dict of arrays per layer, for
+    run_layers' switch dispatch (same memory: the stacked copy is dropped)."""
+    layers = params["layers"]
+    n = layers["attn_norm"].shape[0]
+    per_layer = [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(n)]
+    return {**{k: v for k, v in params.items() if k != "layers"}, "layer_list": per_layer}
+
+
 def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
                *, start: jax.Array | int = 0, num_layers: int | None = None,
                attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
@@ -104,14 +115,27 @@ def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg:
     `start` may be traced (split prefill advances it call by call); `num_layers` is
     static, so every layer chunk of the same size shares one trace. The pool is only
     read inside the loop; this step's K/V are written once after it.
+
+    Weights come stacked (`layers`, sliced by the loop index) or per layer (`layer_list`,
+    see unstack_layers), where a `lax.switch` on the index picks the layer's own buffers:
+    XLA CPU copies a dynamic slice of the stacked weights before every dot, which halves
+    the speed of a memory-bound decode step.
     """
     n = cfg.num_layers if num_layers is None else num_layers
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
                                                            cfg.rope_scaling))
 
-    def body(h, layer):
-        lp = jax.tree.map(lambda w: w[layer], params["layers"])
+    def run(lp: dict, layer: jax.Array, h: jax.Array):
         return _layer(lp, layer, h, kv, batch, cos, sin, cfg, attention_backend)
+
+    if "layer_list" in params:
+        branches = [functools.partial(run, lp) for lp in params["layer_list"]]
+
+        def body(h, layer):
+            return jax.lax.switch(layer, branches, layer, h)
+    else:
+        def body(h, layer):
+            return run(jax.tree.map(lambda w: w[layer], params["layers"]), layer, h)
 
     layers = jnp.arange(n, dtype=jnp.int32) + start
     h, (k, v) = jax.lax.scan(body, h, layers)  # k, v [n, T, Hkv, Dh]

@@ -194,6 +194,9 @@ class RunnerConfig:
     enable_mixed: bool = False
     max_top_logprobs: int = 0
     strict_compile: bool = False
+    # Keep layer weights as separate per-layer buffers picked by lax.switch instead of
+    # slicing the stacked arrays (models.llama.run_layers): XLA CPU copies every slice.
+    per_layer_weights: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -237,6 +240,7 @@ class ServerArgs:
     extend_token_buckets: tuple[int, ...] | None = None  # None: from max_prefill_tokens
     kv_len_buckets: tuple[int, ...] | None = None  # None: from the model's context
     max_top_logprobs: int = 5
+    per_layer_weights: bool | None = None  # None: on for CPU (see RunnerConfig)
     compilation_cache_dir: str | None = "~/.cache/xlaserve/jax"
     checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"
     strict_compile: bool = False

@@ -88,6 +88,8 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         enable_mixed=args.enable_mixed_chunk,
         max_top_logprobs=args.max_top_logprobs,
         strict_compile=args.strict_compile,
+        per_layer_weights=(not on_gpu() if args.per_layer_weights is None
+                           else args.per_layer_weights),
     )
 
 

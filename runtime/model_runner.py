@@ -80,6 +80,8 @@ class ModelRunner:
         self.max_running = max_running_requests
         self.dtype = jnp.dtype(runner_cfg.dtype)
         self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
+        if runner_cfg.per_layer_weights:
+            self.params = llama.unstack_layers(self.params)
         self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, self.dtype)
         s, v = max_running_requests + 1, model_cfg.vocab_size
         self.state = SlotState(last_tokens=jnp.zeros(s, jnp.int32),
@@ -118,8 +120,10 @@ class ModelRunner:
         c = self.cfg
         ext, dec = batch.extend_rows, batch.decode_rows
         ext_tokens = sum(len(r.input_ids) for r in ext)
-        max_kv = max(r.start_pos + len(r.input_ids) for r in (*ext, *dec))
-        kv_len = _smallest_fitting(c.kv_len_buckets, max_kv, "sequence length")
+        # The page table lists earlier context only (this step's K/V reach attention
+        # directly), so a fresh prefill takes the smallest bucket whatever its length.
+        max_ctx = max(r.start_pos for r in (*ext, *dec))
+        kv_len = _smallest_fitting(c.kv_len_buckets, max_ctx, "sequence length")
         te = _smallest_fitting(c.extend_token_buckets, ext_tokens, "extend tokens") if ext else 0
         be = _smallest_fitting(c.extend_seq_buckets, len(ext), "extend rows") if ext else 0
         bd = _smallest_fitting(c.decode_buckets, len(dec), "decode rows") if dec else 0

@@ -1,0 +1,263 @@
+"""Shared helpers of the benchmark scripts (bench_one_batch.py, bench_offline.py).
+
+- timing: repeated calls summarized as median / p90 (the machine is shared and noisy, so
+  a mean would be dragged by whoever else ran at the time);
+- the machine's roofline, measured in the same process and run as the benchmark: an f32
+  matmul (compute) and a jitted reduction over 1 GiB (memory read bandwidth);
+- FLOP and byte counts of one Llama forward, counted honestly: only useful work (causal
+  attention pairs, logits only for the rows that sample);
+- JSON and PNG output, and the machine's state (load average) next to every result.
+
+Imported by the scripts as a sibling module (`import bench_common`); it puts the
+repository root on sys.path so `runtime` and `models` import from a checkout.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from runtime.config import ModelConfig  # noqa: E402
+
+# A random model small enough that --smoke / --tiny runs compile and run in seconds.
+TINY_CONFIG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                          num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=512,
+                          tie_word_embeddings=True, eos_token_ids=(2,))
+
+
+def log(msg: str) -> None:
+    """Progress line with a wall-clock stamp (long runs: show that something moves)."""
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- machine and timing
+
+
+def load_average() -> list[float]:
+    """1, 5 and 15 minute load averages: on a shared machine, the context of every number."""
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                       "")
+    except OSError:
+        pass
+    return {"cpu": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "jax": jax.__version__,
+            "jax_backend": jax.default_backend(), "load_average": load_average()}
+
+
+def summarize(secs: Sequence[float]) -> dict[str, float]:
+    a = np.asarray(secs, np.float64)
+    return {"median_s": float(np.median(a)), "p90_s": float(np.percentile(a, 90)),
+            "min_s": float(a.min()), "mean_s": float(a.mean()), "n": int(a.size)}
+
+
+def time_calls(fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
+    """Seconds of each of `iters` calls of fn (which must block until its work is done),
+    after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def median(xs: Sequence[float]) -> float:
+    return float(np.median(np.asarray(xs, np.float64))) if len(xs) else float("nan")
+
+
+# ---------------------------------------------------------------- roofline
+
+
+@dataclasses.dataclass(frozen=True)
+class Roofline:
+    matmul_gflops: float  # f32 GEMM, the compute ceiling of an f32 model
+    mem_read_gbps: float  # a streaming read, the ceiling of weight-bound decode
+
+    def to_json(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+
+def measure_roofline(small: bool = False, iters: int = 10) -> Roofline:
+    """f32 [1024, 1024] @ [1024, 4096] matmul GFLOP/s and the GB/s of summing a 1 GiB f32
+    array, both jitted, medians of `iters` calls. `small` shrinks both (smoke runs; the
+    numbers then mean little)."""
+    m, k, n = (256, 256, 1024) if small else (1024, 1024, 4096)
+    nbytes = (64 if small else 1024) << 20
+    a = jnp.ones((m, k), jnp.float32)
+    b = jnp.ones((k, n), jnp.float32)
+    matmul = jax.jit(lambda x, y: x @ y)
+    t_mm = median(time_calls(lambda: matmul(a, b).block_until_ready(), iters, 2))
+    # Fill with distinct values (not a broadcast constant XLA could fold) and keep the
+    # array resident: the sum then only reads memory.
+    x = jax.jit(lambda: jnp.arange(nbytes // 4, dtype=jnp.float32))()
+    total = jax.jit(jnp.sum)
+    t_rd = median(time_calls(lambda: total(x).block_until_ready(), iters, 2))
+    return Roofline(matmul_gflops=2 * m * k * n / t_mm / 1e9, mem_read_gbps=nbytes / t_rd / 1e9)
+
+
+# ---------------------------------------------------------------- model costs
+
+
+@dataclasses.dataclass(frozen=True)
+class RowWork:
+    """One row of a forward: `new` tokens at positions [start, start + new); `sampled`
+    whether the row computes logits (a prefill needs them for its last token only)."""
+
+    start: int
+    new: int
+    sampled: bool = True
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Weights of the decoder layers' matmuls: each costs 2 FLOPs per token."""
+    d, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    return cfg.num_layers * (d * (q + 2 * kv) + q * d + 3 * d * f)
+
+
+def total_params(cfg: ModelConfig) -> int:
+    d, v = cfg.hidden_size, cfg.vocab_size
+    norms = (2 * cfg.num_layers + 1) * d
+    biases = cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0
+    head = 0 if cfg.tie_word_embeddings else d * v
+    return matmul_params(cfg) + norms + biases + v * d + head
+
+
+def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:
+    """Weights a step must read: every layer, norms, and the whole output projection (the
+    tied embedding when tied); the input embedding only contributes gathered rows."""
+    untied_embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    return (total_params(cfg) - untied_embed) * itemsize
+
+
+def step_flops(cfg: ModelConfig, rows: Sequence[RowWork]) -> float:
+    """Useful FLOPs of one forward over `rows`: layer matmuls per token, causal attention
+    (QK^T and PV: 4 * heads * head_dim per query/key pair, per layer), logits per sampled
+    row. Padding and masked-out pairs are not useful work and are not counted."""
+    per_tok = 2 * matmul_params(cfg)
+    attn_pair = 4 * cfg.num_heads * cfg.head_dim * cfg.num_layers
+    logits = 2 * cfg.hidden_size * cfg.vocab_size
+    flops = 0.0
+    for r in rows:
+        pairs = r.new * r.start + r.new * (r.new + 1) / 2  # sum over queries of keys seen
+        flops += per_tok * r.new + attn_pair * pairs + (logits if r.sampled else 0)
+    return flops
+
+
+def step_bytes(cfg: ModelConfig, rows: Sequence[RowWork], itemsize: int) -> float:
+    """Least memory one forward must read: the weights once, plus each row's cached K/V
+    (positions before `start`; this step's own K/V are attended from registers)."""
+    kv_per_tok = 2 * cfg.num_layers * cfg.kv_size * itemsize
+    return weight_bytes(cfg, itemsize) + sum(r.start for r in rows) * kv_per_tok
+
+
+def roofline_fractions(flops: float, nbytes: float, secs: float,
+                       roof: Roofline) -> dict[str, float]:
+    """How close a measured time is to each bound: frac_compute = achieved FLOP/s over the
+    matmul peak, frac_memory = achieved read GB/s over the probe's, frac_roofline = the
+    larger of the two bound times over the measured time."""
+    t_compute = flops / (roof.matmul_gflops * 1e9)
+    t_memory = nbytes / (roof.mem_read_gbps * 1e9)
+    return {"gflop": flops / 1e9, "gbyte": nbytes / 1e9,
+            "compute_bound_s": t_compute, "memory_bound_s": t_memory,
+            "frac_compute": t_compute / secs, "frac_memory": t_memory / secs,
+            "frac_roofline": max(t_compute, t_memory) / secs}
+
+
+# ---------------------------------------------------------------- models
+
+
+def tiny_model() -> tuple[ModelConfig, dict]:
+    from models import llama
+    return TINY_CONFIG, llama.init_params(TINY_CONFIG, jax.random.key(0))
+
+
+def model_summary(cfg: ModelConfig, name: str, dtype: str) -> dict[str, Any]:
+    itemsize = jnp.dtype(dtype).itemsize
+    return {"name": name, "dtype": dtype, "config": json.loads(cfg.to_json()),
+            "params": total_params(cfg), "matmul_params": matmul_params(cfg),
+            "weight_bytes": weight_bytes(cfg, itemsize)}
+
+
+def pow2_at_least(n: int, lo: int = 1) -> int:
+    return max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+# ---------------------------------------------------------------- output
+
+
+def write_json(out_dir: str | Path, name: str, obj: dict[str, Any]) -> Path:
+    path = Path(out_dir) / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2, default=_json_default) + "\n")
+    log(f"wrote {path}")
+    return path
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if dataclasses.is_dataclass(o) and not isinstance(o, type):
+        return dataclasses.asdict(o)
+    if isinstance(o, (set, frozenset, tuple)):
+        return list(o)
+    return str(o)
+
+
+def pyplot() -> Any | None:
+    """matplotlib.pyplot on the file-only Agg backend, or None without the `bench` extra
+    (the JSON is the result; the plot is a convenience)."""
+    try:
+        import matplotlib
+    except ImportError:
+        log("matplotlib not installed (pip install -e '.[bench]'): no PNG")
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def save_figure(fig: Any, out_dir: str | Path, name: str) -> Path:
+    path = Path(out_dir) / name
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    log(f"wrote {path}")
+    return path
+
+
+def command_line() -> str:
+    """The command as typed from the repository root (interpreter path relative to it)."""
+    exe = os.path.relpath(sys.executable) if sys.executable.startswith(os.getcwd()) else (
+        sys.executable)
+    return " ".join([exe, *sys.argv])
+
+
+def enable_compilation_cache(path: str | None) -> None:
+    """JAX's persistent compilation cache, as the Engine sets it (reruns start faster)."""
+    if path:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(path))
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

@@ -1,0 +1,476 @@
+"""Offline throughput of Engine.generate, side by side with transformers in the same run.
+
+    .venv/bin/python scripts/bench_offline.py --out_dir=bench_out      # several minutes
+    .venv/bin/python scripts/bench_offline.py --smoke --out_dir=/tmp/bo # tiny model, seconds
+
+Workloads (greedy, EOS ignored, so every request makes exactly the tokens asked for):
+  throughput     --num_prompts random-token prompts of --input_len tokens, --output_len
+                 new tokens each, all submitted at once (continuous batching);
+  single stream  one chat prompt ("What is the capital of France?", 37 tokens with the
+                 template) and --single_new_tokens new tokens; decode tok/s counts the
+                 tokens after the first over the time after the first token.
+With the `reference` extra installed, transformers runs the same prompts: batched
+`generate` at each --hf_batch_sizes (f32, all-ones attention mask, min_new_tokens =
+max_new_tokens), and the same single stream. The contenders alternate round by round
+(A B A B, --repeats rounds; round r uses prompts drawn with seed + r, so the prefix
+cache never serves one round's prompts from an earlier round) and medians are reported,
+with ratios xlaserve / transformers paired within each round. The machine's roofline
+is measured at the start of every round; the throughput run's useful FLOPs (prefill
+logits for the last prompt token only) over its time give its fraction of the compute
+roofline. Writes bench_offline.json and bench_offline.png to --out_dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import bench_common as bc
+import numpy as np
+from absl import app, flags
+
+from runtime.config import ModelConfig, ServerArgs
+from runtime.engine import Engine
+from runtime.request import SamplingParams
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
+flags.DEFINE_bool("smoke", False, "tiny random model, tiny workload (checks the script)")
+flags.DEFINE_integer("num_prompts", 32, "requests in the throughput run")
+flags.DEFINE_integer("input_len", 128, "prompt tokens per request")
+flags.DEFINE_integer("output_len", 128, "new tokens per request")
+flags.DEFINE_integer("seed", 0, "seed of the random prompts (round r uses seed + r)")
+flags.DEFINE_integer("repeats", 2, "rounds; each runs every contender once (A B A B)")
+flags.DEFINE_string("single_prompt", "What is the capital of France?", "single-stream prompt")
+flags.DEFINE_integer("single_new_tokens", 128, "new tokens of the single stream")
+flags.DEFINE_enum("reference", "auto", ["auto", "on", "off"],
+                  "transformers side by side: auto = when torch and transformers import")
+flags.DEFINE_list("hf_batch_sizes", ["8", "32"], "transformers generate batch sizes")
+flags.DEFINE_integer("hf_threads", 0, "torch threads, 0 = os.cpu_count() (on a loaded machine "
+                     "OpenMP's spinning threads can slow torch down many times over)")
+flags.DEFINE_integer("max_running_requests", 32, "see ServerArgs")
+flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
+flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
+flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
+
+# What the lead compares against (reported, never enforced).
+TARGETS = {"single_stream_vs_hf": 2.5, "throughput_vs_hf_batch_8": 3.0,
+           "throughput_vs_hf_batch_32": 1.5, "throughput_frac_compute": 0.5}
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    num_prompts: int
+    input_len: int
+    output_len: int
+    single_new_tokens: int
+    hf_batch_sizes: tuple[int, ...]
+
+    def prompts(self, seed: int, vocab: int) -> list[list[int]]:
+        # ids from 3 up: 0-2 are unk / bos / eos-pad in SmolLM2's vocabulary.
+        rng = np.random.default_rng(seed)
+        return rng.integers(3, vocab, (self.num_prompts, self.input_len)).tolist()
+
+
+def _workload() -> Workload:
+    if FLAGS.smoke:
+        return Workload(num_prompts=4, input_len=16, output_len=8, single_new_tokens=8,
+                        hf_batch_sizes=(2, 4))
+    return Workload(FLAGS.num_prompts, FLAGS.input_len, FLAGS.output_len,
+                    FLAGS.single_new_tokens, tuple(int(b) for b in FLAGS.hf_batch_sizes))
+
+
+# ---------------------------------------------------------------- xlaserve
+
+
+def _server_args(w: Workload) -> ServerArgs:
+    """The server's defaults, except: KV-length buckets cut to the smallest default bucket
+    these requests fit (no batch here could use a longer one; fewer executables to compile
+    at start-up), and no top-logprobs (no request asks for them)."""
+    # The chat template makes the single-stream prompt 37 tokens; 64 leaves room.
+    longest = max(w.input_len + w.output_len, 64 + w.single_new_tokens)
+    kv = tuple(b for b in (256, 1024, 4096, 8192) if b >= longest)[:1] or (8192,)
+    base = ServerArgs(dtype=FLAGS.dtype, max_running_requests=FLAGS.max_running_requests,
+                      kv_len_buckets=kv, max_top_logprobs=0,
+                      checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
+                      compilation_cache_dir=FLAGS.compilation_cache_dir or None)
+    if not FLAGS.smoke:
+        return base
+    # Few buckets (each is a compile); the scheduler's token budget must fit the largest.
+    return dataclasses.replace(base, max_running_requests=4, decode_buckets=(4,),
+                               extend_token_buckets=(64,), kv_len_buckets=(64,),
+                               max_prefill_tokens=64, chunked_prefill_size=64,
+                               max_extend_seqs=4)
+
+
+def _make_engine(args: ServerArgs) -> tuple[Engine, str]:
+    t0 = time.perf_counter()
+    if FLAGS.smoke:
+        engine, name = Engine(args, model=bc.tiny_model()), "tiny-random"
+    else:
+        engine, name = Engine(args), "SmolLM2-135M-Instruct"
+    bc.log(f"xlaserve engine ready in {time.perf_counter() - t0:.1f} s "
+           "(checkpoint, compile or compile cache)")
+    return engine, name
+
+
+def _single_prompt_ids(engine: Engine) -> list[int]:
+    if engine.tokenizer is None:  # the tiny model has none: 37 fixed ids
+        return list(range(3, 40))
+    msgs = [{"role": "user", "content": FLAGS.single_prompt}]
+    return list(engine.tokenizer.apply_chat_template(msgs, tokenize=True))
+
+
+def _greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+
+
+def xla_throughput(engine: Engine, prompts: list[list[int]], n: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, _greedy(n))
+    secs = time.perf_counter() - t0
+    return _throughput(secs, sum(map(len, prompts)), sum(len(o.output_ids) for o in outs))
+
+
+def xla_single(engine: Engine, ids: list[int], n: int) -> dict[str, Any]:
+    out = engine.generate([ids], _greedy(n))[0]
+    meta = out.meta_info
+    decode_s = meta["e2e_latency"] - meta["ttft"]
+    return {"prompt_tokens": len(ids), "new_tokens": len(out.output_ids),
+            "ttft_s": meta["ttft"], "e2e_s": meta["e2e_latency"],
+            "decode_tok_s": (len(out.output_ids) - 1) / decode_s,
+            "output_ids": out.output_ids}
+
+
+def _throughput(secs: float, in_tokens: int, out_tokens: int) -> dict[str, Any]:
+    return {"wall_s": secs, "input_tokens": in_tokens, "output_tokens": out_tokens,
+            "output_tok_s": out_tokens / secs, "total_tok_s": (in_tokens + out_tokens) / secs}
+
+
+# ---------------------------------------------------------------- transformers
+
+
+def reference_available() -> bool:
+    try:
+        import torch  # noqa: F401
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class HFReference:
+    """transformers on the same weights (the GGUF, dequantized to f32) on all CPU threads."""
+
+    def __init__(self, smoke: bool, cfg: ModelConfig) -> None:
+        os.environ.setdefault("HF_HUB_OFFLINE", "1")
+        import torch
+        import transformers
+        transformers.logging.set_verbosity_error()  # sampling-flag chatter under greedy
+        torch.set_num_threads(FLAGS.hf_threads or os.cpu_count() or 1)
+        self.torch = torch
+        t0 = time.perf_counter()
+        self.model = (self._tiny(cfg) if smoke else self._smollm2()).eval()
+        self.pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+        bc.log(f"transformers {transformers.__version__} model ready in "
+               f"{time.perf_counter() - t0:.1f} s, {torch.get_num_threads()} threads")
+
+    def _smollm2(self) -> Any:
+        from transformers import AutoModelForCausalLM
+
+        from runtime.checkpoint import default_gguf_path
+        path = default_gguf_path()
+        return AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path),
+            dtype=self.torch.float32)
+
+    def _tiny(self, cfg: ModelConfig) -> Any:
+        from transformers import LlamaConfig, LlamaForCausalLM
+        self.torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(
+            vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+            num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads,
+            head_dim=cfg.head_dim, max_position_embeddings=cfg.max_position_embeddings,
+            tie_word_embeddings=cfg.tie_word_embeddings))
+
+    def generate(self, prompts: Sequence[Sequence[int]], n: int) -> tuple[Any, list[float]]:
+        """Greedy, exactly n new tokens per row; also the time after each generated step."""
+        from transformers import StoppingCriteria, StoppingCriteriaList
+        torch = self.torch
+        stamps: list[float] = []
+
+        class _Clock(StoppingCriteria):
+            def __call__(self, input_ids: Any, scores: Any, **kwargs: Any) -> Any:
+                stamps.append(time.perf_counter())
+                return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+        ids = torch.tensor(prompts, dtype=torch.long)
+        with torch.inference_mode():
+            out = self.model.generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                min_new_tokens=n, do_sample=False, pad_token_id=self.pad,
+                stopping_criteria=StoppingCriteriaList([_Clock()]))
+        return out[:, ids.shape[1]:], stamps
+
+    def throughput(self, prompts: list[list[int]], batch: int, n: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        made = 0
+        for i in range(0, len(prompts), batch):
+            out, _ = self.generate(prompts[i:i + batch], n)
+            made += out.numel()
+        return {"batch_size": batch,
+                **_throughput(time.perf_counter() - t0, sum(map(len, prompts)), made)}
+
+    def single(self, ids: list[int], n: int) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        out, stamps = self.generate([ids], n)
+        toks = out[0].tolist()
+        return {"prompt_tokens": len(ids), "new_tokens": len(toks), "ttft_s": stamps[0] - t0,
+                "e2e_s": stamps[-1] - t0,
+                "decode_tok_s": (len(toks) - 1) / (stamps[-1] - stamps[0]),
+                "output_ids": toks}
+
+
+# ---------------------------------------------------------------- one round
+
+
+def throughput_flops(cfg: ModelConfig, w: Workload) -> float:
+    """Useful FLOPs of the throughput run: each prompt's prefill (logits for its last token
+    only: that is where the first new token comes from), then output_len - 1 decode steps
+    (the last new token is never fed back)."""
+    rows = [bc.RowWork(0, w.input_len)]
+    rows += [bc.RowWork(w.input_len + j, 1) for j in range(w.output_len - 1)]
+    return w.num_prompts * bc.step_flops(cfg, rows)
+
+
+def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
+              single_ids: list[int]) -> dict[str, Any]:
+    cfg = engine.model_cfg
+    rec: dict[str, Any] = {"round": r, "load_average": bc.load_average()}
+    roof = bc.measure_roofline(small=FLAGS.smoke)
+    rec["roofline"] = roof.to_json()
+    bc.log(f"round {r}: roofline {roof.matmul_gflops:.1f} GFLOP/s, "
+           f"{roof.mem_read_gbps:.1f} GB/s; load {rec['load_average']}")
+    prompts = w.prompts(FLAGS.seed + r, cfg.vocab_size)
+
+    x = xla_throughput(engine, prompts, w.output_len)
+    x["gflops"] = throughput_flops(cfg, w) / x["wall_s"] / 1e9
+    x["frac_compute"] = x["gflops"] / roof.matmul_gflops
+    bc.log(f"round {r}: xlaserve {w.num_prompts} requests: {x['output_tok_s']:.1f} output "
+           f"tok/s, {x['total_tok_s']:.1f} total tok/s ({x['wall_s']:.1f} s, "
+           f"{x['frac_compute']:.1%} of compute roofline)")
+    s = xla_single(engine, single_ids, w.single_new_tokens)
+    bc.log(f"round {r}: xlaserve single stream: {s['decode_tok_s']:.1f} decode tok/s, "
+           f"ttft {s['ttft_s'] * 1e3:.0f} ms")
+    rec["xlaserve"] = {"throughput": x, "single": s}
+    if hf is not None:
+        rec["transformers"] = _hf_round(r, hf, prompts, w, single_ids)
+    return rec
+
+
+def _hf_round(r: int, hf: HFReference, prompts: list[list[int]], w: Workload,
+              single_ids: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for b in w.hf_batch_sizes:
+        t = hf.throughput(prompts, b, w.output_len)
+        out[f"batch_{b}"] = t
+        bc.log(f"round {r}: transformers batch {b}: {t['output_tok_s']:.1f} output tok/s, "
+               f"{t['total_tok_s']:.1f} total tok/s ({t['wall_s']:.1f} s)")
+    s = hf.single(single_ids, w.single_new_tokens)
+    out["single"] = s
+    bc.log(f"round {r}: transformers single stream: {s['decode_tok_s']:.1f} decode tok/s, "
+           f"ttft {s['ttft_s'] * 1e3:.0f} ms")
+    return out
+
+
+def warm_up(engine: Engine, hf: HFReference | None, single_ids: list[int]) -> None:
+    """First calls pay one-time costs (page faults on fresh buffers, lazy init in torch);
+    keep them out of round 0."""
+    engine.generate([single_ids, single_ids[::-1]], _greedy(4))
+    if hf is not None:
+        hf.generate([single_ids, single_ids[::-1]], 4)
+
+
+# ---------------------------------------------------------------- summary
+
+
+def _get(rounds: list[dict[str, Any]], *path: str) -> list[float]:
+    vals = []
+    for rec in rounds:
+        v: Any = rec
+        for k in path:
+            v = v.get(k) if isinstance(v, dict) else None
+        if v is not None:
+            vals.append(float(v))
+    return vals
+
+
+def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
+            den: tuple[str, ...]) -> float | None:
+    """Median over rounds of the within-round ratio (neighbours in time share the load)."""
+    ratios = [a / b for a, b in zip(_get(rounds, *num), _get(rounds, *den), strict=False)]
+    return bc.median(ratios) if ratios else None
+
+
+def _rate_paths(w: Workload, with_hf: bool) -> dict[str, tuple[str, ...]]:
+    """Summary name -> where each round records that rate (tokens/s)."""
+    paths = {"xlaserve_output_tok_s": ("xlaserve", "throughput", "output_tok_s"),
+             "xlaserve_total_tok_s": ("xlaserve", "throughput", "total_tok_s"),
+             "xlaserve_single_decode_tok_s": ("xlaserve", "single", "decode_tok_s")}
+    if with_hf:
+        paths["hf_single_decode_tok_s"] = ("transformers", "single", "decode_tok_s")
+        for b in w.hf_batch_sizes:
+            for kind in ("output", "total"):
+                paths[f"hf_batch_{b}_{kind}_tok_s"] = ("transformers", f"batch_{b}",
+                                                       f"{kind}_tok_s")
+    return paths
+
+
+def _ratio_names(w: Workload) -> dict[str, tuple[str, str]]:
+    """Ratio name -> (xlaserve rate, transformers rate)."""
+    out = {"single_stream_vs_hf": ("xlaserve_single_decode_tok_s", "hf_single_decode_tok_s")}
+    for b in w.hf_batch_sizes:
+        out[f"throughput_vs_hf_batch_{b}"] = ("xlaserve_output_tok_s",
+                                              f"hf_batch_{b}_output_tok_s")
+    return out
+
+
+def summarize(rounds: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
+    """Medians over rounds (and ratios paired within rounds), plus the best round of each
+    rate: a neighbour can only slow a run down, so the best is the least disturbed one."""
+    with_hf = any("transformers" in rec for rec in rounds)
+    paths = _rate_paths(w, with_hf)
+    s: dict[str, Any] = {k: bc.median(_get(rounds, *p)) for k, p in paths.items()}
+    s["xlaserve_single_ttft_s"] = bc.median(_get(rounds, "xlaserve", "single", "ttft_s"))
+    s["throughput_gflops"] = bc.median(_get(rounds, "xlaserve", "throughput", "gflops"))
+    # The best probe is the machine's capability; a probe slowed by a neighbour would
+    # flatter the fraction.
+    s["matmul_gflops"] = max(_get(rounds, "roofline", "matmul_gflops"))
+    s["mem_read_gbps"] = max(_get(rounds, "roofline", "mem_read_gbps"))
+    s["throughput_frac_compute"] = s["throughput_gflops"] / s["matmul_gflops"]
+    s["best"] = {k: max(_get(rounds, *p)) for k, p in paths.items()}
+    s["best"]["throughput_frac_compute"] = (max(_get(rounds, "xlaserve", "throughput",
+                                                     "gflops")) / s["matmul_gflops"])
+    ratios: dict[str, float | None] = {}
+    ratios_best: dict[str, float] = {}
+    if with_hf:
+        for name, (num, den) in _ratio_names(w).items():
+            ratios[name] = _paired(rounds, paths[num], paths[den])
+            ratios_best[name] = s["best"][num] / s["best"][den]
+        if not FLAGS.smoke:  # the smoke models are two different random models
+            s["single_greedy_agree_prefix"] = _agree(
+                rounds[0]["xlaserve"]["single"]["output_ids"],
+                rounds[0]["transformers"]["single"]["output_ids"])
+    s["ratios"], s["ratios_best"] = ratios, ratios_best
+    values = {**ratios, "throughput_frac_compute": s["throughput_frac_compute"]}
+    best = {**ratios_best, "throughput_frac_compute": s["best"]["throughput_frac_compute"]}
+    s["targets"] = {k: {"target": t, "value": values.get(k), "value_best": best.get(k),
+                        "met": values.get(k) is not None and values[k] >= t}
+                    for k, t in TARGETS.items()}
+    return s
+
+
+def _agree(a: Sequence[int], b: Sequence[int]) -> int:
+    """Leading tokens two greedy outputs share (transformers' min_new_tokens masks EOS, so
+    they part at the first EOS at the latest)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _plot(result: dict[str, Any], out_dir: str) -> None:
+    plt = bc.pyplot()
+    if plt is None:
+        return
+    rounds, s, w = result["rounds"], result["summary"], result["workload"]
+    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5),
+                                     gridspec_kw={"width_ratios": [3, 2]})
+    bars = [(f"xlaserve\n{w['num_prompts']} requests",
+             _get(rounds, "xlaserve", "throughput", "output_tok_s"))]
+    bars += [(f"transformers\nbatch {b}",
+              _get(rounds, "transformers", f"batch_{b}", "output_tok_s"))
+             for b in w["hf_batch_sizes"]]
+    _bars(ax_t, bars, f"output tok/s, {w['input_len']} in / {w['output_len']} out")
+    bound = s["matmul_gflops"] * 1e9 / result["flops_per_output_token"]
+    ax_t.axhline(bound, color="k", ls="--", lw=1)
+    ax_t.text(0, bound, " compute roofline", va="bottom", fontsize=8)
+    single = [("xlaserve", _get(rounds, "xlaserve", "single", "decode_tok_s")),
+              ("transformers", _get(rounds, "transformers", "single", "decode_tok_s"))]
+    _bars(ax_s, [b for b in single if b[1]], "single-stream decode tok/s")
+    mem = s["mem_read_gbps"] * 1e9 / result["model"]["weight_bytes"]
+    ax_s.axhline(mem, color="k", ls="--", lw=1)
+    ax_s.text(0, mem, " weights / read bandwidth", va="bottom", fontsize=8)
+    fig.suptitle(f"{result['model']['name']} offline, {len(rounds)} rounds (bars: median, "
+                 f"dots: rounds); load {result['machine']['load_average']}")
+    bc.save_figure(fig, out_dir, "bench_offline.png")
+
+
+def _bars(ax: Any, bars: list[tuple[str, list[float]]], title: str) -> None:
+    for i, (_, vals) in enumerate(bars):
+        ax.bar(i, bc.median(vals), color=f"C{i}", alpha=0.7)
+        ax.plot([i] * len(vals), vals, "k.", ms=6)
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars])
+    ax.set(title=title, ylabel="tokens / s")
+    ax.grid(True, axis="y", alpha=0.3)
+
+
+# ---------------------------------------------------------------- main
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    t_start = time.perf_counter()
+    w = _workload()
+    machine = bc.machine_info()
+    bc.log(f"load average {machine['load_average']} on {machine['cpu_count']} CPUs")
+    args = _server_args(w)
+    engine, name = _make_engine(args)
+    want_ref = FLAGS.reference == "on" or (FLAGS.reference == "auto" and reference_available())
+    hf = HFReference(FLAGS.smoke, engine.model_cfg) if want_ref else None
+    if hf is None:
+        bc.log("transformers not compared (pip install -e '.[reference]' to compare)")
+    single_ids = _single_prompt_ids(engine)
+    bc.log(f"single-stream prompt: {len(single_ids)} tokens")
+    warm_up(engine, hf, single_ids)
+
+    repeats = 1 if FLAGS.smoke else FLAGS.repeats
+    rounds = [run_round(r, engine, hf, w, single_ids) for r in range(repeats)]
+    machine["load_average_end"] = bc.load_average()
+    cfg = engine.model_cfg
+    result = {"script": "bench_offline", "command": bc.command_line(), "machine": machine,
+              "model": bc.model_summary(cfg, name, engine.runner.cfg.dtype),
+              "engine_args": dataclasses.asdict(args), "workload": dataclasses.asdict(w),
+              "flops_per_output_token": throughput_flops(cfg, w) / (w.num_prompts
+                                                                     * w.output_len),
+              "transformers_threads": hf.torch.get_num_threads() if hf else None,
+              "rounds": rounds}
+    result["summary"] = summarize(rounds, w)
+    result["wall_s"] = time.perf_counter() - t_start
+    _print_summary(result["summary"])
+    bc.write_json(FLAGS.out_dir, "bench_offline.json", result)
+    _plot(result, FLAGS.out_dir)
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    bc.log("summary (medians over rounds):")
+    for k, v in s.items():
+        if not isinstance(v, dict):
+            best = s["best"].get(k)
+            text = f"{v:.4g}" if isinstance(v, float) else str(v)
+            print(f"  {k:<32} {text:>8}" + (f"   best round {best:.4g}" if best else ""))
+    for k, t in s["targets"].items():
+        val = "n/a" if t["value"] is None else f"{t['value']:.3g}"
+        best = "n/a" if t["value_best"] is None else f"{t['value_best']:.3g}"
+        print(f"  target {k:<28} {val:>8} (best rounds {best:>6}; want >= {t['target']}) "
+              f"{'MET' if t['met'] else 'not met'}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,312 @@
+"""Latency of one forward per mode and bucket: ModelRunner.launch(batch).result().
+
+    .venv/bin/python scripts/bench_one_batch.py --out_dir=bench_out
+    .venv/bin/python scripts/bench_one_batch.py --tiny --out_dir=/tmp/b1   # seconds
+
+Each point is a synthetic batch (fake requests with their own pages; the KV pool holds
+zeros, which costs the same as real K/V) timed over --iters calls after --warmup calls:
+  DECODE  B rows of one token each, every row with --decode_contexts tokens cached;
+  EXTEND  one prompt of N tokens from position 0 (a prefill);
+  MIXED   (--mixed) a prefill of N tokens plus B decode rows in one forward.
+The buckets are the server's (runtime.engine_setup.runner_config), so each point runs
+the executable a server would run for that batch. The machine's roofline is measured in
+the same run, and every point reports the fraction of the compute bound (useful FLOPs /
+f32 matmul peak) and of the memory bound (weights + cached K/V read / read bandwidth)
+it reaches. Writes bench_one_batch.json and bench_one_batch.png to --out_dir.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Any
+
+import bench_common as bc
+import numpy as np
+from absl import app, flags
+
+from runtime.batch_builder import BucketShape
+from runtime.config import CacheConfig, ModelConfig, ServerArgs
+from runtime.engine_setup import load_model, runner_config, size_kv_pool
+from runtime.forward_mode import ForwardMode
+from runtime.model_runner import ModelRunner, StepKey
+from runtime.request import Req, SamplingParams
+from runtime.schedule_batch import BatchRow, ScheduleBatch
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
+flags.DEFINE_bool("tiny", False, "a tiny random model instead of SmolLM2 (seconds; CI)")
+flags.DEFINE_bool("smoke", False, "alias of --tiny with few iterations and a small probe")
+flags.DEFINE_list("decode_batches", ["1", "2", "4", "8", "16", "32"], "decode rows per step")
+flags.DEFINE_list("decode_contexts", ["128"], "tokens already cached per decode row")
+flags.DEFINE_list("extend_tokens", ["64", "256", "512"], "prefill lengths (one row each)")
+flags.DEFINE_bool("mixed", False, "also time MIXED: each prefill length with each decode "
+                  "batch (compiles one executable per pair)")
+flags.DEFINE_integer("iters", 10, "timed calls per point")
+flags.DEFINE_integer("warmup", 2, "untimed calls per point first")
+flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
+flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
+flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
+
+
+@dataclasses.dataclass(frozen=True)
+class Point:
+    """One timed batch: extend rows of `extend` tokens each, `decode` rows at `context`."""
+
+    mode: ForwardMode
+    extend: tuple[int, ...]
+    decode: int
+    context: int
+
+    def rows(self) -> list[bc.RowWork]:
+        return ([bc.RowWork(0, n) for n in self.extend]
+                + [bc.RowWork(self.context, 1)] * self.decode)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(self.extend) + self.decode
+
+    def label(self) -> str:
+        parts = [f"extend {'+'.join(map(str, self.extend))}"] if self.extend else []
+        if self.decode:
+            parts.append(f"decode {self.decode}x@{self.context}")
+        return f"{self.mode.value}: {', '.join(parts)}"
+
+
+class _BenchRunner(ModelRunner):
+    """A ModelRunner that compiles only the executables this benchmark calls: warming up
+    every bucket x sampling mode would take longer than the benchmark on a small CPU."""
+
+    wanted: set[tuple[ForwardMode, BucketShape]] = set()
+
+    def step_keys(self) -> list[StepKey]:
+        # The runner's own keys for the wanted shapes; where it keeps a greedy-only twin,
+        # only the twin (every row here is greedy, so launch() picks it).
+        keys = [k for k in super().step_keys() if (k.mode, k.shape) in self.wanted]
+        twins = {(k.mode, k.shape) for k in keys if k.all_greedy}
+        return [k for k in keys if k.all_greedy or (k.mode, k.shape) not in twins]
+
+
+def _ints(values: list[str]) -> list[int]:
+    return [int(v) for v in values]
+
+
+def _points(decode_batches: list[int], contexts: list[int], extend: list[int],
+            mixed: bool) -> list[Point]:
+    pts = [Point(ForwardMode.DECODE, (), b, c) for c in contexts for b in decode_batches]
+    pts += [Point(ForwardMode.EXTEND, (n,), 0, 0) for n in extend]
+    if mixed:
+        pts += [Point(ForwardMode.MIXED, (n,), b, contexts[0])
+                for n in extend for b in decode_batches]
+    return pts
+
+
+def _server_args(points: list[Point], cfg: ModelConfig) -> ServerArgs:
+    """The server's bucket rules, narrowed to the buckets these points use: kv-length
+    buckets are the server's defaults (powers of 4 from 256) that some point needs."""
+    base = _base_args()
+    need = {max([*p.extend, p.context + 1]) for p in points}
+    defaults = runner_config(base, cfg).kv_len_buckets
+    kv = sorted({next((b for b in defaults if b >= n), defaults[-1]) for n in need})
+    dec = sorted({p.decode for p in points if p.decode})
+    ext = sorted({sum(p.extend) for p in points if p.extend})
+    return dataclasses.replace(
+        base, max_running_requests=max(dec, default=1) + 1, max_extend_seqs=1,
+        decode_buckets=tuple(dec) or (1,), extend_token_buckets=tuple(ext) or (64,),
+        kv_len_buckets=tuple(kv), max_top_logprobs=0,
+        enable_mixed_chunk=any(p.mode is ForwardMode.MIXED for p in points))
+
+
+def _base_args() -> ServerArgs:
+    return ServerArgs(dtype=FLAGS.dtype, checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
+                      compilation_cache_dir=FLAGS.compilation_cache_dir or None)
+
+
+class _Pages:
+    """Hands out distinct pages, so no two rows of a batch write the same KV slots."""
+
+    def __init__(self, page_size: int) -> None:
+        self.page_size, self.next = page_size, 1  # page 0 is the padding page
+
+    def take(self, tokens: int) -> list[int]:
+        n = -(-tokens // self.page_size)
+        out = list(range(self.next, self.next + n))
+        self.next += n
+        return out
+
+
+def _build_batch(p: Point, vocab: int, page_size: int,
+                 rng: np.random.Generator) -> tuple[ScheduleBatch, int]:
+    """(batch, pages used). Decode rows take slots 0..B-1, extend rows the slots after."""
+    pages = _Pages(page_size)
+    sp = SamplingParams(temperature=0, max_new_tokens=1 << 16, ignore_eos=True)
+
+    def row(slot: int, start: int, n: int) -> BatchRow:
+        req = Req(rid=f"r{slot}", prompt_ids=rng.integers(3, vocab, max(start, n)).tolist(),
+                  sampling=sp, req_slot=slot)
+        ids = rng.integers(3, vocab, n).tolist()
+        return BatchRow(req=req, input_ids=ids, start_pos=start, pages=pages.take(start + n),
+                        sample=True)
+
+    dec = [row(i, p.context, 1) for i in range(p.decode)]
+    ext = [row(p.decode + i, 0, n) for i, n in enumerate(p.extend)]
+    return ScheduleBatch(mode=p.mode, extend_rows=ext, decode_rows=dec), pages.next
+
+
+def _make_runner(args: ServerArgs, model: tuple[ModelConfig, dict], batches: list,
+                 num_pages: int) -> _BenchRunner:
+    """A runner with the server's pool size (at least `num_pages`) and the executables of
+    `batches` compiled."""
+    cfg, params = model
+    rcfg = runner_config(args, cfg)
+    pages = max(num_pages, size_kv_pool(args, cfg, rcfg.dtype))
+    cache = CacheConfig(page_size=args.page_size, num_pages=pages)
+    runner = _BenchRunner(cfg, params, cache, rcfg, args.max_running_requests)
+    runner.wanted = {(b.mode, runner.bucket_for(b)) for b in batches}
+    bc.log(f"compiling {len(runner.step_keys())} executables")
+    secs = runner.warmup(progress=False)
+    bc.log(f"compiled in {secs:.1f} s")
+    return runner
+
+
+def _time_point(runner: ModelRunner, batch: ScheduleBatch, iters: int,
+                warmup: int) -> tuple[list[float], list[float]]:
+    """(launch seconds, launch + result seconds) per call: the first is host work
+    (bucketing, packing, dispatch); the difference is the device step and read-back."""
+    host: list[float] = []
+
+    def call() -> None:
+        t0 = time.perf_counter()
+        pending = runner.launch(batch)
+        host.append(time.perf_counter() - t0)
+        pending.result()
+
+    total = bc.time_calls(call, iters, warmup)
+    return host[warmup:], total
+
+
+def _record(p: Point, shape: BucketShape, host: list[float], total: list[float],
+            cfg: ModelConfig, itemsize: int, roof: bc.Roofline) -> dict[str, Any]:
+    stats = bc.summarize(total)
+    med = stats["median_s"]
+    rows = p.rows()
+    rec = {"mode": p.mode.value, "label": p.label(), "extend_tokens": list(p.extend),
+           "decode_rows": p.decode, "context": p.context, "new_tokens": p.new_tokens,
+           "bucket": dataclasses.asdict(shape), **stats,
+           "launch_median_s": bc.median(host), "tokens_per_s": p.new_tokens / med}
+    rec.update(bc.roofline_fractions(bc.step_flops(cfg, rows),
+                                     bc.step_bytes(cfg, rows, itemsize), med, roof))
+    return rec
+
+
+def _series(records: list[dict[str, Any]]) -> dict[tuple[int, str], list[dict[str, Any]]]:
+    """Plot lines: (panel, legend) -> records. Decode lines vary the batch at one context;
+    prefill lines vary the prompt length (MIXED: with a fixed number of decode rows)."""
+    out: dict[tuple[int, str], list[dict[str, Any]]] = {}
+    for r in records:
+        if r["mode"] == "decode":
+            key = (0, f"context {r['context']}")
+        elif r["mode"] == "extend":
+            key = (1, "extend")
+        else:
+            key = (1, f"mixed, +{r['decode_rows']} decode rows")
+        out.setdefault(key, []).append(r)
+    return out
+
+
+def _plot(records: list[dict[str, Any]], roof: bc.Roofline, out_dir: str, title: str) -> None:
+    plt = bc.pyplot()
+    if plt is None:
+        return
+    from matplotlib.ticker import FormatStrFormatter
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (panel, name), rs in _series(records).items():
+        x = [r["decode_rows"] if panel == 0 else sum(r["extend_tokens"]) for r in rs]
+        line, = axes[panel].plot(x, [r["tokens_per_s"] for r in rs], "o-", label=name)
+        bound = [r["new_tokens"] / max(r["compute_bound_s"], r["memory_bound_s"]) for r in rs]
+        axes[panel].plot(x, bound, "--", color=line.get_color(), alpha=0.6,
+                         label=f"{name}: roofline")
+    for ax, xlabel, what in ((axes[0], "decode rows", "DECODE"),
+                             (axes[1], "prefill tokens", "EXTEND / MIXED")):
+        ax.set(xscale="log", yscale="log", xlabel=xlabel, ylabel="new tokens / s", title=what)
+        ax.xaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.xaxis.set_minor_formatter(FormatStrFormatter("%g"))
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{title}: median step latency as tokens/s; roofline from f32 matmul "
+                 f"{roof.matmul_gflops:.0f} GFLOP/s, read {roof.mem_read_gbps:.1f} GB/s")
+    bc.save_figure(fig, out_dir, "bench_one_batch.png")
+
+
+def _probe(when: str) -> bc.Roofline:
+    roof = bc.measure_roofline(small=FLAGS.smoke)
+    bc.log(f"roofline {when}: {roof.matmul_gflops:.1f} GFLOP/s f32 matmul, "
+           f"{roof.mem_read_gbps:.1f} GB/s read")
+    return roof
+
+
+def _load(tiny: bool) -> tuple[tuple[ModelConfig, dict], str]:
+    if tiny:
+        return bc.tiny_model(), "tiny-random"
+    cfg, params, _ = load_model(_base_args())
+    return (cfg, params), "SmolLM2-135M-Instruct"
+
+
+def _print_table(records: list[dict[str, Any]]) -> None:
+    bc.log("results (fractions against the best roofline probe):")
+    for r in records:
+        print(f"  {r['label']:<38} median {r['median_s'] * 1e3:8.2f} ms  p90 "
+              f"{r['p90_s'] * 1e3:8.2f} ms  {r['tokens_per_s']:9.1f} tok/s  "
+              f"compute {r['frac_compute']:6.1%}  memory {r['frac_memory']:6.1%}")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    t_start = time.perf_counter()
+    tiny = FLAGS.tiny or FLAGS.smoke
+    iters, warmup = (3, 1) if FLAGS.smoke else (FLAGS.iters, FLAGS.warmup)
+    dec_b, ctxs, ext = (_ints(FLAGS.decode_batches), _ints(FLAGS.decode_contexts),
+                        _ints(FLAGS.extend_tokens))
+    if FLAGS.smoke:
+        dec_b, ctxs, ext = [1, 4], [32], [64]
+    machine = bc.machine_info()
+    bc.log(f"load average {machine['load_average']} on {machine['cpu_count']} CPUs")
+    probes = [_probe("before")]
+
+    points = _points(dec_b, ctxs, ext, FLAGS.mixed or tiny)
+    bc.enable_compilation_cache(FLAGS.compilation_cache_dir)
+    model, name = _load(tiny)
+    cfg = model[0]
+    args = _server_args(points, cfg)
+    rng = np.random.default_rng(0)
+    built = [_build_batch(p, cfg.vocab_size, args.page_size, rng) for p in points]
+    runner = _make_runner(args, model, [b for b, _ in built], max(n for _, n in built))
+    timed = []
+    for p, (batch, _) in zip(points, built, strict=True):
+        timed.append(_time_point(runner, batch, iters, warmup))
+        bc.log(f"{p.label():<40} median {bc.median(timed[-1][1]) * 1e3:8.2f} ms")
+    probes.append(_probe("after"))
+    # The best probe is the machine's capability; a probe slowed by a neighbour would
+    # flatter every fraction.
+    roof = bc.Roofline(max(r.matmul_gflops for r in probes),
+                       max(r.mem_read_gbps for r in probes))
+    records = [_record(p, runner.bucket_for(batch), host, total, cfg, runner.dtype.itemsize,
+                       roof)
+               for p, (batch, _), (host, total) in zip(points, built, timed, strict=True)]
+    _print_table(records)
+
+    machine["load_average_end"] = bc.load_average()
+    result = {"script": "bench_one_batch", "command": bc.command_line(), "machine": machine,
+              "model": bc.model_summary(cfg, name, runner.cfg.dtype),
+              "runner": dataclasses.asdict(runner.cfg), "roofline": roof.to_json(),
+              "roofline_probes": [r.to_json() for r in probes],
+              "iters": iters, "warmup": warmup, "points": records,
+              "wall_s": time.perf_counter() - t_start}
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    bc.write_json(FLAGS.out_dir, "bench_one_batch.json", result)
+    _plot(records, roof, FLAGS.out_dir, name)
+
+
+if __name__ == "__main__":
+    app.run(main)

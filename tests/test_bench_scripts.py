@@ -1,0 +1,78 @@
+"""Smoke tests of the benchmark scripts: each runs end to end on a tiny random model in a
+subprocess (as a user would run it) and writes the JSON fields the docs and the lead read.
+The numbers themselves mean nothing at these sizes."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HAVE_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
+def _run(script: str, out_dir: Path, *extra: str) -> dict:
+    cmd = [sys.executable, str(REPO / "scripts" / script), "--smoke", f"--out_dir={out_dir}",
+           "--compilation_cache_dir=", *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    name = script.removesuffix(".py") + ".json"
+    result = json.loads((out_dir / name).read_text())
+    if HAVE_MATPLOTLIB:
+        assert (out_dir / name.replace(".json", ".png")).stat().st_size > 0
+    return result
+
+
+def _positive(d: dict, *keys: str) -> None:
+    for k in keys:
+        assert d[k] > 0, (k, d[k])
+
+
+def test_bench_one_batch_smoke(tmp_path: Path) -> None:
+    r = _run("bench_one_batch.py", tmp_path)
+    assert r["script"] == "bench_one_batch" and "--smoke" in r["command"]
+    _positive(r["roofline"], "matmul_gflops", "mem_read_gbps")
+    assert len(r["machine"]["load_average"]) == 3
+    assert r["model"]["params"] > r["model"]["matmul_params"] > 0
+    modes = {p["mode"] for p in r["points"]}
+    assert modes == {"decode", "extend", "mixed"}
+    for p in r["points"]:
+        _positive(p, "median_s", "p90_s", "tokens_per_s", "gflop", "gbyte", "frac_compute",
+                  "frac_memory", "frac_roofline")
+        assert p["p90_s"] >= p["median_s"]
+        assert p["bucket"]["num_decode_seqs"] >= p["decode_rows"]
+
+
+def test_bench_offline_smoke(tmp_path: Path) -> None:
+    r = _run("bench_offline.py", tmp_path)
+    assert r["script"] == "bench_offline"
+    s = r["summary"]
+    _positive(s, "xlaserve_output_tok_s", "xlaserve_total_tok_s",
+              "xlaserve_single_decode_tok_s", "throughput_frac_compute", "matmul_gflops")
+    x = r["rounds"][0]["xlaserve"]
+    w = r["workload"]
+    assert x["throughput"]["output_tokens"] == w["num_prompts"] * w["output_len"]
+    assert x["single"]["new_tokens"] == w["single_new_tokens"]
+    assert set(s["targets"]) == {"single_stream_vs_hf", "throughput_vs_hf_batch_8",
+                                 "throughput_vs_hf_batch_32", "throughput_frac_compute"}
+    if HAVE_REFERENCE:
+        hf = r["rounds"][0]["transformers"]
+        for b in w["hf_batch_sizes"]:
+            assert hf[f"batch_{b}"]["output_tokens"] == w["num_prompts"] * w["output_len"]
+        assert hf["single"]["new_tokens"] == w["single_new_tokens"]
+        assert s["ratios"]["single_stream_vs_hf"] > 0
+
+
+@pytest.mark.skipif(not HAVE_REFERENCE, reason="needs the reference extra")
+def test_bench_offline_reference_off(tmp_path: Path) -> None:
+    """--reference=off runs xlaserve alone (the path a machine without torch takes)."""
+    r = _run("bench_offline.py", tmp_path, "--reference=off")
+    assert "transformers" not in r["rounds"][0]
+    assert r["summary"]["ratios"] == {}
+    assert r["summary"]["targets"]["single_stream_vs_hf"]["met"] is False
