@@ -31,7 +31,7 @@ def runner() -> ModelRunner:
     # Few buckets keep warm-up short; padding to them is itself under test.
     rcfg = RunnerConfig(decode_buckets=(4, 16), extend_token_buckets=(64, 256),
                         extend_seq_buckets=(1, 4), kv_len_buckets=(256,), enable_mixed=True,
-                        max_top_logprobs=2, strict_compile=True)
+                        max_top_logprobs=2, strict_compile=True, per_layer_weights=True)
     r = ModelRunner(CFG, params, CacheConfig(page_size=PAGE, num_pages=400), rcfg,
                     max_running_requests=16)
     r.warmup(progress=False)
