@@ -66,36 +66,36 @@ def embed(params: dict, input_ids: jax.Array) -> jax.Array:
     return params["embed"][input_ids]
 
 
-def _attention(lp: dict, x: jax.Array, kv: KVPool, layer: jax.Array, batch: ForwardBatch,
-               cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
-               attention_backend: str) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [T, D] (normed) -> (out [T, D], k, v [T, Hkv, Dh]); the caller writes k, v."""
-    t = x.shape[0]
+def _qkv(lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
+         cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [T, D] -> q [T, Hq, Dh], k, v [T, Hkv, Dh] (normed, projected, rope applied)."""
+    t = h.shape[0]
+    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
     q = x @ lp["wq"]  # [T, Hq*Dh]
     k = x @ lp["wk"]  # [T, Hkv*Dh]
     v = x @ lp["wv"]
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)  # [T, Hq, Dh]
-    k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)  # [T, Hkv, Dh]
-    v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
+    k = apply_rope(k.reshape(t, cfg.num_kv_heads, cfg.head_dim), cos, sin)
+    return q, k, v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+
+
+def _attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Array,
+            batch: ForwardBatch, cfg: ModelConfig, attention_backend: str) -> jax.Array:
+    """Paged attention over earlier context (pool) and this step's k, v -> [T, Hq*Dh]."""
     attn = get_paged_attention_fn(attention_backend)
     o = attn(q, k, v, kv.k, kv.v, layer, batch.page_table, batch.seq_lens, batch.query_start,
              batch.positions, num_extend_tokens=batch.num_extend_tokens,
              num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5)
-    return o.reshape(t, cfg.q_size) @ lp["wo"], k, v
+    return o.reshape(q.shape[0], cfg.q_size)
 
 
-def _layer(lp: dict, layer: jax.Array, h: jax.Array, kv: KVPool, batch: ForwardBatch,
-           cos: jax.Array, sin: jax.Array, cfg: ModelConfig,
-           attention_backend: str) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """One decoder layer: h [T, D] -> (h, (k, v) [T, Hkv, Dh] to be written)."""
-    a, k, v = _attention(lp, rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps), kv, layer, batch,
-                         cos, sin, cfg, attention_backend)
-    h = h + a
-    h = h + gated_mlp(rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"], lp["w_up"],
-                      lp["w_down"])
-    return h, (k, v)
+def _out_mlp(lp: dict, h: jax.Array, o: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Attention output projection and the MLP, both residual: h [T, D] -> [T, D]."""
+    h = h + o @ lp["wo"]
+    return h + gated_mlp(rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"],
+                         lp["w_up"], lp["w_down"])
 
 
 def unstack_layers(params: dict) -> dict:
@@ -125,17 +125,22 @@ def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg:
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
                                                            cfg.rope_scaling))
 
-    def run(lp: dict, layer: jax.Array, h: jax.Array):
-        return _layer(lp, layer, h, kv, batch, cos, sin, cfg, attention_backend)
-
     if "layer_list" in params:
-        branches = [functools.partial(run, lp) for lp in params["layer_list"]]
+        # Only the weight-bearing halves are switched; attention (no weights, most of the
+        # HLO) is traced once, which keeps compile and cache-load time down.
+        qkv = [functools.partial(_qkv, lp, cfg=cfg) for lp in params["layer_list"]]
+        out = [functools.partial(_out_mlp, lp, cfg=cfg) for lp in params["layer_list"]]
 
         def body(h, layer):
-            return jax.lax.switch(layer, branches, layer, h)
+            q, k, v = jax.lax.switch(layer, qkv, h, cos, sin)
+            o = _attend(q, k, v, kv, layer, batch, cfg, attention_backend)
+            return jax.lax.switch(layer, out, h, o), (k, v)
     else:
         def body(h, layer):
-            return run(jax.tree.map(lambda w: w[layer], params["layers"]), layer, h)
+            lp = jax.tree.map(lambda w: w[layer], params["layers"])
+            q, k, v = _qkv(lp, h, cos, sin, cfg)
+            o = _attend(q, k, v, kv, layer, batch, cfg, attention_backend)
+            return _out_mlp(lp, h, o, cfg), (k, v)
 
     layers = jnp.arange(n, dtype=jnp.int32) + start
     h, (k, v) = jax.lax.scan(body, h, layers)  # k, v [n, T, Hkv, Dh]
