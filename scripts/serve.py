@@ -62,8 +62,8 @@ flags.DEFINE_string("checkpoint_cache_dir", _D.checkpoint_cache_dir, "where the 
 flags.DEFINE_bool("strict_compile", _D.strict_compile, "fail on any compilation after "
                   "warm-up")
 flags.DEFINE_bool("per_layer_weights", None, "layer weights as per-layer buffers picked by "
-                  "lax.switch (default: on for CPU): ~1.7x faster decode there, but each "
-                  "executable compiles and loads from the cache several times slower")
+                  "lax.switch (default: on for CPU): ~1.5x faster decode there, but each "
+                  "executable compiles and loads from the cache ~3x slower")
 
 FLAGS = flags.FLAGS
 
