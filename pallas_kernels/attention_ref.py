@@ -62,7 +62,7 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_sca
     return _masked_softmax_attend(qg, k, v, mask, sm_scale, soft_cap).reshape(b, hq, d)
 
 
-def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, query_start,
+def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
             positions, sm_scale, sliding_window, soft_cap):
     """q [T_e, Hq, Dh] of B_e rows laid back to back. All shapes stay static: every token
     scores the prefixes of all B_e rows and all T_e new tokens, masked to its own row."""
@@ -116,7 +116,7 @@ def paged_attention_ref(
     parts = []
     if te:
         parts.append(_extend(q[:te], k_new[:te], v_new[:te], k_pool, v_pool, layer,
-                             page_table[:be], seq_lens[:be], query_start[:be + 1],
+                             page_table[:be], query_start[:be + 1],
                              positions[:te], **common))
     if q.shape[0] > te:
         parts.append(_decode(q[te:], k_new[te:], v_new[te:], k_pool, v_pool, layer,
