@@ -98,6 +98,10 @@ def _out_mlp(lp: dict, h: jax.Array, o: jax.Array, cfg: ModelConfig) -> jax.Arra
                          lp["w_up"], lp["w_down"])
 
 
+_qkv_jit = jax.jit(_qkv, static_argnames="cfg")
+_out_mlp_jit = jax.jit(_out_mlp, static_argnames="cfg")
+
+
 def unstack_layers(params: dict) -> dict:
     """Replace the stacked `layers` by `layer_list`, one dict of arrays per layer, for
     run_layers' switch dispatch (same memory: the stacked copy is dropped)."""
@@ -128,8 +132,10 @@ def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg:
     if "layer_list" in params:
         # Only the weight-bearing halves are switched; attention (no weights, most of the
         # HLO) is traced once, which keeps compile and cache-load time down.
-        qkv = [functools.partial(_qkv, lp, cfg=cfg) for lp in params["layer_list"]]
-        out = [functools.partial(_out_mlp, lp, cfg=cfg) for lp in params["layer_list"]]
+        # Each branch calls one jitted function: its jaxpr is traced once per step shape
+        # and lowered once, not 30 times, which halves start-up tracing.
+        qkv = [functools.partial(_qkv_jit, lp, cfg=cfg) for lp in params["layer_list"]]
+        out = [functools.partial(_out_mlp_jit, lp, cfg=cfg) for lp in params["layer_list"]]
 
         def body(h, layer):
             q, k, v = jax.lax.switch(layer, qkv, h, cos, sin)

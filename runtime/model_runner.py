@@ -7,6 +7,7 @@ batch that fits no bucket is an error, never a silent recompile.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import logging
@@ -46,7 +47,6 @@ class StepKey:
 
     mode: ForwardMode
     shape: BucketShape
-    all_greedy: bool
 
 
 def _smallest_fitting(buckets: Sequence[int], need: int, what: str) -> int:
@@ -98,22 +98,17 @@ class ModelRunner:
         return kv_len // self.cache_cfg.page_size
 
     def step_keys(self) -> list[StepKey]:
-        """Every executable the runner may call, fixed at start-up. Only DECODE gets an
-        argmax-only (all-greedy) twin: its step is short enough for the general sampler
-        to show, while an extend step's cost dwarfs it and twins would double warm-up."""
+        """Every executable the runner may call, fixed at start-up."""
         c = self.cfg
         nps = [self._pages(n) for n in c.kv_len_buckets]
-        keys = []
-        for greedy in (True, False):
-            for bd in c.decode_buckets:
-                keys += [StepKey(ForwardMode.DECODE, BucketShape(0, 0, bd, n), greedy)
-                         for n in nps]
+        keys = [StepKey(ForwardMode.DECODE, BucketShape(0, 0, bd, n))
+                for bd in c.decode_buckets for n in nps]
         for te in c.extend_token_buckets:
             for be in (b for b in c.extend_seq_buckets if b <= te):
                 decodes = [0] + (list(c.decode_buckets) if c.enable_mixed else [])
                 for bd in decodes:
                     mode = ForwardMode.MIXED if bd else ForwardMode.EXTEND
-                    keys += [StepKey(mode, BucketShape(te, be, bd, n), False) for n in nps]
+                    keys += [StepKey(mode, BucketShape(te, be, bd, n)) for n in nps]
         return keys
 
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
@@ -151,8 +146,7 @@ class ModelRunner:
                                  num_extend_tokens=te, num_extend_seqs=be)
             logits, kv = llama.forward(params, kv, batch, cfg, backend)  # [B, V]
             out = sampling.sample(logits, sp, state.token_counts[row_slots],
-                                  state.prompt_mask[row_slots], num_top_logprobs=top_n,
-                                  all_greedy=key.all_greedy)
+                                  state.prompt_mask[row_slots], num_top_logprobs=top_n)
             tgt = jnp.where(sample_mask, row_slots, dummy)  # [B]
             state = SlotState(
                 last_tokens=state.last_tokens.at[tgt].set(out.next_tokens),
@@ -175,16 +169,29 @@ class ModelRunner:
         return arrays, i32(b), jax.ShapeDtypeStruct((b,), bool), sp
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every executable (persistent cache makes repeats fast); returns seconds."""
+        """Compile every executable (persistent cache makes repeats fast); returns seconds.
+
+        Tracing and lowering hold the GIL while XLA's compilation (or loading from the
+        persistent cache) releases it, so a worker thread compiles executable i while
+        the main thread lowers i + 1: start-up costs about max(lowering, compiling)
+        instead of their sum (warm cache, default buckets, 2 cores: 47 -> see README).
+        """
         t0 = time.perf_counter()
         keys = self.step_keys()
         abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=getattr(a, "sharding", None)))
-        for key in tqdm(keys, desc="compiling buckets", disable=not progress, unit="trace"):
-            lowered = self._step_fn(key).lower(abstract(self.params), abstract(self.kv),
-                                               abstract(self.state),
-                                               *self._abstract_inputs(key.shape))
-            self._executables[key] = lowered.compile()
+        bar = tqdm(total=len(keys), desc="compiling buckets", disable=not progress,
+                   unit="trace")
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            futures = {}
+            for key in keys:
+                lowered = self._step_fn(key).lower(abstract(self.params), abstract(self.kv),
+                                                   abstract(self.state),
+                                                   *self._abstract_inputs(key.shape))
+                futures[key] = pool.submit(lowered.compile)
+                futures[key].add_done_callback(lambda _: bar.update())
+            self._executables = {key: f.result() for key, f in futures.items()}
+        bar.close()
         for n in self.cfg.kv_len_buckets:
             self._init_slot_exec[n] = jax.jit(_init_slot, donate_argnums=(0,)).lower(
                 abstract(self.state), jax.ShapeDtypeStruct((), jnp.int32),
@@ -229,12 +236,8 @@ class ModelRunner:
 
     def launch(self, batch: ScheduleBatch) -> PendingStep:
         """Dispatch one step asynchronously; the returned PendingStep reads it back."""
-        rows = [*batch.extend_rows, *batch.decode_rows]
         shape = self.bucket_for(batch)
-        greedy = batch.mode is ForwardMode.DECODE and all(
-            r.req.sampling.temperature == 0 for r in rows)
-        key = StepKey(batch.mode, shape, greedy)
-        exe = self._executables[key]
+        exe = self._executables[StepKey(batch.mode, shape)]
         self.init_slots(batch.extend_rows)
         arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape, self.cache_cfg.page_size)
         b = shape.num_extend_seqs + shape.num_decode_seqs

@@ -76,16 +76,12 @@ class Point:
 
 class _BenchRunner(ModelRunner):
     """A ModelRunner that compiles only the executables this benchmark calls: warming up
-    every bucket x sampling mode would take longer than the benchmark on a small CPU."""
+    every bucket would take longer than the benchmark on a small CPU."""
 
     wanted: set[tuple[ForwardMode, BucketShape]] = set()
 
     def step_keys(self) -> list[StepKey]:
-        # The runner's own keys for the wanted shapes; where it keeps a greedy-only twin,
-        # only the twin (every row here is greedy, so launch() picks it).
-        keys = [k for k in super().step_keys() if (k.mode, k.shape) in self.wanted]
-        twins = {(k.mode, k.shape) for k in keys if k.all_greedy}
-        return [k for k in keys if k.all_greedy or (k.mode, k.shape) not in twins]
+        return [k for k in super().step_keys() if (k.mode, k.shape) in self.wanted]
 
 
 def _ints(values: list[str]) -> list[int]:

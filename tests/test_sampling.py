@@ -90,10 +90,14 @@ def _reference_penalties(
 
 @pytest.mark.parametrize("all_greedy", [True, False])
 def test_greedy_is_argmax_with_ties_to_lowest_id(all_greedy: bool) -> None:
+    """Greedy rows take the argmax both on the all-greedy fast path and on the general
+    path (one row with a temperature sends the whole batch there)."""
     logits = _logits(6, 1000)
     logits[2, [300, 260, 999]] = logits[2].max() + 1.0  # a tie within and across blocks
-    out = _sample(logits, SamplingBatch.create(6), all_greedy=all_greedy)
+    temperature = [0.0] * 5 + [0.0 if all_greedy else 1.0]
+    out = _sample(logits, SamplingBatch.create(6, temperature=temperature, seed=range(6)))
     expected = np.argmax(logits, axis=-1)
+    expected[5] = out.next_tokens[5]  # the sampled row, if any
     assert expected[2] == 260
     np.testing.assert_array_equal(out.next_tokens, expected)
 
@@ -249,9 +253,8 @@ def test_penalties_match_numpy_reference() -> None:
     ref = _reference_penalties(logits, counts, prompt_mask, frequency, presence, repetition)
     np.testing.assert_allclose(got, ref, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(got[0], logits[0])  # neutral row: bit-identical
-    for all_greedy in (False, True):
-        out = _sample(logits, params, counts, prompt_mask, all_greedy=all_greedy)
-        np.testing.assert_array_equal(out.next_tokens, np.argmax(ref, -1))
+    out = _sample(logits, params, counts, prompt_mask)
+    np.testing.assert_array_equal(out.next_tokens, np.argmax(ref, -1))
 
 
 def test_logprobs_are_the_raw_log_softmax() -> None:
