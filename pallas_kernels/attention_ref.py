@@ -20,25 +20,22 @@ _MASKED = -1e30  # finite, so a fully masked (padding) row gives 0 instead of Na
 
 
 def _gather_pages(pool: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
-    """pool [L, P, S, Hkv, Dh], page_table [B, Np] -> [B, Np * S, Hkv, Dh] (one gather)."""
-    b, n_pages = page_table.shape
-    _, _, s, h, d = pool.shape
-    return pool[layer, page_table].reshape(b, n_pages * s, h, d)
+    """pool [L, Hkv, P, S, Dh], page_table [B, Np] -> [Hkv, B, Np * S, Dh].
+
+    One gather of whole [S * Dh] rows of the flattened pool: XLA CPU copies those with
+    memcpy, while indexing `pool[layer, :, page_table]` is an element-wise gather."""
+    n_layers, hkv, n_pages, s, d = pool.shape
+    b, np_ = page_table.shape
+    rows = (layer * hkv + jnp.arange(hkv)[:, None, None]) * n_pages + page_table  # [Hkv, B, Np]
+    out = jnp.take(pool.reshape(n_layers * hkv * n_pages, s * d), rows.reshape(-1), axis=0,
+                   mode="clip")
+    return out.reshape(hkv, b, np_ * s, d)
 
 
-def _masked_softmax_attend(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
-                           sm_scale: float, soft_cap: float | None) -> jax.Array:
-    """q [N, Hkv, G, Q, Dh], k/v [N, K, Hkv, Dh], mask [N, Q, K] -> [N, Hkv, G, Q, Dh]."""
-    s = jnp.einsum("nhgqd,nkhd->nhgqk", q, k, preferred_element_type=jnp.float32) * sm_scale
-    if soft_cap is not None:
-        s = soft_cap * jnp.tanh(s / soft_cap)
-    mask = mask[:, None, None]  # [N, 1, 1, Q, K]
-    s = jnp.where(mask, s, _MASKED)
-    p = jnp.exp(s - s.max(axis=-1, keepdims=True)) * mask
-    denom = jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)
-    out = jnp.einsum("nhgqk,nkhd->nhgqd", p.astype(v.dtype), v,
-                     preferred_element_type=jnp.float32)
-    return (out / denom).astype(q.dtype)
+def _scores(q: jax.Array, k: jax.Array, spec: str, sm_scale: float,
+            soft_cap: float | None) -> jax.Array:
+    s = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * sm_scale
+    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
 
 
 def _in_window(kv_pos: jax.Array, q_pos: jax.Array, sliding_window: int | None) -> jax.Array:
@@ -49,17 +46,28 @@ def _in_window(kv_pos: jax.Array, q_pos: jax.Array, sliding_window: int | None) 
 
 def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_scale,
             sliding_window, soft_cap):
-    """q/k_new/v_new [B, H*, Dh]: each row's one query sits at position seq_len - 1."""
+    """q [B, Hq, Dh], k_new/v_new [B, Hkv, Dh]: each row's one query sits at position
+    seq_len - 1 and attends to its pool prefix and to its own new key. The two parts are
+    softmaxed jointly without concatenating them (which would copy the gathered K/V)."""
     b, hq, d = q.shape
     hkv = k_new.shape[1]
-    k = jnp.concatenate([_gather_pages(k_pool, layer, page_table), k_new[:, None]], axis=1)
-    v = jnp.concatenate([_gather_pages(v_pool, layer, page_table), v_new[:, None]], axis=1)
+    qg = q.reshape(b, hkv, hq // hkv, d).transpose(1, 0, 2, 3)  # [Hkv, B, G, Dh]
+    k = _gather_pages(k_pool, layer, page_table)  # [Hkv, B, K, Dh]
+    v = _gather_pages(v_pool, layer, page_table)
+    s = _scores(qg, k, "hbgd,hbkd->hbgk", sm_scale, soft_cap)  # [Hkv, B, G, K]
+    s_new = _scores(qg, k_new, "hbgd,bhd->hbg", sm_scale, soft_cap)  # [Hkv, B, G]
     q_pos = (seq_lens - 1)[:, None]  # [B, 1]
-    kv_pos = jnp.arange(k.shape[1] - 1)[None, :]  # [1, K]
+    kv_pos = jnp.arange(k.shape[2])[None, :]  # [1, K]
     prefix = (kv_pos < q_pos) & _in_window(kv_pos, q_pos, sliding_window)  # [B, K]
-    mask = jnp.concatenate([prefix, jnp.ones((b, 1), bool)], axis=1)[:, None, :]  # [B, 1, K+1]
-    qg = q.reshape(b, hkv, hq // hkv, 1, d)
-    return _masked_softmax_attend(qg, k, v, mask, sm_scale, soft_cap).reshape(b, hq, d)
+    prefix = prefix[None, :, None, :]  # [1, B, 1, K]
+    m = jnp.maximum(jnp.where(prefix, s, _MASKED).max(axis=-1), s_new)  # [Hkv, B, G]
+    p = jnp.exp(jnp.where(prefix, s, _MASKED) - m[..., None]) * prefix
+    p_new = jnp.exp(s_new - m)
+    denom = p.sum(axis=-1) + p_new  # >= 1: the row's own key is always there
+    out = jnp.einsum("hbgk,hbkd->hbgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = out + p_new[..., None] * v_new.transpose(1, 0, 2)[:, :, None].astype(jnp.float32)
+    out = (out / denom[..., None]).astype(q.dtype)  # [Hkv, B, G, Dh]
+    return out.transpose(1, 0, 2, 3).reshape(b, hq, d)
 
 
 def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
@@ -74,9 +82,9 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
     # last row's span in query_start also covers the bucket's padding tokens.)
     row_first = jnp.take(query_start, tok_row, mode="clip")  # [T_e]
     prefix_len = jnp.take(positions, row_first, mode="clip")  # [T_e]
-    kp = _gather_pages(k_pool, layer, page_table)  # [B_e, K, Hkv, Dh]
+    kp = _gather_pages(k_pool, layer, page_table)  # [Hkv, B_e, K, Dh]
     vp = _gather_pages(v_pool, layer, page_table)
-    kmax = kp.shape[1]
+    kmax = kp.shape[2]
     kv_row = jnp.repeat(jnp.arange(b), kmax)  # [B_e * K]
     kv_pos = jnp.tile(jnp.arange(kmax), b)  # [B_e * K]
     q_pos = positions[:, None]  # [T_e, 1]
@@ -84,20 +92,24 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
               & _in_window(kv_pos[None], q_pos, sliding_window))  # [T_e, B_e * K]
     new = ((tok_row[None] == tok_row[:, None]) & (tok_row[None] < b)
            & (positions[None] <= q_pos) & _in_window(positions[None], q_pos, sliding_window))
-    k = jnp.concatenate([kp.reshape(b * kmax, hkv, d), k_new], axis=0)[None]  # [1, K', Hkv, Dh]
-    v = jnp.concatenate([vp.reshape(b * kmax, hkv, d), v_new], axis=0)[None]
-    mask = jnp.concatenate([prefix, new], axis=1)[None]  # [1, T_e, K']
-    qg = q.reshape(t, hkv, hq // hkv, d).transpose(1, 2, 0, 3)[None]  # [1, Hkv, G, T_e, Dh]
-    out = _masked_softmax_attend(qg, k, v, mask, sm_scale, soft_cap)  # [1, Hkv, G, T_e, Dh]
-    return out[0].transpose(2, 0, 1, 3).reshape(t, hq, d)
+    k = jnp.concatenate([kp.reshape(hkv, b * kmax, d), k_new.transpose(1, 0, 2)], axis=1)
+    v = jnp.concatenate([vp.reshape(hkv, b * kmax, d), v_new.transpose(1, 0, 2)], axis=1)
+    mask = jnp.concatenate([prefix, new], axis=1)  # [T_e, K'] with K' = B_e * K + T_e
+    qg = q.reshape(t, hkv, hq // hkv, d).transpose(1, 2, 0, 3)  # [Hkv, G, T_e, Dh]
+    s = jnp.where(mask, _scores(qg, k, "hgqd,hkd->hgqk", sm_scale, soft_cap), _MASKED)
+    p = jnp.exp(s - s.max(axis=-1, keepdims=True)) * mask
+    denom = jnp.maximum(p.sum(axis=-1, keepdims=True), 1e-30)  # padding tokens: 0, not NaN
+    out = jnp.einsum("hgqk,hkd->hgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    out = (out / denom).astype(q.dtype)  # [Hkv, G, T_e, Dh]
+    return out.transpose(2, 0, 1, 3).reshape(t, hq, d)
 
 
 def paged_attention_ref(
     q: jax.Array,            # [T, Hq, Dh]
     k_new: jax.Array,        # [T, Hkv, Dh] this step's keys (rope applied)
     v_new: jax.Array,        # [T, Hkv, Dh]
-    k_pool: jax.Array,       # [L, P, S, Hkv, Dh] earlier context
-    v_pool: jax.Array,       # [L, P, S, Hkv, Dh]
+    k_pool: jax.Array,       # [L, Hkv, P, S, Dh] earlier context
+    v_pool: jax.Array,       # [L, Hkv, P, S, Dh]
     layer: jax.Array,        # [] int32
     page_table: jax.Array,   # [B, Np] int32, pages of each row's earlier context
     seq_lens: jax.Array,     # [B] int32, context + this step's tokens

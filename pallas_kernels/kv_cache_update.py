@@ -1,6 +1,6 @@
 """Writing this step's K/V into the paged pool: XLA's scatter, not a Pallas kernel (yet).
 
-The write is `runtime.kv_pool.write_kv`: the pool viewed as [L, P * S, Hkv, Dh] (a free
+The write is `runtime.kv_pool.write_kv`: the pool viewed as [L, Hkv, P * S, Dh] (a free
 reshape) and one `.at[...].set(...)` each for K and V. It stays an XLA scatter because:
 
 * It moves little data: T * Hkv * Dh elements per layer (a decode step of 64 rows with

@@ -69,7 +69,7 @@ def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref
     """Mosaic GPU body for one (tile, KV head, KV split) program: one warpgroup.
 
     GMEM refs: meta [NT, 7] int32, page table [B, Np] int32, q tiles [NT, Hkv, M, Dh],
-    K / V pools [L, P, S, Hkv, Dh], new K / V [T + pad, Hkv, Dh]; outputs o [splits, NT,
+    K / V pools [L, Hkv, P, S, Dh], new K / V [T + pad, Hkv, Dh]; outputs o [splits, NT,
     Hkv, M, Dh] (normalized within the split) and lse [splits, NT, Hkv, M] f32 (log-sum-exp,
     to merge the splits). SMEM: q_smem [M, Dh] (then the output tile), k_smem / v_smem
     [slots, BK, Dh], lse_smem [M].
@@ -97,8 +97,8 @@ def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref
         for i in range(per_block):
             page = pt_ref[row, jnp.minimum(blk * per_block + i, cfg.pages_per_seq - 1)]
             dst = (slot, pl.ds(i * s_page, s_page))
-            plgpu.copy_gmem_to_smem(k_ref.at[layer, page, :, h, :], k_smem.at[dst], k_bar.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[layer, page, :, h, :], v_smem.at[dst], v_bar.at[slot])
+            plgpu.copy_gmem_to_smem(k_ref.at[layer, h, page], k_smem.at[dst], k_bar.at[slot])
+            plgpu.copy_gmem_to_smem(v_ref.at[layer, h, page], v_smem.at[dst], v_bar.at[slot])
 
     def fetch_new(blk, slot):  # as many copies as a page block: the barriers count arrivals
         for i in range(per_block):

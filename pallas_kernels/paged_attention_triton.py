@@ -26,7 +26,7 @@ except ImportError:
 def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref, o_ref, *,
                            cfg: KernelConfig):
     """Triton body for one (tile, KV head) program. meta [NT, 7], page table [B, Np], K / V
-    pools [L, P, S, Hkv, Dh] and new K / V [T + pad, Hkv, Dh] are whole arrays in GMEM;
+    pools [L, Hkv, P, S, Dh] and new K / V [T + pad, Hkv, Dh] are whole arrays in GMEM;
     q_ref / o_ref are this program's [M, Dh] tile."""
     t, h = pl.program_id(0), pl.program_id(1)
     row, kv_len, prefix_len, pos0, nrows, new_start, layer = (
@@ -41,7 +41,7 @@ def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref
         # source's index is clamped so the read stays in bounds.
         page = pt_ref[row, jnp.minimum(jnp.where(is_new, 0, blk), cfg.pages_per_seq - 1)]
         tok = new_start + jnp.where(is_new, blk, 0) * bk
-        return jnp.where(is_new, new_ref[pl.ds(tok, bk), h, :], pool_ref[layer, page, :, h, :])
+        return jnp.where(is_new, new_ref[pl.ds(tok, bk), h, :], pool_ref[layer, h, page])
 
     def step(i, carry):
         acc, m, l = carry

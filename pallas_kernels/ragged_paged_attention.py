@@ -69,7 +69,7 @@ def _config(q, k_pool, page_table, *, te, be, sm_scale, sliding_window, soft_cap
             block_kv, num_slots, num_splits) -> KernelConfig:
     """The static launch parameters; None picks the default of each tuning knob."""
     _, hq, dh = q.shape
-    page_size, hkv = k_pool.shape[2], k_pool.shape[3]
+    page_size, hkv = k_pool.shape[3], k_pool.shape[1]
     group = hq // hkv
     if impl is None:
         impl = "mosaic" if mosaic_unsupported(q.dtype) is None else "triton"
@@ -172,8 +172,8 @@ def paged_attention(
     q: jax.Array,            # [T, Hq, Dh]
     k_new: jax.Array,        # [T, Hkv, Dh] this step's keys (rope applied)
     v_new: jax.Array,        # [T, Hkv, Dh]
-    k_pool: jax.Array,       # [L, P, S, Hkv, Dh] earlier context
-    v_pool: jax.Array,       # [L, P, S, Hkv, Dh]
+    k_pool: jax.Array,       # [L, Hkv, P, S, Dh] earlier context
+    v_pool: jax.Array,       # [L, Hkv, P, S, Dh]
     layer: jax.Array,        # [] int32
     page_table: jax.Array,   # [B, Np] int32, pages of each row's earlier context
     seq_lens: jax.Array,     # [B] int32, context + this step's tokens
@@ -214,7 +214,7 @@ def paged_attention(
     t, bk = k_new.shape[0], cfg.block_kv
     pad = ((0, pl.cdiv(t, bk) * bk + bk - t), (0, 0), (0, 0))
     k_new, v_new = (jnp.pad(x.astype(k_pool.dtype), pad) for x in (k_new, v_new))
-    q_tiles = _pack_q(q, tok0, te, cfg, k_pool.shape[3]).astype(k_pool.dtype)  # [NT, Hkv, M, Dh]
+    q_tiles = _pack_q(q, tok0, te, cfg, k_pool.shape[1]).astype(k_pool.dtype)  # [NT, Hkv, M, Dh]
     body = paged_attention_mosaic if cfg.impl == "mosaic" else paged_attention_triton
     out = body.launch(meta, page_table.astype(jnp.int32), q_tiles, k_pool, v_pool, k_new, v_new,
                       cfg, interpret)

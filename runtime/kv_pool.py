@@ -16,20 +16,27 @@ from runtime.config import CacheConfig, ModelConfig
 
 @struct.dataclass
 class KVPool:
-    k: jax.Array  # [L, P, S, Hkv, Dh]
-    v: jax.Array  # [L, P, S, Hkv, Dh]
+    """Heads outside pages ("HND" per layer): one (layer, KV head, page) is a contiguous
+    [S, Dh] block, so gathering a batch's pages for one layer is a gather of whole rows
+    that lands directly in the [Hkv, B, tokens, Dh] order attention multiplies in (on the
+    CPU this is 1.2-1.6x faster at decode than the token-major [L, P, S, Hkv, Dh], which
+    needs a transposing gather), and a GPU kernel's TMA copies one page per KV head as a
+    dense 2-D tile."""
+
+    k: jax.Array  # [L, Hkv, P, S, Dh]
+    v: jax.Array  # [L, Hkv, P, S, Dh]
 
     @property
     def page_size(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def num_pages(self) -> int:
-        return self.k.shape[1]
+        return self.k.shape[2]
 
 
 def kv_pool_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
-    return (model.num_layers, cache.num_pages, cache.page_size, model.num_kv_heads, model.head_dim)
+    return (model.num_layers, model.num_kv_heads, cache.num_pages, cache.page_size, model.head_dim)
 
 
 def kv_bytes_per_token(model: ModelConfig, dtype: jnp.dtype) -> int:
@@ -49,10 +56,13 @@ def write_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
     """Scatter k, v [N, T, Hkv, Dh] of layers [N] into flat slots [T] of the pool.
 
     Called once per step after the layer stack (see pallas_kernels/attention_ref.py for
-    why not inside it). The pool is viewed as [L, P * S, Hkv, Dh], a free reshape.
+    why not inside it). The pool is viewed as [L, Hkv, P * S, Dh], a free reshape.
     """
-    L, P, S, H, D = kv.k.shape
-    idx = (layers[:, None], slots[None, :])  # [N, 1], [1, T] -> [N, T]
-    kf = kv.k.reshape(L, P * S, H, D).at[idx].set(k.astype(kv.k.dtype))
-    vf = kv.v.reshape(L, P * S, H, D).at[idx].set(v.astype(kv.v.dtype))
-    return KVPool(k=kf.reshape(L, P, S, H, D), v=vf.reshape(L, P, S, H, D))
+    L, H, P, S, D = kv.k.shape
+    idx = (layers[:, None, None], jnp.arange(H)[None, :, None], slots[None, None, :])  # [N, H, T]
+
+    def put(pool: jax.Array, new: jax.Array) -> jax.Array:
+        new = new.transpose(0, 2, 1, 3).astype(pool.dtype)  # [N, Hkv, T, Dh]
+        return pool.reshape(L, H, P * S, D).at[idx].set(new).reshape(L, H, P, S, D)
+
+    return KVPool(k=put(kv.k, k), v=put(kv.v, v))

@@ -103,7 +103,7 @@ def _batch(extend, decode, page_size, pages_per_seq, rng):
 
 
 def _pools(key, layers, num_pages, page_size, hkv, dh, dtype):
-    shape = (layers, num_pages, page_size, hkv, dh)
+    shape = (layers, hkv, num_pages, page_size, dh)  # runtime.kv_pool layout
     k1, k2 = jax.random.split(key)
     make = jax.jit(lambda k: jax.random.normal(k, shape, dtype))
     return make(k1), make(k2)
@@ -242,7 +242,8 @@ def bench_decode(model: str, batch: int, context: int, rng, measured_tbps, **ker
     if not kernel_kw:
         # The same K/V, densely laid out per row [L, B, context, Hkv, Dh].
         pt = meta["page_table"]
-        dense = jax.jit(lambda p: p[:, pt].reshape(layers, batch, -1, hkv, dh)[:, :, :context])
+        dense = jax.jit(lambda p: p[:, :, pt].transpose(0, 2, 3, 4, 1, 5).reshape(
+            layers, batch, -1, hkv, dh)[:, :, :context])
         kd, vd = dense(k_pool), dense(v_pool)
         qd = q[:, None]  # [B, 1, Hq, Dh]
         dpa, dpa_impl = _dense_attention(layers, False, qd, kd, vd)
@@ -277,8 +278,8 @@ def bench_prefill(model: str, rng) -> dict:
     scale = dh ** -0.5
     # Dense K/V for dot_product_attention: the same amount of data (its values do not
     # matter for timing), laid out [L, rows, n, Hkv, Dh].
-    dense = jax.jit(lambda p: p[:, 1:1 + rows * -(-n // s)].reshape(layers, rows, -1, hkv,
-                                                                   dh)[:, :, :n])
+    dense = jax.jit(lambda p: p[:, :, 1:1 + rows * -(-n // s)].transpose(0, 2, 3, 1, 4).reshape(
+        layers, rows, -1, hkv, dh)[:, :, :n])
     kd, vd = dense(k_pool), dense(v_pool)
     qd = q.reshape(rows, n, hq, dh)
     dpa, dpa_impl = _dense_attention(layers, True, qd, kd, vd)
@@ -312,7 +313,7 @@ def bench_kv_write() -> list[dict]:
     slots = jnp.arange(t, dtype=jnp.int32) * s + s  # one token in each of pages 1..64
     out = []
     for pages in ((64, 256) if FLAGS.smoke else (1024, 16384)):
-        zeros = jax.jit(lambda n=pages: jnp.zeros((n_layers, n, s, hkv, dh), jnp.bfloat16))
+        zeros = jax.jit(lambda n=pages: jnp.zeros((n_layers, hkv, n, s, dh), jnp.bfloat16))
         pool = KVPool(zeros(), zeros())
         step = jax.jit(lambda kv, sl, k: write_kv(kv, layers, sl, k, k), donate_argnums=0)
         pool = step(pool, slots, k)  # compile

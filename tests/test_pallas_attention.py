@@ -67,7 +67,7 @@ def _check(extend, decode, *, page_size, group, dtype, impl=None, sliding_window
            soft_cap=None, num_splits=None, spare_row=True, seed=0):
     batch, n_pages = _batch(extend, decode, page_size, spare_row=spare_row)
     rng = np.random.default_rng(seed)
-    pool_shape = (LAYERS, n_pages + 2, page_size, HKV, DH)
+    pool_shape = (LAYERS, HKV, n_pages + 2, page_size, DH)
     k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), dtype) for _ in "kv")
     t = batch.num_tokens
     # Scores of a few units, so the soft cap and the softmax are both far from trivial.
@@ -167,7 +167,7 @@ def _lower_for_cuda(fn, *args) -> str:
 def _attention_args(cfg: ModelConfig, bucket, page_size: int, dtype, num_pages: int = 4096):
     te, be, bd, npg = bucket
     sds = jax.ShapeDtypeStruct
-    pool = sds((cfg.num_layers, num_pages, page_size, cfg.num_kv_heads, cfg.head_dim), dtype)
+    pool = sds((cfg.num_layers, cfg.num_kv_heads, num_pages, page_size, cfg.head_dim), dtype)
     new = sds((te + bd, cfg.num_kv_heads, cfg.head_dim), dtype)
     b, t = be + bd, te + bd
     return (sds((t, cfg.num_heads, cfg.head_dim), dtype), new, new, pool, pool,
@@ -268,8 +268,9 @@ def test_tiny_model_pallas_equals_xla():
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
     # Page 0 takes the padding tokens' K/V, which differ: the kernels give padding tokens
     # zero attention output, the reference whatever its masks let through.
-    np.testing.assert_allclose(results["pallas"][1][:, 1:], results["xla"][1][:, 1:], atol=1e-5)
-    np.testing.assert_allclose(results["pallas"][2][:, 1:], results["xla"][2][:, 1:], atol=1e-5)
+    for i in (1, 2):  # K, V pools [L, Hkv, P, S, Dh]
+        np.testing.assert_allclose(results["pallas"][i][:, :, 1:], results["xla"][i][:, :, 1:],
+                                   atol=1e-5)
 
 
 def test_get_paged_attention_fn():
