@@ -63,7 +63,7 @@ flags.DEFINE_bool("strict_compile", _D.strict_compile, "fail on any compilation 
                   "warm-up")
 flags.DEFINE_bool("per_layer_weights", None, "layer weights as per-layer buffers picked by "
                   "lax.switch (default: on for CPU): ~1.5x faster decode there, but each "
-                  "executable compiles and loads from the cache ~3x slower")
+                  "executable compiles slower")
 
 FLAGS = flags.FLAGS
 
