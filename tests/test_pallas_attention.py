@@ -121,6 +121,19 @@ def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
            sliding_window=sliding_window, soft_cap=soft_cap)
 
 
+@pytest.mark.parametrize("page_size,window,cap", [(16, None, None), (16, 37, 5.0),
+                                                   (64, None, None)])
+def test_reference_decode_walks_blocks(monkeypatch, page_size, window, cap):
+    """The jnp decode path walks each batch's prefix in blocks, as many as its longest row
+    needs (a dynamic trip count). Force one-page blocks so the rows span 1 to 10 of them
+    (and the padding row none), in a MIXED batch, and hold the result to the kernels."""
+    from pallas_kernels import attention_ref
+    monkeypatch.setattr(attention_ref, "_DECODE_BLOCK_TOKENS", page_size)
+    monkeypatch.setattr(attention_ref, "_DECODE_ONE_PASS_TOKENS", 0)
+    _check([(9, 20)], _ragged_lens(page_size), page_size=page_size, group=3,
+           dtype=jnp.float32, sliding_window=window, soft_cap=cap)
+
+
 def test_padding_tokens_in_last_row():
     """No spare extend row: the bucket's padding tokens sit in the last real row's query
     range (query_start), which has a cached prefix."""
