@@ -76,3 +76,22 @@ def test_bench_offline_reference_off(tmp_path: Path) -> None:
     assert "transformers" not in r["rounds"][0]
     assert r["summary"]["ratios"] == {}
     assert r["summary"]["targets"]["single_stream_vs_hf"]["met"] is False
+
+
+def test_bench_kernels_smoke(tmp_path: Path) -> None:
+    """The GPU kernel benchmark at tiny sizes in interpret mode: the script a GPU session
+    runs once must not be found broken there (it checks the kernels against the
+    reference first, then times them; the numbers mean nothing on a CPU)."""
+    out = tmp_path / "bench_kernels.json"
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_kernels.py"), "--smoke", "--nosweep",
+           "--models=smollm2", f"--out={out}"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["errors"] == [] and r["env"]["smoke"] and r["env"]["interpret"]
+    assert r["correctness"] and all(c["ok"] for c in r["correctness"])
+    assert {c["dtype"] for c in r["correctness"]} == {"bfloat16", "float32"}
+    for section in ("decode", "prefill", "kv_write"):
+        assert r[section], section
+    for d in r["decode"]:
+        _positive(d, "pallas_s", "ref_s")
