@@ -105,20 +105,21 @@ class ModelRunner:
                 for bd in c.decode_buckets for n in nps]
         for te in c.extend_token_buckets:
             for be in (b for b in c.extend_seq_buckets if b <= te):
-                keys += [StepKey(ForwardMode.EXTEND, BucketShape(te, be, 0, n))
-                         for n in self._extend_pages(nps)]
+                ext_nps = [0, *nps] if self._prefixless_extend else nps
+                keys += [StepKey(ForwardMode.EXTEND, BucketShape(te, be, 0, n)) for n in ext_nps]
                 if c.enable_mixed:
                     keys += [StepKey(ForwardMode.MIXED, BucketShape(te, be, bd, n))
                              for bd in c.decode_buckets for n in nps]
         return keys
 
-    def _extend_pages(self, nps: list[int]) -> list[int]:
-        """Page-table widths of EXTEND executables. With the jnp attention an extend batch
-        scores every token against every row's page-table slots, masked or not, so fresh
-        prompts (no cached prefix: the common case) get a table of width 0 (4 x 128-token
-        prefill: the prefix columns were 2/3 of the attention work). The Pallas kernels
-        skip empty prefixes by themselves and index at least one page."""
-        return [0, *nps] if self.cfg.attention_backend == "xla" else nps
+    @property
+    def _prefixless_extend(self) -> bool:
+        """Whether EXTEND batches of fresh prompts (no cached prefix: the common case) get
+        executables with a page table of width 0. The jnp attention scores every token
+        against every row's page-table slots, masked or not (4 x 128-token prefill: the
+        prefix columns were 2/3 of its attention work); the Pallas kernels skip empty
+        prefixes by themselves and index at least one page."""
+        return self.cfg.attention_backend == "xla"
 
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
         c = self.cfg
@@ -128,7 +129,7 @@ class ModelRunner:
         # directly), so a fresh prefill takes the smallest bucket whatever its length.
         max_ctx = max(r.start_pos for r in (*ext, *dec))
         kv_len = _smallest_fitting(c.kv_len_buckets, max_ctx, "sequence length")
-        if max_ctx == 0 and not dec and 0 in self._extend_pages([]):
+        if max_ctx == 0 and not dec and self._prefixless_extend:
             kv_len = 0
         te = _smallest_fitting(c.extend_token_buckets, ext_tokens, "extend tokens") if ext else 0
         be = _smallest_fitting(c.extend_seq_buckets, len(ext), "extend rows") if ext else 0
