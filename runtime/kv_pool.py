@@ -19,9 +19,9 @@ class KVPool:
     """Heads outside pages ("HND" per layer): one (layer, KV head, page) is a contiguous
     [S, Dh] block, so gathering a batch's pages for one layer is a gather of whole rows
     that lands directly in the [Hkv, B, tokens, Dh] order attention multiplies in (on the
-    CPU this is 1.2-1.6x faster at decode than the token-major [L, P, S, Hkv, Dh], which
-    needs a transposing gather), and a GPU kernel's TMA copies one page per KV head as a
-    dense 2-D tile."""
+    CPU, 8 rows x 4096 context: 1.28x faster per decode step than the token-major
+    [L, P, S, Hkv, Dh], which needs a transposing gather; short contexts about equal), and
+    a GPU kernel's TMA copies one page per KV head as a dense 2-D tile."""
 
     k: jax.Array  # [L, Hkv, P, S, Dh]
     v: jax.Array  # [L, Hkv, P, S, Dh]
