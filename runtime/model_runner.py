@@ -279,7 +279,7 @@ def _sampling_columns(rows: Sequence[BatchRow | None]) -> dict[str, np.ndarray]:
     """Per-row sampling parameters; padding rows (None) are greedy and unpenalized."""
     cols: dict[str, list] = {k: [] for k in (
         "temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-        "repetition_penalty", "seed", "step")}
+        "repetition_penalty", "seed", "step", "logprobs")}
     for r in rows:
         sp = r.req.sampling if r is not None else None
         cols["temperature"].append(sp.temperature if sp else 0.0)
@@ -293,6 +293,7 @@ def _sampling_columns(rows: Sequence[BatchRow | None]) -> dict[str, np.ndarray]:
         # The sampled token's position keys the row's randomness: the same request draws
         # the same token whatever its batch, bucket or overlap setting.
         cols["step"].append(r.end_pos if r is not None else 0)
+        cols["logprobs"].append(bool(sp and (sp.logprobs or sp.top_logprobs)))
     return {k: np.asarray(v) for k, v in cols.items()}
 
 

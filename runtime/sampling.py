@@ -53,6 +53,7 @@ _COLUMNS: dict[str, tuple[float, type[np.generic]]] = {
     "repetition_penalty": (1.0, np.float32),
     "seed": (0, np.uint32),
     "step": (0, np.int32),
+    "logprobs": (False, np.bool_),
 }
 
 
@@ -73,6 +74,7 @@ class SamplingBatch:
     repetition_penalty: jax.Array  # [B] f32, HF: seen logit > 0 -> / r, else * r; 1 = off
     seed: jax.Array  # [B] u32
     step: jax.Array  # [B] i32, tokens the request has generated so far
+    logprobs: jax.Array  # [B] bool, the request wants logprobs (chosen and/or top-n)
 
     @classmethod
     def create(cls, batch_size: int, **columns: npt.ArrayLike) -> SamplingBatch:
@@ -158,10 +160,22 @@ def sample(
                       lambda: _sample_rows(penalized, params, candidate_tiers))  # [B]
     # Logprobs describe the raw model distribution (vLLM's default "raw_logprobs"), before
     # penalties, temperature and filters, so they do not move with sampling parameters.
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
-    chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse  # [B]
-    top_values, top_ids = lax.top_k(logits, num_top_logprobs)  # [B, n], ties -> lowest id
-    return SampleOutput(tokens, chosen, top_ids, top_values - lse[:, None])
+    # Computed only when some row asks (zeros otherwise): the log-sum-exp and top-n pass
+    # over [B, V] cost ~2-3 ms of a B=32 step on 2 CPU cores.
+    b, n = logits.shape[0], num_top_logprobs
+
+    def raw_logprobs() -> tuple[jax.Array, jax.Array, jax.Array]:
+        lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
+        chosen = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse  # [B]
+        top_values, top_ids = lax.top_k(logits, n)  # [B, n], ties -> lowest id
+        return chosen, top_ids, top_values - lse[:, None]
+
+    def none() -> tuple[jax.Array, jax.Array, jax.Array]:
+        return (jnp.zeros(b, jnp.float32), jnp.zeros((b, n), jnp.int32),
+                jnp.zeros((b, n), jnp.float32))
+
+    chosen, top_ids, top_logprobs = lax.cond(jnp.any(params.logprobs), raw_logprobs, none)
+    return SampleOutput(tokens, chosen, top_ids, top_logprobs)
 
 
 @functools.partial(jax.jit, donate_argnums=0)

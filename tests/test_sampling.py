@@ -141,6 +141,7 @@ def _mixed_rows(vocab: int) -> tuple[np.ndarray, SamplingBatch, np.ndarray, np.n
         repetition_penalty=[1.0, 1.0, 1.0, 1.0, 1.0, 1.3, 1.2, 1.1, 1.0, 1.0],
         seed=[11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
         step=[0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+        logprobs=[True] * n,
     )
     return logits, params, counts, prompt_mask
 
@@ -260,7 +261,8 @@ def test_penalties_match_numpy_reference() -> None:
 def test_logprobs_are_the_raw_log_softmax() -> None:
     logits = _logits(5, 400, seed=8)
     params = SamplingBatch.create(
-        5, temperature=[0.0, 1.0, 0.5, 2.0, 1.0], top_k=[0, 0, 3, 0, 0], seed=range(5)
+        5, temperature=[0.0, 1.0, 0.5, 2.0, 1.0], top_k=[0, 0, 3, 0, 0], seed=range(5),
+        logprobs=[False, True, False, False, False],  # one row asking computes all rows
     )
     counts = np.ones(logits.shape, np.int32)
     params = params.replace(frequency_penalty=np.full(5, 0.7, np.float32))  # must not matter
@@ -273,6 +275,11 @@ def test_logprobs_are_the_raw_log_softmax() -> None:
     chosen = np.take_along_axis(log_softmax, out.next_tokens[:, None], axis=-1)[:, 0]
     np.testing.assert_allclose(out.logprobs, chosen, rtol=1e-6, atol=1e-6)
     assert _sample(logits, params).top_ids.shape == (5, 0)
+    # No row asks: the pass is skipped (zeros), the tokens do not change.
+    silent = _sample(logits, params.replace(logprobs=np.zeros(5, bool)), counts,
+                     num_top_logprobs=20)
+    np.testing.assert_array_equal(silent.next_tokens, out.next_tokens)
+    assert not np.asarray(silent.logprobs).any() and not np.asarray(silent.top_ids).any()
 
 
 def test_changing_parameter_values_does_not_recompile() -> None:
