@@ -84,12 +84,17 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_sca
         v = _gather_pages(v_pool, layer, pages)
         kv_pos = i * bp * s_page + jnp.arange(bp * s_page)[None, :]  # [1, bp * S]
         mask = ((kv_pos < q_pos) & _in_window(kv_pos, q_pos, sliding_window))[None, :, None]
-        s = jnp.where(mask, _scores(qg, k, "hbgd,hbkd->hbgk", sm_scale, soft_cap), _MASKED)
+        # Scores and p @ v as multiply-reduce, not einsum: XLA CPU runs an [Hkv x B]-
+        # batched dot of G-row matrices slowly, a fused multiply-reduce well (B=32 at
+        # 200 context, 30 layers: 126 -> 72 ms; a decode step 226 -> 165-181 ms).
+        raw = (qg[:, :, :, None].astype(jnp.float32) * k[:, :, None].astype(jnp.float32)
+               ).sum(-1) * sm_scale  # [Hkv, B, G, bp * S]
+        raw = raw if soft_cap is None else soft_cap * jnp.tanh(raw / soft_cap)
+        s = jnp.where(mask, raw, _MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None]) * mask  # [Hkv, B, G, bp * S]
-        pv = jnp.einsum("hbgk,hbkd->hbgd", p.astype(v.dtype), v,
-                        preferred_element_type=jnp.float32)
+        pv = (p[..., None] * v[:, :, None].astype(jnp.float32)).sum(-2)  # [Hkv, B, G, Dh]
         return m_new, l * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
 
     if bp == n_pages:  # one block: no loop
