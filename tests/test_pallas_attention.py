@@ -134,6 +134,43 @@ def test_reference_decode_walks_blocks(monkeypatch, page_size, window, cap):
            dtype=jnp.float32, sliding_window=window, soft_cap=cap)
 
 
+@pytest.mark.parametrize("window,cap", [(None, None), (37, 5.0)])
+def test_reference_extend_walks_blocks(monkeypatch, window, cap):
+    """The jnp extend path scores new tokens in query blocks against the key blocks from
+    the block's earliest row start on (a dynamic trip count). With 8-token blocks the rows
+    (fresh and on cached prefixes, one 76 tokens long) start and end mid-block, span up to
+    11 blocks, and the bucket ends in padding; hold the result to the kernels."""
+    from pallas_kernels import attention_ref
+    monkeypatch.setattr(attention_ref, "_EXTEND_BLOCK_TOKENS", 8)
+    rows = [(1, 0), (16, 0), (17, 3), (5, 16), (2, 31), (76, 33)]  # 117 + 3 padding = 120
+    _check(rows, [1, 40], page_size=16, group=3, dtype=jnp.float32, sliding_window=window,
+           soft_cap=cap)
+
+
+def test_reference_extend_without_page_table(monkeypatch):
+    """Fresh prompts run with a page table of width 0 (the runner's prefixless EXTEND
+    executables): same result as with the rows' (empty-prefix) pages listed."""
+    from pallas_kernels import attention_ref
+    monkeypatch.setattr(attention_ref, "_EXTEND_BLOCK_TOKENS", 8)
+    batch, n_pages = _batch([(13, 0), (30, 0), (18, 0)], [], 16)  # 61 + 3 padding = 64
+    rng = np.random.default_rng(1)
+    pool = jnp.asarray(rng.standard_normal((LAYERS, HKV, n_pages + 2, 16, DH)), jnp.float32)
+    t = batch.num_tokens
+    q = jnp.asarray(2 * rng.standard_normal((t, HKV * 3, DH)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((t, HKV, DH)), jnp.float32) for _ in "kv")
+    kw = dict(num_extend_tokens=batch.num_extend_tokens, num_extend_seqs=batch.num_extend_seqs,
+              sm_scale=DH ** -0.5)
+    ref = jax.jit(functools.partial(paged_attention_ref, **kw))
+
+    def run(table):
+        return ref(q, k_new, v_new, pool, pool, jnp.int32(LAYER), table, batch.seq_lens,
+                   batch.query_start, batch.positions)
+
+    with_pages, without = run(batch.page_table), run(batch.page_table[:, :0])
+    np.testing.assert_allclose(np.asarray(without)[:61], np.asarray(with_pages)[:61],
+                               atol=1e-5)
+
+
 def test_padding_tokens_in_last_row():
     """No spare extend row: the bucket's padding tokens sit in the last real row's query
     range (query_start), which has a cached prefix."""
