@@ -19,11 +19,10 @@ from jax import lax
 
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives 0 instead of NaN
 # Prefix tokens per step of the decode walk: small enough that a batch pays for about the
-# context it has, large enough that the loop's per-step overhead stays small.
+# context it has, large enough that the loop's per-step overhead stays small. (One pass
+# over a 256-token bucket instead: 6-15% slower at <= 128 context for B = 1 to 16, ~5%
+# faster for B=1 at 129-256, with the multiply-reduce scores.)
 _DECODE_BLOCK_TOKENS = 128
-# Below this many bucket tokens (rows x page-table width) the walk is not worth its loop
-# overhead (B=1 at a 256-token bucket: ~3 ms per 30-layer step on 2 CPU cores).
-_DECODE_ONE_PASS_TOKENS = 2048
 # Query / key block of the extend path's new tokens (extend buckets are multiples of 64).
 _EXTEND_BLOCK_TOKENS = 128
 
@@ -71,10 +70,7 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_sca
     acc = jnp.broadcast_to(v_new.transpose(1, 0, 2)[:, :, None].astype(jnp.float32),
                            (*m.shape, d))  # [Hkv, B, G, Dh]
     q_pos = (seq_lens - 1)[:, None]  # [B, 1]
-    # Pages per block. A small batch x bucket is cheaper in one pass than in a loop.
-    bp = max(1, min(page_table.shape[1], _DECODE_BLOCK_TOKENS // s_page))
-    if b * page_table.shape[1] * s_page <= _DECODE_ONE_PASS_TOKENS:
-        bp = page_table.shape[1]
+    bp = max(1, min(page_table.shape[1], _DECODE_BLOCK_TOKENS // s_page))  # pages per block
     n_pages = -(-page_table.shape[1] // bp) * bp
     page_table = jnp.pad(page_table, ((0, 0), (0, n_pages - page_table.shape[1])))
     needed = (jnp.max(q_pos) + bp * s_page - 1) // (bp * s_page)  # blocks holding a prefix

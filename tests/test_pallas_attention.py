@@ -129,7 +129,6 @@ def test_reference_decode_walks_blocks(monkeypatch, page_size, window, cap):
     (and the padding row none), in a MIXED batch, and hold the result to the kernels."""
     from pallas_kernels import attention_ref
     monkeypatch.setattr(attention_ref, "_DECODE_BLOCK_TOKENS", page_size)
-    monkeypatch.setattr(attention_ref, "_DECODE_ONE_PASS_TOKENS", 0)
     _check([(9, 20)], _ragged_lens(page_size), page_size=page_size, group=3,
            dtype=jnp.float32, sliding_window=window, soft_cap=cap)
 
