@@ -112,10 +112,10 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
     blocks of _EXTEND_BLOCK_TOKENS, and block j scores only the key blocks from the one
     where its first token's row starts up to itself (a dynamic trip count), with an
     online softmax across prefix and blocks: 4 rows x 128 tokens score 1/4 of the
-    T_e x T_e pairs, one 512-token row 10/16, instead of all of them. A SmolLM2 forward
-    (A B A B): 8 rows x 256 tokens 5.7-5.9 -> 2.4-2.6 s, 4 x 128 0.66-0.68 -> 0.56-0.63 s;
-    one 512-token row 0.64-0.68 -> 0.69-0.72 s (the per-block ops are too small for XLA
-    CPU to split over threads, which eats the causal saving)."""
+    T_e x T_e pairs. A SmolLM2 forward (A B A B): 8 rows x 256 tokens 5.7-5.9 -> 2.4-2.6
+    s, 4 x 128 0.66-0.68 -> 0.56-0.63 s. One 512-token row gains nothing (equal within
+    noise over two A/Bs): the per-block ops are too small for XLA CPU to split over its
+    threads, which eats the causal saving."""
     t, hq, d = q.shape
     b = page_table.shape[0]
     hkv = k_new.shape[1]

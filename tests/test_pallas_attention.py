@@ -146,6 +146,14 @@ def test_reference_extend_walks_blocks(monkeypatch, window, cap):
            soft_cap=cap)
 
 
+def test_reference_extend_one_row(monkeypatch):
+    """One row of 77 new tokens on a cached prefix walks 10 causal 8-token blocks, with the
+    bucket's padding tokens in the row's query range (no spare row)."""
+    from pallas_kernels import attention_ref
+    monkeypatch.setattr(attention_ref, "_EXTEND_BLOCK_TOKENS", 8)
+    _check([(77, 33)], [], page_size=16, group=3, dtype=jnp.float32, spare_row=False)
+
+
 def test_reference_extend_without_page_table(monkeypatch):
     """Fresh prompts run with a page table of width 0 (the runner's prefixless EXTEND
     executables): same result as with the rows' (empty-prefix) pages listed."""
