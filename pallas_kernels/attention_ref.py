@@ -170,9 +170,9 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
 
         carry = (m[:, :, rows], l[:, :, rows], acc[:, :, rows])
         if j == 0:
-            m_j, l_j, acc_j = key_block(0, carry)
+            _, l_j, acc_j = key_block(0, carry)
         else:  # rows are laid back to back: the block's first token has the earliest start
-            m_j, l_j, acc_j = lax.fori_loop(row_first[j * bq] // bq, j + 1, key_block, carry)
+            _, l_j, acc_j = lax.fori_loop(row_first[j * bq] // bq, j + 1, key_block, carry)
         outs.append(acc_j / jnp.maximum(l_j, 1e-30)[..., None])  # padding tokens: 0, not NaN
     out = jnp.concatenate(outs, axis=2).astype(q.dtype)  # [Hkv, G, T_e, Dh]
     return out.transpose(2, 0, 1, 3).reshape(t, hq, d)
