@@ -20,7 +20,7 @@ from jax import lax
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives 0 instead of NaN
 # Prefix tokens per step of the decode walk: small enough that a batch pays for about the
 # context it has, large enough that the loop's per-step overhead stays small. (One pass
-# over a 256-token bucket instead: 6-15% slower at <= 128 context for B = 1 to 16, ~5%
+# over a 256-token bucket instead: 4-20% slower at <= 128 context for B = 1 to 16, ~5%
 # faster for B=1 at 129-256, with the multiply-reduce scores.)
 _DECODE_BLOCK_TOKENS = 128
 # Query / key block of the extend path's new tokens (extend buckets are multiples of 64).

@@ -63,9 +63,8 @@ def _batch(extend: list[tuple[int, int]], decode: list[int], page_size: int,
     return batch.replace(page_table=jnp.asarray(table)), next_page
 
 
-def _check(extend, decode, *, page_size, group, dtype, impl=None, sliding_window=None,
-           soft_cap=None, num_splits=None, spare_row=True, seed=0):
-    batch, n_pages = _batch(extend, decode, page_size, spare_row=spare_row)
+def _inputs(batch, n_pages: int, page_size: int, group: int, dtype, seed: int) -> tuple:
+    """Random q, k_new, v_new and pools for `batch`, as the attention functions take them."""
     rng = np.random.default_rng(seed)
     pool_shape = (LAYERS, HKV, n_pages + 2, page_size, DH)
     k_pool, v_pool = (jnp.asarray(rng.standard_normal(pool_shape), dtype) for _ in "kv")
@@ -73,8 +72,14 @@ def _check(extend, decode, *, page_size, group, dtype, impl=None, sliding_window
     # Scores of a few units, so the soft cap and the softmax are both far from trivial.
     q = jnp.asarray(2 * rng.standard_normal((t, HKV * group, DH)), dtype)
     k_new, v_new = (jnp.asarray(rng.standard_normal((t, HKV, DH)), dtype) for _ in "kv")
-    args = (q, k_new, v_new, k_pool, v_pool, jnp.int32(LAYER), batch.page_table,
+    return (q, k_new, v_new, k_pool, v_pool, jnp.int32(LAYER), batch.page_table,
             batch.seq_lens, batch.query_start, batch.positions)
+
+
+def _check(extend, decode, *, page_size, group, dtype, impl=None, sliding_window=None,
+           soft_cap=None, num_splits=None, spare_row=True, seed=0):
+    batch, n_pages = _batch(extend, decode, page_size, spare_row=spare_row)
+    args = _inputs(batch, n_pages, page_size, group, dtype, seed)
     kw = dict(num_extend_tokens=batch.num_extend_tokens, num_extend_seqs=batch.num_extend_seqs,
               sm_scale=DH ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
     ref = jax.jit(functools.partial(paged_attention_ref, **kw))(*args)
@@ -160,20 +165,13 @@ def test_reference_extend_without_page_table(monkeypatch):
     from pallas_kernels import attention_ref
     monkeypatch.setattr(attention_ref, "_EXTEND_BLOCK_TOKENS", 8)
     batch, n_pages = _batch([(13, 0), (30, 0), (18, 0)], [], 16)  # 61 + 3 padding = 64
-    rng = np.random.default_rng(1)
-    pool = jnp.asarray(rng.standard_normal((LAYERS, HKV, n_pages + 2, 16, DH)), jnp.float32)
-    t = batch.num_tokens
-    q = jnp.asarray(2 * rng.standard_normal((t, HKV * 3, DH)), jnp.float32)
-    k_new, v_new = (jnp.asarray(rng.standard_normal((t, HKV, DH)), jnp.float32) for _ in "kv")
-    kw = dict(num_extend_tokens=batch.num_extend_tokens, num_extend_seqs=batch.num_extend_seqs,
-              sm_scale=DH ** -0.5)
-    ref = jax.jit(functools.partial(paged_attention_ref, **kw))
-
-    def run(table):
-        return ref(q, k_new, v_new, pool, pool, jnp.int32(LAYER), table, batch.seq_lens,
-                   batch.query_start, batch.positions)
-
-    with_pages, without = run(batch.page_table), run(batch.page_table[:, :0])
+    ref = jax.jit(functools.partial(
+        paged_attention_ref, num_extend_tokens=batch.num_extend_tokens,
+        num_extend_seqs=batch.num_extend_seqs, sm_scale=DH ** -0.5))
+    # The same seed gives both calls the same q, K/V and pools.
+    with_pages = ref(*_inputs(batch, n_pages, 16, 3, jnp.float32, seed=1))
+    without = ref(*_inputs(batch.replace(page_table=batch.page_table[:, :0]), n_pages, 16, 3,
+                           jnp.float32, seed=1))
     np.testing.assert_allclose(np.asarray(without)[:61], np.asarray(with_pages)[:61],
                                atol=1e-5)
 
