@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import PackedWeight, packed_matmul
 from runtime.config import RopeScaling
 
 
@@ -49,6 +50,18 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
+def linear(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
+    """x [..., K] @ w [K, N]; a PackedWeight runs the CPU kernel (cpu_kernels)."""
+    return packed_matmul(x, w) if isinstance(w, PackedWeight) else x @ w
+
+
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
     """SwiGLU: x [T, D] -> [T, D]."""
     return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def fused_gated_mlp(x: jax.Array, w_gate_up: jax.Array | PackedWeight,
+                    w_down: jax.Array | PackedWeight) -> jax.Array:
+    """SwiGLU with gate and up in one matrix [D, 2F] (gate columns first): x [T, D] -> [T, D]."""
+    gate, up = jnp.split(linear(x, w_gate_up), 2, axis=-1)  # [T, F] each
+    return linear(jax.nn.silu(gate) * up, w_down)

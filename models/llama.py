@@ -10,7 +10,16 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from models.layers import apply_rope, gated_mlp, rms_norm, rope_cos_sin, rope_inv_freq
+import cpu_kernels
+from models.layers import (
+    apply_rope,
+    fused_gated_mlp,
+    gated_mlp,
+    linear,
+    rms_norm,
+    rope_cos_sin,
+    rope_inv_freq,
+)
 from pallas_kernels import get_paged_attention_fn
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
@@ -71,9 +80,12 @@ def _qkv(lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
     """h [T, D] -> q [T, Hq, Dh], k, v [T, Hkv, Dh] (normed, projected, rope applied)."""
     t = h.shape[0]
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    q = x @ lp["wq"]  # [T, Hq*Dh]
-    k = x @ lp["wk"]  # [T, Hkv*Dh]
-    v = x @ lp["wv"]
+    if "wqkv" in lp:  # packed (pack_for_cpu): one matmul for all three
+        q, k, v = jnp.split(linear(x, lp["wqkv"]), [cfg.q_size, cfg.q_size + cfg.kv_size], -1)
+    else:
+        q = x @ lp["wq"]  # [T, Hq*Dh]
+        k = x @ lp["wk"]  # [T, Hkv*Dh]
+        v = x @ lp["wv"]
     if cfg.attention_bias:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = apply_rope(q.reshape(t, cfg.num_heads, cfg.head_dim), cos, sin)
@@ -93,9 +105,11 @@ def _attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arr
 
 def _out_mlp(lp: dict, h: jax.Array, o: jax.Array, cfg: ModelConfig) -> jax.Array:
     """Attention output projection and the MLP, both residual: h [T, D] -> [T, D]."""
-    h = h + o @ lp["wo"]
-    return h + gated_mlp(rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps), lp["w_gate"],
-                         lp["w_up"], lp["w_down"])
+    h = h + linear(o, lp["wo"])
+    x = rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps)
+    if "w_gate_up" in lp:  # packed (pack_for_cpu)
+        return h + fused_gated_mlp(x, lp["w_gate_up"], lp["w_down"])
+    return h + gated_mlp(x, lp["w_gate"], lp["w_up"], lp["w_down"])
 
 
 _qkv_jit = jax.jit(_qkv, static_argnames="cfg")
@@ -109,6 +123,31 @@ def unstack_layers(params: dict) -> dict:
     n = layers["attn_norm"].shape[0]
     per_layer = [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(n)]
     return {**{k: v for k, v in params.items() if k != "layers"}, "layer_list": per_layer}
+
+
+def pack_for_cpu(params: dict) -> dict:
+    """Weights for cpu_kernels.packed_matmul: per layer wq|wk|wv as `wqkv` and
+    w_gate|w_up as `w_gate_up` (fewer, wider calls), wo and w_down packed, and the output
+    head as a packed `lm_head` (for tied embeddings a transposed copy beside `embed`,
+    which the token lookup keeps using). Stacked or per-layer (unstack_layers) trees."""
+    fused = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
+             "w_down": ("w_down",)}
+    dropped = {name for parts in fused.values() for name in parts}
+
+    def pack_layer(lp: dict) -> dict:
+        out = {k: v for k, v in lp.items() if k not in dropped}
+        for name, parts in fused.items():
+            out[name] = cpu_kernels.pack(jnp.concatenate([lp[p] for p in parts], axis=-1))
+        return out
+
+    out = dict(params)
+    if "layer_list" in params:
+        out["layer_list"] = [pack_layer(lp) for lp in params["layer_list"]]
+    else:
+        out["layers"] = pack_layer(params["layers"])
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T  # [D, V]
+    out["lm_head"] = cpu_kernels.pack(head)
+    return out
 
 
 def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
@@ -157,6 +196,8 @@ def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,
                    cfg: ModelConfig) -> jax.Array:
     """h [T, D] -> logits [B, V] in f32, only for the tokens that are sampled."""
     x = rms_norm(h[logits_indices], params["final_norm"], cfg.rms_norm_eps)  # [B, D]
+    if isinstance(params.get("lm_head"), cpu_kernels.PackedWeight):
+        return linear(x, params["lm_head"])
     if cfg.tie_word_embeddings:
         return jnp.einsum("bd,vd->bv", x, params["embed"], preferred_element_type=jnp.float32)
     return jnp.einsum("bd,dv->bv", x, params["lm_head"], preferred_element_type=jnp.float32)

@@ -197,10 +197,17 @@ class RunnerConfig:
     # Keep layer weights as separate per-layer buffers picked by lax.switch instead of
     # slicing the stacked arrays (models.llama.run_layers): XLA CPU copies every slice.
     per_layer_weights: bool = False
+    # "packed": matmuls through cpu_kernels (weights packed at load; float32, CPU only);
+    # "xla": XLA's own dot.
+    cpu_matmul: str = "xla"
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
+        if self.cpu_matmul not in ("xla", "packed"):
+            raise ValueError(f"cpu_matmul={self.cpu_matmul!r}: expected 'xla' or 'packed'")
+        if self.cpu_matmul == "packed" and self.dtype != "float32":
+            raise ValueError(f"cpu_matmul='packed' needs dtype float32, not {self.dtype}")
         if self.attention_backend not in ("xla", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: "
                              "expected 'xla' or 'pallas'")
@@ -241,6 +248,7 @@ class ServerArgs:
     kv_len_buckets: tuple[int, ...] | None = None  # None: from the model's context
     max_top_logprobs: int = 5
     per_layer_weights: bool | None = None  # None: on for CPU (see RunnerConfig)
+    cpu_matmul: str | None = None  # None: packed on CPU where cpu_kernels build, else xla
     compilation_cache_dir: str | None = "~/.cache/xlaserve/jax"
     checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"
     strict_compile: bool = False

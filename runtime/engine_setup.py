@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import psutil
 
+import cpu_kernels
 from runtime import checkpoint
 from runtime.config import ModelConfig, RunnerConfig, ServerArgs
 from runtime.kv_pool import kv_bytes_per_token
@@ -27,6 +28,26 @@ def on_gpu() -> bool:
 
 def default_dtype(args: ServerArgs) -> str:
     return args.dtype or ("bfloat16" if on_gpu() else "float32")
+
+
+def default_cpu_matmul(args: ServerArgs) -> str:
+    """The packed CPU kernels wherever they can run (CPU backend, float32, a compiler and
+    AVX-512 here), else XLA's dot; an explicit `packed` that cannot run is an error."""
+    if args.cpu_matmul is not None:
+        if args.cpu_matmul == "packed":
+            if on_gpu():
+                raise ValueError("cpu_matmul='packed' runs on the CPU backend only")
+            reason = cpu_kernels.unavailable_reason()
+            if reason is not None:
+                raise ValueError(f"cpu_matmul='packed': {reason}")
+        return args.cpu_matmul
+    if on_gpu() or default_dtype(args) != "float32":
+        return "xla"
+    reason = cpu_kernels.unavailable_reason()
+    if reason is not None:
+        logger.warning("CPU matmul kernels off (%s): using XLA's dot, slower", reason)
+        return "xla"
+    return "packed"
 
 
 def _tokenizer_for(path: str) -> Tokenizer | None:
@@ -90,6 +111,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         strict_compile=args.strict_compile,
         per_layer_weights=(not on_gpu() if args.per_layer_weights is None
                            else args.per_layer_weights),
+        cpu_matmul=default_cpu_matmul(args),
     )
 
 

@@ -82,6 +82,8 @@ class ModelRunner:
         self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
         if runner_cfg.per_layer_weights:
             self.params = llama.unstack_layers(self.params)
+        if runner_cfg.cpu_matmul == "packed":
+            self.params = llama.pack_for_cpu(self.params)
         self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, self.dtype)
         s, v = max_running_requests + 1, model_cfg.vocab_size
         self.state = SlotState(last_tokens=jnp.zeros(s, jnp.int32),

@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_one_batch.py --out_dir=bench_out
     .venv/bin/python scripts/bench_one_batch.py --tiny --out_dir=/tmp/b1   # seconds
+    .venv/bin/python scripts/bench_one_batch.py --cpu_matmul=packed,xla    # side by side
 
 Each point is a synthetic batch (fake requests with their own pages; the KV pool holds
 zeros, which costs the same as real K/V) timed over --iters calls after --warmup calls:
@@ -12,7 +13,9 @@ The buckets are the server's (runtime.engine_setup.runner_config), so each point
 the executable a server would run for that batch. The machine's roofline is measured in
 the same run, and every point reports the fraction of the compute bound (useful FLOPs /
 f32 matmul peak) and of the memory bound (weights + cached K/V read / read bandwidth)
-it reaches. Writes bench_one_batch.json and bench_one_batch.png to --out_dir.
+it reaches. With several --cpu_matmul values, one runner per value times each point
+back to back, and the table gives each one's speed-up over the last value.
+Writes bench_one_batch.json and bench_one_batch.png to --out_dir.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ flags.DEFINE_bool("mixed", False, "also time MIXED: each prefill length with eac
 flags.DEFINE_integer("iters", 10, "timed calls per point")
 flags.DEFINE_integer("warmup", 2, "untimed calls per point first")
 flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
+flags.DEFINE_list("cpu_matmul", [], "matmul paths to time side by side, e.g. packed,xla "
+                  "(default: the server's)")
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 
@@ -67,11 +72,11 @@ class Point:
     def new_tokens(self) -> int:
         return sum(self.extend) + self.decode
 
-    def label(self) -> str:
+    def label(self, variant: str | None = None) -> str:
         parts = [f"extend {'+'.join(map(str, self.extend))}"] if self.extend else []
         if self.decode:
             parts.append(f"decode {self.decode}x@{self.context}")
-        return f"{self.mode.value}: {', '.join(parts)}"
+        return f"{self.mode.value}: {', '.join(parts)}" + (f" [{variant}]" if variant else "")
 
 
 class _BenchRunner(ModelRunner):
@@ -117,6 +122,13 @@ def _server_args(points: list[Point], cfg: ModelConfig) -> ServerArgs:
 def _base_args() -> ServerArgs:
     return ServerArgs(dtype=FLAGS.dtype, checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
+
+
+def _variants() -> list[str | None]:
+    for v in FLAGS.cpu_matmul:
+        if v not in ("packed", "xla"):
+            raise app.UsageError(f"--cpu_matmul: {v!r} is not 'packed' or 'xla'")
+    return list(FLAGS.cpu_matmul) or [None]
 
 
 class _Pages:
@@ -182,12 +194,15 @@ def _time_point(runner: ModelRunner, batch: ScheduleBatch, iters: int,
     return host[warmup:], total
 
 
-def _record(p: Point, shape: BucketShape, host: list[float], total: list[float],
-            cfg: ModelConfig, itemsize: int, roof: bc.Roofline) -> dict[str, Any]:
+def _record(p: Point, variant: str | None, shape: BucketShape, host: list[float],
+            total: list[float], cfg: ModelConfig, itemsize: int,
+            roof: bc.Roofline) -> dict[str, Any]:
     stats = bc.summarize(total)
     med = stats["median_s"]
     rows = p.rows()
-    rec = {"mode": p.mode.value, "label": p.label(), "extend_tokens": list(p.extend),
+    rec = {"mode": p.mode.value, "point": p.label(), "label": p.label(variant),
+           "cpu_matmul": variant,
+           "extend_tokens": list(p.extend),
            "decode_rows": p.decode, "context": p.context, "new_tokens": p.new_tokens,
            "bucket": dataclasses.asdict(shape), **stats,
            "launch_median_s": bc.median(host), "tokens_per_s": p.new_tokens / med}
@@ -207,6 +222,8 @@ def _series(records: list[dict[str, Any]]) -> dict[tuple[int, str], list[dict[st
             key = (1, "extend")
         else:
             key = (1, f"mixed, +{r['decode_rows']} decode rows")
+        if r["cpu_matmul"]:
+            key = (key[0], f"{key[1]} [{r['cpu_matmul']}]")
         out.setdefault(key, []).append(r)
     return out
 
@@ -249,12 +266,20 @@ def _load(tiny: bool) -> tuple[tuple[ModelConfig, dict], str]:
     return (cfg, params), "SmolLM2-135M-Instruct"
 
 
-def _print_table(records: list[dict[str, Any]]) -> None:
+def _print_table(records: list[dict[str, Any]], variants: list[str | None]) -> None:
     bc.log("results (fractions against the best roofline probe):")
     for r in records:
-        print(f"  {r['label']:<38} median {r['median_s'] * 1e3:8.2f} ms  p90 "
+        print(f"  {r['label']:<47} median {r['median_s'] * 1e3:8.2f} ms  p90 "
               f"{r['p90_s'] * 1e3:8.2f} ms  {r['tokens_per_s']:9.1f} tok/s  "
               f"compute {r['frac_compute']:6.1%}  memory {r['frac_memory']:6.1%}")
+    if len(variants) > 1:
+        bc.log(f"speed-up over {variants[-1]} (its median / each median, same point):")
+        n = len(variants)
+        for i in range(0, len(records), n):
+            group = records[i:i + n]
+            base = group[-1]["median_s"]
+            print(f"  {group[0]['point']:<38} " + "  ".join(
+                f"{r['cpu_matmul']} {base / r['median_s']:.2f}x" for r in group[:-1]))
 
 
 def main(argv: list[str]) -> None:
@@ -271,31 +296,39 @@ def main(argv: list[str]) -> None:
     probes = [_probe("before")]
 
     points = _points(dec_b, ctxs, ext, FLAGS.mixed or tiny)
+    variants = _variants()
     bc.enable_compilation_cache(FLAGS.compilation_cache_dir)
     model, name = _load(tiny)
     cfg = model[0]
     args = _server_args(points, cfg)
     rng = np.random.default_rng(0)
     built = [_build_batch(p, cfg.vocab_size, args.page_size, rng) for p in points]
-    runner = _make_runner(args, model, [b for b, _ in built], max(n for _, n in built))
-    timed = []
+    runners = {v: _make_runner(dataclasses.replace(args, cpu_matmul=v), model,
+                               [b for b, _ in built], max(n for _, n in built))
+               for v in variants}
+    timed = []  # point-major, variants of one point back to back
     for p, (batch, _) in zip(points, built, strict=True):
-        timed.append(_time_point(runner, batch, iters, warmup))
-        bc.log(f"{p.label():<40} median {bc.median(timed[-1][1]) * 1e3:8.2f} ms")
+        for v in variants:
+            timed.append(_time_point(runners[v], batch, iters, warmup))
+            bc.log(f"{p.label(v):<49} median {bc.median(timed[-1][1]) * 1e3:8.2f} ms")
     probes.append(_probe("after"))
     # The best probe is the machine's capability; a probe slowed by a neighbour would
     # flatter every fraction.
     roof = bc.Roofline(max(r.matmul_gflops for r in probes),
                        max(r.mem_read_gbps for r in probes))
-    records = [_record(p, runner.bucket_for(batch), host, total, cfg, runner.dtype.itemsize,
+    runner = runners[variants[0]]
+    jobs = [(p, batch, v) for p, (batch, _) in zip(points, built, strict=True) for v in variants]
+    records = [_record(p, v, runner.bucket_for(batch), host, total, cfg, runner.dtype.itemsize,
                        roof)
-               for p, (batch, _), (host, total) in zip(points, built, timed, strict=True)]
-    _print_table(records)
+               for (p, batch, v), (host, total) in zip(jobs, timed, strict=True)]
+    _print_table(records, variants)
 
     machine["load_average_end"] = bc.load_average()
     result = {"script": "bench_one_batch", "command": bc.command_line(), "machine": machine,
               "model": bc.model_summary(cfg, name, runner.cfg.dtype),
-              "runner": dataclasses.asdict(runner.cfg), "roofline": roof.to_json(),
+              "runner": dataclasses.asdict(runner.cfg),
+              "cpu_matmul": {str(v): runners[v].cfg.cpu_matmul for v in variants},
+              "roofline": roof.to_json(),
               "roofline_probes": [r.to_json() for r in probes],
               "iters": iters, "warmup": warmup, "points": records,
               "wall_s": time.perf_counter() - t_start}

@@ -64,6 +64,9 @@ flags.DEFINE_bool("strict_compile", _D.strict_compile, "fail on any compilation 
 flags.DEFINE_bool("per_layer_weights", None, "layer weights as per-layer buffers picked by "
                   "lax.switch (default: on for CPU): ~1.5x faster decode there, but each "
                   "executable compiles slower")
+flags.DEFINE_enum("cpu_matmul", None, ["packed", "xla"], "CPU matmuls: our kernel over "
+                  "weights packed at load, or XLA's dot (default: packed where it builds: "
+                  "x86-64 with AVX-512 and a C++ compiler)")
 
 FLAGS = flags.FLAGS
 
@@ -90,7 +93,7 @@ def server_args() -> ServerArgs:
         compilation_cache_dir=FLAGS.compilation_cache_dir or None,
         checkpoint_cache_dir=FLAGS.checkpoint_cache_dir, strict_compile=FLAGS.strict_compile,
         max_queued_requests=FLAGS.max_queued_requests,
-        per_layer_weights=FLAGS.per_layer_weights)
+        per_layer_weights=FLAGS.per_layer_weights, cpu_matmul=FLAGS.cpu_matmul)
 
 
 def main(argv: list[str]) -> None:

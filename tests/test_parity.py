@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from models import llama
 from runtime import checkpoint
 from runtime.config import ServerArgs
 from runtime.engine import Engine
@@ -31,6 +32,14 @@ def smollm2():
     return checkpoint.restore_checkpoint(path)
 
 
+def _maybe_packed(params: dict, matmul: str) -> dict:
+    """The weights as the model runner holds them for `cpu_matmul=matmul`."""
+    return llama.pack_for_cpu(params) if matmul == "packed" else params
+
+
+MATMULS = pytest.mark.parametrize("matmul", ["xla", "packed"])
+
+
 @pytest.fixture(scope="module")
 def reference():
     meta = json.loads((FIXTURES / "smollm2_reference.json").read_text())
@@ -44,9 +53,11 @@ def _comparable_prefix(margins: np.ndarray) -> int:
     return int(small[0]) + 1 if small.size else len(margins)
 
 
+@MATMULS
 @pytest.mark.parametrize("p", [0, 1])
-def test_smollm2_last_logits_match_transformers(smollm2, reference, p):
+def test_smollm2_last_logits_match_transformers(smollm2, reference, p, matmul):
     cfg, params = smollm2
+    params = _maybe_packed(params, matmul)
     _, ref = reference
     ids = ref[f"p{p}_prompt_ids"].tolist()
     logits = all_position_logits(params, cfg, ids)[-1]
@@ -54,11 +65,13 @@ def test_smollm2_last_logits_match_transformers(smollm2, reference, p):
     assert err < 1e-3, f"max abs logit error {err}"
 
 
+@MATMULS
 @pytest.mark.parametrize("p", [0, 1])
-def test_smollm2_teacher_forced_top1_matches_transformers(smollm2, reference, p):
+def test_smollm2_teacher_forced_top1_matches_transformers(smollm2, reference, p, matmul):
     """Past any near-tie: feed transformers' 32 greedy tokens and compare each step's
     argmax wherever transformers' own top-2 margin is clear of float noise."""
     cfg, params = smollm2
+    params = _maybe_packed(params, matmul)
     _, ref = reference
     prompt = ref[f"p{p}_prompt_ids"].tolist()
     cont = ref[f"p{p}_greedy_ids"].tolist()
@@ -70,9 +83,11 @@ def test_smollm2_teacher_forced_top1_matches_transformers(smollm2, reference, p)
 
 @pytest.mark.parametrize("name", ["llama3_untied", "qwen2_bias_tied", "llama_tied",
                                   "llama_untied"])
-def test_tiny_models_match_transformers(name):
+@MATMULS
+def test_tiny_models_match_transformers(name, matmul):
     folder = FIXTURES / "tiny_models" / name
     cfg, params = checkpoint.load_hf_safetensors(str(folder))
+    params = _maybe_packed(params, matmul)
     ref = np.load(folder / "ref_logits.npz")
     logits = all_position_logits(params, cfg, ref["tokens"].tolist(), page_size=4)
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=1e-4)
@@ -88,6 +103,7 @@ def test_smollm2_greedy_8_concurrent_match_transformers(smollm2, reference):
                       max_extend_seqs=4, max_total_tokens=4096, compilation_cache_dir=None,
                       strict_compile=True, max_top_logprobs=0)
     eng = Engine(args, model=(cfg, params))
+    assert eng.runner.cfg.cpu_matmul == "packed"  # the CPU default
     prompts = [ref[f"p{i % 2}_prompt_ids"].tolist() for i in range(8)]
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=32,
                                                 ignore_eos=True))

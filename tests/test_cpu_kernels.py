@@ -1,0 +1,92 @@
+"""cpu_kernels.packed_matmul against numpy, its batch invariance, and where it is used."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cpu_kernels
+from models import llama
+from runtime.config import RunnerConfig, ServerArgs
+from runtime.engine_setup import default_cpu_matmul
+from tests.model_utils import TINY
+
+
+def test_kernels_build_here():
+    """CI machines are x86-64 with AVX-512 and g++: the default CPU path must be ours
+    (elsewhere the engine falls back to XLA's dot, see default_cpu_matmul)."""
+    assert cpu_kernels.unavailable_reason() is None
+    cpu_kernels.load()
+
+
+# M covers empty, one row, every tile tail (1..5 rows past a 6-row tile), more than one
+# 96-row work unit; K odd and tiny; N below, at and across 64-column panels.
+@pytest.mark.parametrize("m,k,n", [(0, 8, 64), (1, 576, 576), (7, 100, 130), (5, 3, 17),
+                                   (97, 33, 65), (200, 1536, 576), (13, 64, 1), (32, 17, 192)])
+def test_matches_numpy(m, k, n):
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32)
+    y = jax.jit(cpu_kernels.packed_matmul)(jnp.asarray(x), cpu_kernels.pack(jnp.asarray(w)))
+    assert y.shape == (m, n) and y.dtype == jnp.float32
+    want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_leading_dims_and_stacked_weights():
+    """x [A, B, K] flattens to rows; a stacked [L, K, N] weight packs per layer."""
+    rng = np.random.default_rng(1)
+    w = jnp.asarray(rng.standard_normal((3, 40, 70), np.float32))
+    pw = cpu_kernels.pack(w)
+    assert pw.panels.shape == (3, 2, 40, 64) and pw.shape == (3, 40, 70)
+    x = jnp.asarray(rng.standard_normal((2, 5, 40), np.float32))
+    layer1 = jax.tree.map(lambda a: a[1], pw)  # what run_layers' stacked path does
+    y = cpu_kernels.packed_matmul(x, layer1)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(x) @ np.asarray(w[1]), rtol=1e-5,
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="one matrix"):
+        cpu_kernels.packed_matmul(x, pw)
+
+
+def test_row_results_do_not_depend_on_the_batch():
+    """Every row runs the same FMA sequence wherever it sits: bitwise equal alone, in a
+    6-row tile, in a tail tile and in a second 96-row work unit."""
+    rng = np.random.default_rng(2)
+    w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((300, 200), np.float32)))
+    x = jnp.asarray(rng.standard_normal((150, 300), np.float32))
+    f = jax.jit(cpu_kernels.packed_matmul)
+    full = np.asarray(f(x, w))
+    for i in (0, 5, 6, 95, 96, 149):
+        np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w))[0], full[i])
+    np.testing.assert_array_equal(np.asarray(f(x[3:10], w)), full[3:10])
+
+
+def test_packed_model_matches_unpacked():
+    """pack_for_cpu (fused QKV and gate/up, packed head) gives the same logits, stacked
+    and per-layer, tied and untied heads."""
+    from tests.model_utils import all_position_logits
+
+    ids = list(range(3, 40))
+    for tie in (True, False):
+        cfg = dataclasses.replace(TINY, tie_word_embeddings=tie)
+        params = llama.init_params(cfg, jax.random.key(3))
+        want = all_position_logits(params, cfg, ids)
+        for tree in (params, llama.unstack_layers(params)):
+            packed = llama.pack_for_cpu(tree)
+            assert isinstance(packed["lm_head"], cpu_kernels.PackedWeight)
+            np.testing.assert_allclose(all_position_logits(packed, cfg, ids), want,
+                                       rtol=2e-5, atol=2e-5)
+
+
+def test_config_choices():
+    assert default_cpu_matmul(ServerArgs()) == "packed"  # CPU, float32, kernels build
+    assert default_cpu_matmul(ServerArgs(dtype="bfloat16")) == "xla"
+    assert default_cpu_matmul(ServerArgs(cpu_matmul="xla")) == "xla"
+    with pytest.raises(ValueError, match="float32"):
+        RunnerConfig(dtype="bfloat16", cpu_matmul="packed")
+    with pytest.raises(ValueError, match="expected 'xla' or 'packed'"):
+        RunnerConfig(cpu_matmul="mkl")
