@@ -2,6 +2,8 @@
 
 `packed_matmul`: x [M, K] @ W [K, N] with W packed once at load (`pack`) into 64-column
 panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized M.
+`decode_attention`: paged attention of decode rows reading the pool in place; see
+decode_attention.cc.
 
 The library is compiled on first use with the machine's C++ compiler (`$CXX`, else g++)
 for this CPU (-march=native) and cached under ~/.cache/xlaserve/cpu_kernels, keyed by the
@@ -25,12 +27,15 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 log = logging.getLogger(__name__)
 
 PANEL = 64  # panel width, kNR in packed_matmul.cc
-_SOURCE = pathlib.Path(__file__).with_name("packed_matmul.cc")
-_TARGET = "xlaserve_packed_matmul"
+_SOURCES = [pathlib.Path(__file__).with_name(n)
+            for n in ("packed_matmul.cc", "decode_attention.cc")]
+_TARGETS = {"xlaserve_packed_matmul": "XlaservePackedMatmul",
+            "xlaserve_decode_attention": "XlaserveDecodeAttention"}
 _CACHE = pathlib.Path(os.environ.get("XLASERVE_CPU_KERNELS_CACHE",
                                      "~/.cache/xlaserve/cpu_kernels")).expanduser()
 
@@ -65,11 +70,12 @@ def _build() -> pathlib.Path:
     """Compile the library once per (source, compiler, headers, CPU); return its path."""
     cxx = _compiler()
     include = jax.ffi.include_dir()
-    cmd = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-           f"-I{include}", str(_SOURCE)]
+    flags = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
+             f"-I{include}"]
+    cmd = [*flags, *map(str, _SOURCES)]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([
-        _SOURCE.read_text(), " ".join(cmd[:-2]), version, jax.__version__,
+        *(src.read_text() for src in _SOURCES), " ".join(flags), version, jax.__version__,
         " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
     lib = _CACHE / key / "libxlaserve_cpu.so"
     if lib.exists():
@@ -83,7 +89,7 @@ def _build() -> pathlib.Path:
     done = subprocess.run([*cmd, "-o", str(out)], capture_output=True, text=True)
     if done.returncode != 0:
         out.unlink(missing_ok=True)
-        raise RuntimeError(f"building {_SOURCE.name} failed:\n{done.stderr[-4000:]}")
+        raise RuntimeError(f"building the CPU kernels failed:\n{done.stderr[-4000:]}")
     out.replace(lib)
     return lib
 
@@ -95,8 +101,9 @@ def load() -> None:
     if reason is not None:
         raise RuntimeError(f"xlaserve CPU kernels unavailable: {reason}")
     lib = ctypes.cdll.LoadLibrary(str(_build()))
-    jax.ffi.register_ffi_target(_TARGET, jax.ffi.pycapsule(lib.XlaservePackedMatmul),
-                                platform="cpu")
+    for target, symbol in _TARGETS.items():
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
+                                    platform="cpu")
 
 
 @jax.tree_util.register_dataclass
@@ -129,6 +136,23 @@ def packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
     load()
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    y = jax.ffi.ffi_call(_TARGET, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(
-        x2, w.panels)
+    y = jax.ffi.ffi_call("xlaserve_packed_matmul",
+                         jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(x2, w.panels)
     return y.reshape(*lead, w.n)
+
+
+def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array,
+                     v_pool: jax.Array, layer: jax.Array, page_table: jax.Array,
+                     seq_lens: jax.Array, *, sm_scale: float, sliding_window: int | None = None,
+                     soft_cap: float | None = None) -> jax.Array:
+    """Decode rows' attention, float32 (the contract of attention_ref._decode).
+
+    q [B, Hq, Dh]; k_new, v_new [B, Hkv, Dh] (each row's own new key, at seq_len - 1);
+    pools [L, Hkv, P, S, Dh] holding the earlier context; layer [] int32;
+    page_table [B, Np] int32; seq_lens [B] int32 -> [B, Hq, Dh]."""
+    load()
+    return jax.ffi.ffi_call("xlaserve_decode_attention",
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_new, v_new, k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(()),
+        page_table, seq_lens, sm_scale=np.float32(sm_scale),
+        soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int64(sliding_window or 0))

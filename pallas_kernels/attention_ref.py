@@ -13,6 +13,8 @@ Each query attends to two parts, softmaxed jointly:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -195,8 +197,12 @@ def paged_attention_ref(
     sm_scale: float,
     sliding_window: int | None = None,
     soft_cap: float | None = None,
+    decode_fn: Callable | None = None,
 ) -> jax.Array:
-    """Attention for the extend rows then the decode rows of a batch -> [T, Hq, Dh]."""
+    """Attention for the extend rows then the decode rows of a batch -> [T, Hq, Dh].
+
+    decode_fn: the decode rows' attention with _decode's signature (the CPU backend
+    passes cpu_kernels.decode_attention); None: the jnp walk below."""
     te, be = num_extend_tokens, num_extend_seqs
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     parts = []
@@ -205,6 +211,6 @@ def paged_attention_ref(
                              page_table[:be], query_start[:be + 1],
                              positions[:te], **common))
     if q.shape[0] > te:
-        parts.append(_decode(q[te:], k_new[te:], v_new[te:], k_pool, v_pool, layer,
-                             page_table[be:], seq_lens[be:], **common))
+        parts.append((decode_fn or _decode)(q[te:], k_new[te:], v_new[te:], k_pool, v_pool,
+                                            layer, page_table[be:], seq_lens[be:], **common))
     return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)

@@ -208,9 +208,11 @@ class RunnerConfig:
             raise ValueError(f"cpu_matmul={self.cpu_matmul!r}: expected 'xla' or 'packed'")
         if self.cpu_matmul == "packed" and self.dtype != "float32":
             raise ValueError(f"cpu_matmul='packed' needs dtype float32, not {self.dtype}")
-        if self.attention_backend not in ("xla", "pallas"):
+        if self.attention_backend not in ("xla", "cpu", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: "
-                             "expected 'xla' or 'pallas'")
+                             "expected 'xla', 'cpu' or 'pallas'")
+        if self.attention_backend == "cpu" and self.dtype != "float32":
+            raise ValueError(f"attention_backend='cpu' needs dtype float32, not {self.dtype}")
         for name in ("decode_buckets", "extend_token_buckets", "extend_seq_buckets",
                      "kv_len_buckets"):
             b = getattr(self, name)
@@ -242,7 +244,7 @@ class ServerArgs:
     schedule_policy: str = "fcfs"
     disable_prefix_cache: bool = False
     disable_overlap_schedule: bool = False
-    attention_backend: str | None = None  # None: xla on CPU, pallas on GPU
+    attention_backend: str | None = None  # None: pallas on GPU, cpu where it builds, else xla
     decode_buckets: tuple[int, ...] | None = None  # None: powers of two to max_running
     extend_token_buckets: tuple[int, ...] | None = None  # None: from max_prefill_tokens
     kv_len_buckets: tuple[int, ...] | None = None  # None: from the model's context

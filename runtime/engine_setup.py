@@ -30,24 +30,41 @@ def default_dtype(args: ServerArgs) -> str:
     return args.dtype or ("bfloat16" if on_gpu() else "float32")
 
 
+def _cpu_kernels_off(args: ServerArgs) -> str | None:
+    """Why cpu_kernels can't serve these args (None: they can)."""
+    if on_gpu():
+        return "the backend is a GPU"
+    if default_dtype(args) != "float32":
+        return f"dtype {default_dtype(args)} (the kernels are float32)"
+    return cpu_kernels.unavailable_reason()
+
+
+def _default_cpu_kernel_choice(args: ServerArgs, flag: str, value: str | None, ours: str,
+                               fallback: str) -> str:
+    """An explicit value, checked if it is ours; else ours wherever it can run."""
+    reason = _cpu_kernels_off(args)
+    if value is not None:
+        if value == ours and reason is not None:
+            raise ValueError(f"{flag}={ours!r} needs the CPU kernels: {reason}")
+        return value
+    if reason is not None and not on_gpu():
+        logger.warning("%s: CPU kernels off (%s), using %s (slower)", flag, reason, fallback)
+    return fallback if reason is not None else ours
+
+
 def default_cpu_matmul(args: ServerArgs) -> str:
-    """The packed CPU kernels wherever they can run (CPU backend, float32, a compiler and
-    AVX-512 here), else XLA's dot; an explicit `packed` that cannot run is an error."""
-    if args.cpu_matmul is not None:
-        if args.cpu_matmul == "packed":
-            if on_gpu():
-                raise ValueError("cpu_matmul='packed' runs on the CPU backend only")
-            reason = cpu_kernels.unavailable_reason()
-            if reason is not None:
-                raise ValueError(f"cpu_matmul='packed': {reason}")
-        return args.cpu_matmul
-    if on_gpu() or default_dtype(args) != "float32":
-        return "xla"
-    reason = cpu_kernels.unavailable_reason()
-    if reason is not None:
-        logger.warning("CPU matmul kernels off (%s): using XLA's dot, slower", reason)
-        return "xla"
-    return "packed"
+    """`packed` (cpu_kernels) wherever it runs: CPU backend, float32, x86-64 with AVX-512
+    and a C++ compiler; else XLA's dot."""
+    return _default_cpu_kernel_choice(args, "cpu_matmul", args.cpu_matmul, "packed", "xla")
+
+
+def default_attention_backend(args: ServerArgs) -> str:
+    """`pallas` on a GPU; on a CPU `cpu` (decode rows through cpu_kernels) wherever the
+    kernels run, else `xla` (the jnp path)."""
+    if args.attention_backend is None and on_gpu():
+        return "pallas"
+    return _default_cpu_kernel_choice(args, "attention_backend", args.attention_backend,
+                                      "cpu", "xla")
 
 
 def _tokenizer_for(path: str) -> Tokenizer | None:
@@ -100,7 +117,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         raise ValueError(f"kv_len_buckets {kv} must be multiples of page_size {page}")
     return RunnerConfig(
         dtype=default_dtype(args),
-        attention_backend=args.attention_backend or ("pallas" if on_gpu() else "xla"),
+        attention_backend=default_attention_backend(args),
         decode_buckets=args.decode_buckets or _powers(1, args.max_running_requests, 2),
         extend_token_buckets=args.extend_token_buckets or _powers(min(64, max_extend),
                                                                   max_extend, 4),

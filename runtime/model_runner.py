@@ -119,9 +119,9 @@ class ModelRunner:
         """Whether EXTEND batches of fresh prompts (no cached prefix: the common case) get
         executables with a page table of width 0. The jnp attention scores every token
         against every row's page-table slots, masked or not (4 x 128-token prefill: the
-        prefix columns were 2/3 of its attention work); the Pallas kernels skip empty
-        prefixes by themselves and index at least one page."""
-        return self.cfg.attention_backend == "xla"
+        prefix columns were 2/3 of its attention work; "cpu" extends with it too); the
+        Pallas kernels skip empty prefixes by themselves and index at least one page."""
+        return self.cfg.attention_backend in ("xla", "cpu")
 
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
         c = self.cfg

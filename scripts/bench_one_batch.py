@@ -2,7 +2,7 @@
 
     .venv/bin/python scripts/bench_one_batch.py --out_dir=bench_out
     .venv/bin/python scripts/bench_one_batch.py --tiny --out_dir=/tmp/b1   # seconds
-    .venv/bin/python scripts/bench_one_batch.py --cpu_matmul=packed,xla    # side by side
+    .venv/bin/python scripts/bench_one_batch.py --variants=packed+cpu,xla+xla  # side by side
 
 Each point is a synthetic batch (fake requests with their own pages; the KV pool holds
 zeros, which costs the same as real K/V) timed over --iters calls after --warmup calls:
@@ -13,8 +13,9 @@ The buckets are the server's (runtime.engine_setup.runner_config), so each point
 the executable a server would run for that batch. The machine's roofline is measured in
 the same run, and every point reports the fraction of the compute bound (useful FLOPs /
 f32 matmul peak) and of the memory bound (weights + cached K/V read / read bandwidth)
-it reaches. With several --cpu_matmul values, one runner per value times each point
-back to back, and the table gives each one's speed-up over the last value.
+it reaches. --variants (MATMUL+ATTENTION pairs: cpu_matmul packed / xla, attention
+backend cpu / xla / pallas) builds one runner per pair and times each point on them back
+to back; the table gives each one's speed-up over the last pair.
 Writes bench_one_batch.json and bench_one_batch.png to --out_dir.
 """
 
@@ -49,8 +50,8 @@ flags.DEFINE_bool("mixed", False, "also time MIXED: each prefill length with eac
 flags.DEFINE_integer("iters", 10, "timed calls per point")
 flags.DEFINE_integer("warmup", 2, "untimed calls per point first")
 flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
-flags.DEFINE_list("cpu_matmul", [], "matmul paths to time side by side, e.g. packed,xla "
-                  "(default: the server's)")
+flags.DEFINE_list("variants", [], "MATMUL+ATTENTION pairs to time side by side, e.g. "
+                  "packed+cpu,xla+xla (default: the server's choice alone)")
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 
@@ -125,10 +126,19 @@ def _base_args() -> ServerArgs:
 
 
 def _variants() -> list[str | None]:
-    for v in FLAGS.cpu_matmul:
-        if v not in ("packed", "xla"):
-            raise app.UsageError(f"--cpu_matmul: {v!r} is not 'packed' or 'xla'")
-    return list(FLAGS.cpu_matmul) or [None]
+    for v in FLAGS.variants:
+        matmul, _, attention = v.partition("+")
+        if matmul not in ("packed", "xla") or attention not in ("cpu", "xla", "pallas"):
+            raise app.UsageError(f"--variants: {v!r} is not MATMUL+ATTENTION with MATMUL "
+                                 "packed / xla and ATTENTION cpu / xla / pallas")
+    return list(FLAGS.variants) or [None]
+
+
+def _variant_args(args: ServerArgs, variant: str | None) -> ServerArgs:
+    if variant is None:
+        return args
+    matmul, _, attention = variant.partition("+")
+    return dataclasses.replace(args, cpu_matmul=matmul, attention_backend=attention)
 
 
 class _Pages:
@@ -201,7 +211,7 @@ def _record(p: Point, variant: str | None, shape: BucketShape, host: list[float]
     med = stats["median_s"]
     rows = p.rows()
     rec = {"mode": p.mode.value, "point": p.label(), "label": p.label(variant),
-           "cpu_matmul": variant,
+           "variant": variant,
            "extend_tokens": list(p.extend),
            "decode_rows": p.decode, "context": p.context, "new_tokens": p.new_tokens,
            "bucket": dataclasses.asdict(shape), **stats,
@@ -222,8 +232,8 @@ def _series(records: list[dict[str, Any]]) -> dict[tuple[int, str], list[dict[st
             key = (1, "extend")
         else:
             key = (1, f"mixed, +{r['decode_rows']} decode rows")
-        if r["cpu_matmul"]:
-            key = (key[0], f"{key[1]} [{r['cpu_matmul']}]")
+        if r["variant"]:
+            key = (key[0], f"{key[1]} [{r['variant']}]")
         out.setdefault(key, []).append(r)
     return out
 
@@ -279,7 +289,7 @@ def _print_table(records: list[dict[str, Any]], variants: list[str | None]) -> N
             group = records[i:i + n]
             base = group[-1]["median_s"]
             print(f"  {group[0]['point']:<38} " + "  ".join(
-                f"{r['cpu_matmul']} {base / r['median_s']:.2f}x" for r in group[:-1]))
+                f"{r['variant']} {base / r['median_s']:.2f}x" for r in group[:-1]))
 
 
 def main(argv: list[str]) -> None:
@@ -303,8 +313,8 @@ def main(argv: list[str]) -> None:
     args = _server_args(points, cfg)
     rng = np.random.default_rng(0)
     built = [_build_batch(p, cfg.vocab_size, args.page_size, rng) for p in points]
-    runners = {v: _make_runner(dataclasses.replace(args, cpu_matmul=v), model,
-                               [b for b, _ in built], max(n for _, n in built))
+    runners = {v: _make_runner(_variant_args(args, v), model, [b for b, _ in built],
+                               max(n for _, n in built))
                for v in variants}
     timed = []  # point-major, variants of one point back to back
     for p, (batch, _) in zip(points, built, strict=True):
@@ -327,7 +337,9 @@ def main(argv: list[str]) -> None:
     result = {"script": "bench_one_batch", "command": bc.command_line(), "machine": machine,
               "model": bc.model_summary(cfg, name, runner.cfg.dtype),
               "runner": dataclasses.asdict(runner.cfg),
-              "cpu_matmul": {str(v): runners[v].cfg.cpu_matmul for v in variants},
+              "variants": {str(v): {"cpu_matmul": runners[v].cfg.cpu_matmul,
+                                    "attention_backend": runners[v].cfg.attention_backend}
+                           for v in variants},
               "roofline": roof.to_json(),
               "roofline_probes": [r.to_json() for r in probes],
               "iters": iters, "warmup": warmup, "points": records,

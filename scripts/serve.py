@@ -44,8 +44,9 @@ flags.DEFINE_enum("schedule_policy", _D.schedule_policy, ["fcfs", "lpm"], "admis
 flags.DEFINE_bool("disable_prefix_cache", _D.disable_prefix_cache, "no radix prefix cache")
 flags.DEFINE_bool("disable_overlap_schedule", _D.disable_overlap_schedule, "schedule step "
                   "N+1 only after step N's results are back")
-flags.DEFINE_enum("attention_backend", None, ["xla", "pallas"], "default: xla on CPU, "
-                  "pallas on GPU")
+flags.DEFINE_enum("attention_backend", None, ["xla", "cpu", "pallas"], "pallas: the Pallas "
+                  "kernels (GPU); cpu: decode rows through our CPU kernel; xla: jnp "
+                  "(default: pallas on GPU, cpu where it builds, else xla)")
 flags.DEFINE_list("decode_buckets", None, "decode batch sizes to compile (default: powers "
                   "of two up to --max_running_requests)")
 flags.DEFINE_list("extend_token_buckets", None, "prefill token counts to compile")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +13,7 @@ import pytest
 import cpu_kernels
 from models import llama
 from runtime.config import RunnerConfig, ServerArgs
-from runtime.engine_setup import default_cpu_matmul
+from runtime.engine_setup import default_attention_backend, default_cpu_matmul
 from tests.model_utils import TINY
 
 
@@ -86,7 +87,56 @@ def test_config_choices():
     assert default_cpu_matmul(ServerArgs()) == "packed"  # CPU, float32, kernels build
     assert default_cpu_matmul(ServerArgs(dtype="bfloat16")) == "xla"
     assert default_cpu_matmul(ServerArgs(cpu_matmul="xla")) == "xla"
+    assert default_attention_backend(ServerArgs()) == "cpu"
+    assert default_attention_backend(ServerArgs(dtype="bfloat16")) == "xla"
+    assert default_attention_backend(ServerArgs(attention_backend="pallas")) == "pallas"
+    with pytest.raises(ValueError, match="needs the CPU kernels: dtype bfloat16"):
+        default_cpu_matmul(ServerArgs(dtype="bfloat16", cpu_matmul="packed"))
     with pytest.raises(ValueError, match="float32"):
         RunnerConfig(dtype="bfloat16", cpu_matmul="packed")
+    with pytest.raises(ValueError, match="float32"):
+        RunnerConfig(dtype="bfloat16", attention_backend="cpu")
     with pytest.raises(ValueError, match="expected 'xla' or 'packed'"):
         RunnerConfig(cpu_matmul="mkl")
+
+
+def _attention(batch, args, decode_fn, **kw) -> np.ndarray:
+    from pallas_kernels.attention_ref import paged_attention_ref
+
+    fn = functools.partial(paged_attention_ref, num_extend_tokens=batch.num_extend_tokens,
+                           num_extend_seqs=batch.num_extend_seqs, sm_scale=0.125,
+                           decode_fn=decode_fn, **kw)
+    return np.asarray(jax.jit(fn)(*args))
+
+
+# Decode rows from 1 token (own key only) to 10 pages, plus the seq_len-0 padding row that
+# _batch adds; a MIXED batch; GQA groups 1/3/8; window and soft cap.
+@pytest.mark.parametrize("page_size,group,extend,window,cap", [
+    (16, 3, [], None, None), (64, 1, [], None, None), (16, 8, [(9, 20)], None, None),
+    (16, 3, [(40, 0)], 37, None), (16, 3, [], None, 5.0), (16, 3, [(9, 30)], 20, 5.0)])
+def test_decode_attention_matches_reference(page_size, group, extend, window, cap):
+    from tests.test_pallas_attention import _batch, _inputs, _ragged_lens
+
+    batch, n_pages = _batch(extend, _ragged_lens(page_size), page_size)
+    args = _inputs(batch, n_pages, page_size, group, jnp.float32, seed=group)
+    kw = dict(sliding_window=window, soft_cap=cap)
+    want = _attention(batch, args, None, **kw)
+    got = _attention(batch, args, cpu_kernels.decode_attention, **kw)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_decode_attention_rows_do_not_depend_on_the_batch():
+    """Each row alone gives bitwise what it gives inside the batch."""
+    from tests.test_pallas_attention import _batch, _inputs
+
+    lens = [3, 17, 40, 100]
+    batch, n_pages = _batch([], lens, 16)
+    q, k_new, v_new, k_pool, v_pool, layer, table, seq_lens, _, _ = _inputs(
+        batch, n_pages, 16, 3, jnp.float32, seed=5)
+    f = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.125))
+    full = np.asarray(f(q, k_new, v_new, k_pool, v_pool, layer, table, seq_lens))
+    for i in range(len(lens)):
+        one = slice(i, i + 1)
+        alone = f(q[one], k_new[one], v_new[one], k_pool, v_pool, layer, table[one],
+                  seq_lens[one])
+        np.testing.assert_array_equal(np.asarray(alone)[0], full[i])

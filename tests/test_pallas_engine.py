@@ -54,12 +54,18 @@ def _generate(model, prompts: list[list[int]], backend: str) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def generated(smollm2, reference):
     prompts = [reference[f"p{p}_prompt_ids"].tolist() for p in (0, 1)]
-    return {backend: _generate(smollm2, prompts, backend) for backend in ("xla", "pallas")}
+    return {backend: _generate(smollm2, prompts, backend)
+            for backend in ("xla", "pallas", "cpu")}
 
 
 def test_pallas_engine_matches_xla(generated):
     assert generated["pallas"] == generated["xla"]
     assert all(len(ids) == NEW_TOKENS for ids in generated["pallas"])
+
+
+def test_cpu_attention_engine_matches_xla(generated):
+    """The CPU default (decode rows through cpu_kernels) on the real weights."""
+    assert generated["cpu"] == generated["xla"]
 
 
 @pytest.mark.parametrize("p", [0, 1])
