@@ -93,14 +93,22 @@ void Item(const Shapes& s, const float* q, const float* k_new, const float* v_ne
   scores.resize(G * stride);
   const float* qb = q + (b * s.Hq + h * G) * D;  // [G, D]
   const int64_t head_base = (s.layer * s.Hkv + h) * s.P;  // pool page index of page 0
-  auto key_ptr = [&](const float* pool, int64_t t) {
-    const int64_t page = page_table[b * s.W + t / s.S];
-    return pool + ((head_base + page) * s.S + t % s.S) * D;
+  const float* k_own = k_new + (b * s.Hkv + h) * D;
+  const float* v_own = v_new + (b * s.Hkv + h) * D;
+  // Calls f(t, pointer to token t's row in `pool`) for t in [first, ctx), page by page
+  // (no division per token), then f(ctx, own) for the row's new token.
+  auto walk = [&](const float* pool, const float* own, auto&& f) {
+    for (int64_t t = first; t < ctx;) {
+      const int64_t slot = t % s.S, n_here = std::min(s.S - slot, ctx - t);
+      const float* row = pool + ((head_base + page_table[b * s.W + t / s.S]) * s.S + slot) * D;
+      for (int64_t i = 0; i < n_here; ++i) f(t + i, row + i * D);
+      t += n_here;
+    }
+    f(ctx, own);
   };
-  for (int64_t t = first; t <= ctx; ++t) {
-    const float* k = t < ctx ? key_ptr(k_pool, t) : k_new + (b * s.Hkv + h) * D;
+  walk(k_pool, k_own, [&](int64_t t, const float* k) {
     for (int64_t g = 0; g < G; ++g) scores[g * stride + t - first] = Dot(qb + g * D, k, D);
-  }
+  });
   for (int64_t g = 0; g < G; ++g) {
     float* sc = scores.data() + g * stride;
     float mx = -INFINITY;
@@ -124,10 +132,9 @@ void Item(const Shapes& s, const float* q, const float* k_new, const float* v_ne
   }
   float* ob = out + (b * s.Hq + h * G) * D;  // [G, D]
   std::fill(ob, ob + G * D, 0.0f);
-  for (int64_t t = first; t <= ctx; ++t) {
-    const float* v = t < ctx ? key_ptr(v_pool, t) : v_new + (b * s.Hkv + h) * D;
+  walk(v_pool, v_own, [&](int64_t t, const float* v) {
     for (int64_t g = 0; g < G; ++g) Axpy(scores[g * stride + t - first], v, ob + g * D, D);
-  }
+  });
 }
 
 template <typename A, typename B>

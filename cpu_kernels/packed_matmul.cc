@@ -27,19 +27,32 @@ constexpr int64_t kNR = 64;       // panel width: 4 zmm registers of 16 floats
 constexpr int64_t kMR = 6;        // rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast
 constexpr int64_t kMChunk = 96;   // rows per work unit, so large M splits across threads
 
+// Rows [begin, end) of the next panel to pull into L2 while a tile computes, spread
+// evenly over the tile's K steps (a burst of prefetches stalls on the fill buffers).
+struct Prefetch {
+  const float* next = nullptr;
+  int64_t begin = 0, end = 0;
+};
+
 // y[0:MR, 0:64] = x[0:MR, 0:K] @ panel[0:K, 0:64]; columns beyond the matrix are masked.
-// `next` (or null): the following panel, pulled into L2 while this tile computes.
 template <int MR>
 inline void Tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y,
-                 int64_t ldy, const __mmask16* mask, const float* next) {
+                 int64_t ldy, const __mmask16* mask, Prefetch pf) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int64_t pf_rows = pf.next != nullptr ? pf.end - pf.begin : 0;
+  int64_t pf_row = pf.begin, pf_acc = 0;  // fixed point: pf_rows rows per K steps
   for (int64_t k = 0; k < K; ++k) {
     const float* w = panel + k * kNR;
-    if (next != nullptr) {
-      const char* p = reinterpret_cast<const char*>(next + k * kNR);
+    if (pf_rows == K) {  // one row per step (a 2-tile unit): no bookkeeping
+      const char* p = reinterpret_cast<const char*>(pf.next + k * kNR);
       for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T1);
+    } else {
+      for (pf_acc += pf_rows; pf_acc >= K; pf_acc -= K, ++pf_row) {
+        const char* p = reinterpret_cast<const char*>(pf.next + pf_row * kNR);
+        for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T1);
+      }
     }
     const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
     const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
@@ -55,8 +68,8 @@ inline void Tile(const float* x, int64_t ldx, const float* panel, int64_t K, flo
     for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(y + m * ldy + 16 * j, mask[j], acc[m][j]);
 }
 
-// Rows [m0, min(M, m0 + kMChunk)) of panel `p`. The second tile prefetches `next`: the
-// first tile is reading this panel from memory, the later ones compute from L2.
+// Rows [m0, min(M, m0 + kMChunk)) of panel `p`. The first tile reads this panel from
+// memory; the later ones compute from L2 and share out the prefetch of `next`.
 void Unit(const float* x, const float* wp, float* y, int64_t M, int64_t K, int64_t N,
           int64_t p, int64_t m0, const float* next) {
   __mmask16 mask[4];
@@ -67,10 +80,14 @@ void Unit(const float* x, const float* wp, float* y, int64_t M, int64_t K, int64
   }
   const float* panel = wp + p * K * kNR;
   const int64_t m1 = std::min(M, m0 + kMChunk);
-  for (int64_t m = m0; m < m1; m += kMR) {
+  const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
+  for (int64_t m = m0, tile = 0; m < m1; m += kMR, ++tile) {
     const float* xm = x + m * K;
     float* ym = y + m * N + p * kNR;
-    const float* pf = m == m0 + kMR ? next : nullptr;
+    Prefetch pf;
+    if (next != nullptr && tile > 0) {  // tile i of 1..tiles-1 takes its share of rows
+      pf = {next, (tile - 1) * K / (tiles - 1), tile * K / (tiles - 1)};
+    }
     switch (std::min(kMR, m1 - m)) {
       case 6: Tile<6>(xm, K, panel, K, ym, N, mask, pf); break;
       case 5: Tile<5>(xm, K, panel, K, ym, N, mask, pf); break;
