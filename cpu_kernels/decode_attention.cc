@@ -79,11 +79,15 @@ struct Shapes {
 };
 
 // One (row b, kv head h): writes out[b, h*G:(h+1)*G, :]. `scores` holds G x (ctx + 1).
+// kG, kDV > 0: G and D / 16 known at compile time, so the G queries and the G output rows
+// stay in registers; 0: any G and D (head dims not a multiple of 16, or too many
+// registers), through memory.
+template <int kG, int kDV>
 void Item(const Shapes& s, const float* q, const float* k_new, const float* v_new,
           const float* k_pool, const float* v_pool, const int32_t* page_table,
           const int32_t* seq_lens, float* out, int64_t b, int64_t h,
           std::vector<float>& scores) {
-  const int64_t D = s.D, G = s.G;
+  const int64_t D = kDV > 0 ? 16 * kDV : s.D, G = kG > 0 ? kG : s.G;
   const int64_t q_pos = std::max<int64_t>(seq_lens[b] - 1, 0);
   // Earlier context [first, ctx): the window drops keys at or below q_pos - window.
   const int64_t ctx = std::min<int64_t>(q_pos, s.W * s.S);
@@ -95,46 +99,129 @@ void Item(const Shapes& s, const float* q, const float* k_new, const float* v_ne
   const int64_t head_base = (s.layer * s.Hkv + h) * s.P;  // pool page index of page 0
   const float* k_own = k_new + (b * s.Hkv + h) * D;
   const float* v_own = v_new + (b * s.Hkv + h) * D;
+  auto page_ptr = [&](const float* pool, int64_t t) {  // token t's page, at its slot 0
+    return pool + (head_base + page_table[b * s.W + t / s.S]) * s.S * D;
+  };
   // Calls f(t, pointer to token t's row in `pool`) for t in [first, ctx), page by page
-  // (no division per token), then f(ctx, own) for the row's new token.
+  // (no division per token), then f(ctx, own) for the row's new token. Pages lie
+  // anywhere in the pool and the hardware prefetcher stops at 4 KiB boundaries, so each
+  // page's tokens pull the next page into L1, a share per token.
   auto walk = [&](const float* pool, const float* own, auto&& f) {
+    const int64_t page_floats = s.S * D, lines = (page_floats * 4 + 63) / 64;
     for (int64_t t = first; t < ctx;) {
       const int64_t slot = t % s.S, n_here = std::min(s.S - slot, ctx - t);
-      const float* row = pool + ((head_base + page_table[b * s.W + t / s.S]) * s.S + slot) * D;
-      for (int64_t i = 0; i < n_here; ++i) f(t + i, row + i * D);
+      const float* page = page_ptr(pool, t);
+      const char* next = t + n_here < ctx
+                             ? reinterpret_cast<const char*>(page_ptr(pool, t + n_here))
+                             : nullptr;
+      const int64_t per_token = (lines + n_here - 1) / n_here;
+      for (int64_t i = 0; i < n_here; ++i) {
+        if (next != nullptr) {
+          for (int64_t l = i * per_token; l < std::min(lines, (i + 1) * per_token); ++l)
+            _mm_prefetch(next + 64 * l, _MM_HINT_T0);
+        }
+        f(t + i, page + (slot + i) * D);
+      }
       t += n_here;
     }
     f(ctx, own);
   };
-  walk(k_pool, k_own, [&](int64_t t, const float* k) {
-    for (int64_t g = 0; g < G; ++g) scores[g * stride + t - first] = Dot(qb + g * D, k, D);
-  });
+
+  if constexpr (kG > 0) {
+    __m512 qv[kG][kDV];
+    for (int g = 0; g < kG; ++g)
+      for (int c = 0; c < kDV; ++c) qv[g][c] = _mm512_loadu_ps(qb + g * D + 16 * c);
+    walk(k_pool, k_own, [&](int64_t t, const float* k) {
+      __m512 kv[kDV];
+      for (int c = 0; c < kDV; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
+      for (int g = 0; g < kG; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < kDV; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+        scores[g * stride + t - first] = _mm512_reduce_add_ps(a);
+      }
+    });
+  } else {
+    walk(k_pool, k_own, [&](int64_t t, const float* k) {
+      for (int64_t g = 0; g < G; ++g) scores[g * stride + t - first] = Dot(qb + g * D, k, D);
+    });
+  }
+
+  // Softmax per query head, in place: scores -> probabilities.
+  const __m512 scale = _mm512_set1_ps(s.scale);
   for (int64_t g = 0; g < G; ++g) {
     float* sc = scores.data() + g * stride;
-    float mx = -INFINITY;
-    for (int64_t i = 0; i < n; ++i) {
-      float x = sc[i] * s.scale;
-      if (s.soft_cap > 0) x = s.soft_cap * std::tanh(x / s.soft_cap);
-      sc[i] = x;
-      mx = std::max(mx, x);
-    }
-    __m512 sum = _mm512_setzero_ps();
-    const __m512 vmx = _mm512_set1_ps(mx);
+    __m512 vmx = _mm512_set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = static_cast<__mmask16>(
-          n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
+      const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
+      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sc + i), scale);
+      if (s.soft_cap > 0) {  // rare (Gemma-style models): scalar tanh
+        alignas(64) float tmp[16];
+        _mm512_store_ps(tmp, x);
+        for (float& v : tmp) v = s.soft_cap * std::tanh(v / s.soft_cap);
+        x = _mm512_load_ps(tmp);
+      }
+      _mm512_storeu_ps(sc + i, x);
+      vmx = _mm512_mask_max_ps(vmx, m, vmx, x);
+    }
+    vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+      const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
       const __m512 e = _mm512_maskz_mov_ps(m, Exp(_mm512_sub_ps(_mm512_loadu_ps(sc + i), vmx)));
       _mm512_storeu_ps(sc + i, e);
       sum = _mm512_add_ps(sum, e);
     }
-    const float inv = 1.0f / _mm512_reduce_add_ps(sum);  // >= 1 term of exp(0)
-    for (int64_t i = 0; i < n; ++i) sc[i] *= inv;
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));  // >= exp(0)
+    for (int64_t i = 0; i < n; i += 16)
+      _mm512_storeu_ps(sc + i, _mm512_mul_ps(_mm512_loadu_ps(sc + i), inv));
   }
+
   float* ob = out + (b * s.Hq + h * G) * D;  // [G, D]
-  std::fill(ob, ob + G * D, 0.0f);
-  walk(v_pool, v_own, [&](int64_t t, const float* v) {
-    for (int64_t g = 0; g < G; ++g) Axpy(scores[g * stride + t - first], v, ob + g * D, D);
-  });
+  if constexpr (kG > 0) {
+    __m512 acc[kG][kDV];
+    for (int g = 0; g < kG; ++g)
+      for (int c = 0; c < kDV; ++c) acc[g][c] = _mm512_setzero_ps();
+    walk(v_pool, v_own, [&](int64_t t, const float* v) {
+      __m512 vv[kDV];
+      for (int c = 0; c < kDV; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int g = 0; g < kG; ++g) {
+        const __m512 p = _mm512_set1_ps(scores[g * stride + t - first]);
+        for (int c = 0; c < kDV; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+      }
+    });
+    for (int g = 0; g < kG; ++g)
+      for (int c = 0; c < kDV; ++c) _mm512_storeu_ps(ob + g * D + 16 * c, acc[g][c]);
+  } else {
+    std::fill(ob, ob + G * D, 0.0f);
+    walk(v_pool, v_own, [&](int64_t t, const float* v) {
+      for (int64_t g = 0; g < G; ++g) Axpy(scores[g * stride + t - first], v, ob + g * D, D);
+    });
+  }
+}
+
+using ItemFn = decltype(&Item<0, 0>);
+
+// The register-resident variants for the common head shapes (G queries x D floats in
+// registers, twice: at most 24 of the 32 zmm registers), else the general one.
+ItemFn PickItem(int64_t G, int64_t D) {
+  if (D == 64) {
+    switch (G) {
+      case 1: return Item<1, 4>;
+      case 2: return Item<2, 4>;
+      case 3: return Item<3, 4>;
+      case 4: return Item<4, 4>;
+      case 5: return Item<5, 4>;
+      case 6: return Item<6, 4>;
+    }
+  }
+  if (D == 128) {
+    switch (G) {
+      case 1: return Item<1, 8>;
+      case 2: return Item<2, 8>;
+      case 3: return Item<3, 8>;
+    }
+  }
+  return Item<0, 0>;
 }
 
 template <typename A, typename B>
@@ -175,12 +262,13 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const int32_t *pt = page_table.typed_data(), *sl = seq_lens.typed_data();
   float* op = out->typed_data();
   auto progress = std::make_shared<Progress>();
+  const ItemFn item = PickItem(s.G, s.D);
   auto run = [=]() {
     std::vector<float> scores;
     for (int64_t r; (r = progress->next.fetch_add(1)) < ranges;) {
       const int64_t i1 = (r + 1) * items / ranges;
       for (int64_t i = r * items / ranges; i < i1; ++i)
-        Item(s, qp, knp, vnp, kpp, vpp, pt, sl, op, i / s.Hkv, i % s.Hkv, scores);
+        item(s, qp, knp, vnp, kpp, vpp, pt, sl, op, i / s.Hkv, i % s.Hkv, scores);
       progress->done.fetch_add(1, std::memory_order_release);
     }
   };

@@ -140,3 +140,24 @@ def test_decode_attention_rows_do_not_depend_on_the_batch():
         alone = f(q[one], k_new[one], v_new[one], k_pool, v_pool, layer, table[one],
                   seq_lens[one])
         np.testing.assert_array_equal(np.asarray(alone)[0], full[i])
+
+
+@pytest.mark.parametrize("group,dh", [(2, 128), (3, 128), (4, 128), (3, 48), (6, 64)])
+def test_decode_attention_head_shapes(group, dh):
+    """Register-resident variants (D = 64 with G <= 6, D = 128 with G <= 3) and the
+    general path (D = 48, D = 128 with G = 4) against the jnp decode."""
+    from pallas_kernels.attention_ref import _decode
+
+    rng = np.random.default_rng(group * dh)
+    b, hkv, s, n_pages = 5, 2, 16, 40
+    lens = np.array([1, 2, 17, 64, 130], np.int32)
+    table = (np.arange(b * 9).reshape(b, 9) % (n_pages - 1) + 1).astype(np.int32)
+    q = jnp.asarray(2 * rng.standard_normal((b, hkv * group, dh)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((b, hkv, dh)), jnp.float32) for _ in "kv")
+    pools = [jnp.asarray(rng.standard_normal((2, hkv, n_pages, s, dh)), jnp.float32)
+             for _ in "kv"]
+    args = (q, k_new, v_new, *pools, jnp.int32(1), jnp.asarray(table), jnp.asarray(lens))
+    kw = dict(sm_scale=dh ** -0.5, sliding_window=None, soft_cap=None)
+    want = jax.jit(functools.partial(_decode, **kw))(*args)
+    got = jax.jit(functools.partial(cpu_kernels.decode_attention, **kw))(*args)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
