@@ -2,8 +2,8 @@
 
 `packed_matmul`: x [M, K] @ W [K, N] with W packed once at load (`pack`) into 64-column
 panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized M.
-`decode_attention`: paged attention of decode rows reading the pool in place; see
-decode_attention.cc.
+`decode_attention`, `extend_attention`: paged attention of decode rows / of prefill
+(extend) tokens, reading the pool in place; see attention.cc.
 
 The library is compiled on first use with the machine's C++ compiler (`$CXX`, else g++)
 for this CPU (-march=native) and cached under ~/.cache/xlaserve/cpu_kernels, keyed by the
@@ -33,9 +33,10 @@ log = logging.getLogger(__name__)
 
 PANEL = 64  # panel width, kNR in packed_matmul.cc
 _SOURCES = [pathlib.Path(__file__).with_name(n)
-            for n in ("packed_matmul.cc", "decode_attention.cc")]
+            for n in ("packed_matmul.cc", "attention.cc", "parallel.h")]
 _TARGETS = {"xlaserve_packed_matmul": "XlaservePackedMatmul",
-            "xlaserve_decode_attention": "XlaserveDecodeAttention"}
+            "xlaserve_decode_attention": "XlaserveDecodeAttention",
+            "xlaserve_extend_attention": "XlaserveExtendAttention"}
 _CACHE = pathlib.Path(os.environ.get("XLASERVE_CPU_KERNELS_CACHE",
                                      "~/.cache/xlaserve/cpu_kernels")).expanduser()
 
@@ -72,7 +73,7 @@ def _build() -> pathlib.Path:
     include = jax.ffi.include_dir()
     flags = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
              f"-I{include}"]
-    cmd = [*flags, *map(str, _SOURCES)]
+    cmd = [*flags, *(str(src) for src in _SOURCES if src.suffix == ".cc")]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([
         *(src.read_text() for src in _SOURCES), " ".join(flags), version, jax.__version__,
@@ -155,4 +156,23 @@ def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: j
                             jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q, k_new, v_new, k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(()),
         page_table, seq_lens, sm_scale=np.float32(sm_scale),
+        soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int64(sliding_window or 0))
+
+
+def extend_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array,
+                     v_pool: jax.Array, layer: jax.Array, page_table: jax.Array,
+                     query_start: jax.Array, positions: jax.Array, *, sm_scale: float,
+                     sliding_window: int | None = None,
+                     soft_cap: float | None = None) -> jax.Array:
+    """Extend tokens' attention, float32 (the contract of attention_ref._extend).
+
+    q [T, Hq, Dh] of B rows laid back to back (query_start [B + 1]; tokens past the last
+    row are padding and give 0); k_new, v_new [T, Hkv, Dh]; pools [L, Hkv, P, S, Dh];
+    page_table [B, Np] (may be width 0) listing each row's cached prefix, which ends at
+    the position of the row's first new token; positions [T] -> [T, Hq, Dh]."""
+    load()
+    return jax.ffi.ffi_call("xlaserve_extend_attention",
+                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_new, v_new, k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(()),
+        page_table, query_start, positions, sm_scale=np.float32(sm_scale),
         soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int64(sliding_window or 0))

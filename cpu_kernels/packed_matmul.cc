@@ -12,11 +12,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -103,11 +101,6 @@ void Unit(const float* x, const float* wp, float* y, int64_t M, int64_t K, int64
   }
 }
 
-struct Progress {
-  std::atomic<int64_t> next{0};  // next unclaimed range
-  std::atomic<int64_t> done{0};  // ranges finished
-};
-
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::F32> wp, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -123,38 +116,17 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   // Work units are (panel, row chunk) pairs in panel-major order, cut into one contiguous
   // range per thread so each thread can prefetch its own next panel.
   const int64_t chunks = (M + kMChunk - 1) / kMChunk;
-  const int64_t units = P * chunks;
-  // The calling thread works too (XLA calls from its own thread, not the pool's: with one
-  // helper per pool thread, 2 cores ran 3 threads and M=1 was 35% slower).
-  const int64_t helpers = std::clamp<int64_t>(pool.num_threads() - 1, 0, units - 1);
-  const int64_t ranges = helpers + 1;
   const float* xp = x.typed_data();
   const float* w = wp.typed_data();
   float* yp = y->typed_data();
-  // Shared ownership: a helper that starts after all ranges are claimed still reads it.
-  auto progress = std::make_shared<Progress>();
-  auto run = [=]() {
-    for (int64_t r; (r = progress->next.fetch_add(1)) < ranges;) {
-      const int64_t u1 = (r + 1) * units / ranges;
-      for (int64_t u = r * units / ranges; u < u1; ++u) {
-        const int64_t p = u / chunks, c = u % chunks;
-        const float* next = c == chunks - 1 && u + 1 < u1 ? w + (p + 1) * K * kNR : nullptr;
-        Unit(xp, w, yp, M, K, N, p, c * kMChunk, next);
-      }
-      progress->done.fetch_add(1, std::memory_order_release);
+  const auto units = [=](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t p = u / chunks, c = u % chunks;
+      const float* next = c == chunks - 1 && u + 1 < u1 ? w + (p + 1) * K * kNR : nullptr;
+      Unit(xp, w, yp, M, K, N, p, c * kMChunk, next);
     }
   };
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([run]() { run(); });
-  run();
-  // The caller claims every range no helper has started, so the ranges still running
-  // are in the hands of running threads and this wait ends.
-  for (int spins = 0; progress->done.load(std::memory_order_acquire) < ranges; ++spins) {
-    if (spins < 4096) {
-      _mm_pause();
-    } else {
-      std::this_thread::yield();
-    }
-  }
+  xlaserve::ParallelRanges(pool, P * chunks, xlaserve::Workers(pool), units);
   return ffi::Error::Success();
 }
 

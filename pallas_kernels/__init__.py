@@ -20,8 +20,8 @@ def _interpret() -> bool:
 
 
 def get_paged_attention_fn(backend: str) -> Callable:
-    """"xla": the jnp reference `paged_attention_ref`. "cpu": the same, with the decode rows
-    through cpu_kernels.decode_attention (the CPU fast path; float32). "pallas": the
+    """"xla": the jnp reference `paged_attention_ref`. "cpu": the same split into extend
+    tokens and decode rows, each through cpu_kernels (the CPU fast path; float32). "pallas": the
     Pallas kernels `paged_attention`, compiled on a GPU and in interpret mode on a CPU
     backend (where Pallas cannot compile)."""
     if backend == "xla":
@@ -29,7 +29,8 @@ def get_paged_attention_fn(backend: str) -> Callable:
     if backend == "cpu":
         import cpu_kernels
 
-        return functools.partial(paged_attention_ref, decode_fn=cpu_kernels.decode_attention)
+        return functools.partial(paged_attention_ref, decode_fn=cpu_kernels.decode_attention,
+                                 extend_fn=cpu_kernels.extend_attention)
     if backend == "pallas":
         return functools.partial(paged_attention, interpret=_interpret())
     raise ValueError(f"unknown attention backend {backend!r}; expected 'xla', 'cpu' or "

@@ -198,18 +198,20 @@ def paged_attention_ref(
     sliding_window: int | None = None,
     soft_cap: float | None = None,
     decode_fn: Callable | None = None,
+    extend_fn: Callable | None = None,
 ) -> jax.Array:
     """Attention for the extend rows then the decode rows of a batch -> [T, Hq, Dh].
 
-    decode_fn: the decode rows' attention with _decode's signature (the CPU backend
-    passes cpu_kernels.decode_attention); None: the jnp walk below."""
+    decode_fn / extend_fn: the decode rows' / extend tokens' attention with _decode's /
+    _extend's signature (the CPU backend passes cpu_kernels.decode_attention and
+    extend_attention); None: the jnp paths above."""
     te, be = num_extend_tokens, num_extend_seqs
     common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
     parts = []
     if te:
-        parts.append(_extend(q[:te], k_new[:te], v_new[:te], k_pool, v_pool, layer,
-                             page_table[:be], query_start[:be + 1],
-                             positions[:te], **common))
+        parts.append((extend_fn or _extend)(q[:te], k_new[:te], v_new[:te], k_pool, v_pool,
+                                            layer, page_table[:be], query_start[:be + 1],
+                                            positions[:te], **common))
     if q.shape[0] > te:
         parts.append((decode_fn or _decode)(q[te:], k_new[te:], v_new[te:], k_pool, v_pool,
                                             layer, page_table[be:], seq_lens[be:], **common))

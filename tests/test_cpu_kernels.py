@@ -100,29 +100,47 @@ def test_config_choices():
         RunnerConfig(cpu_matmul="mkl")
 
 
-def _attention(batch, args, decode_fn, **kw) -> np.ndarray:
-    from pallas_kernels.attention_ref import paged_attention_ref
+def _attention(batch, args, backend: str, **kw) -> np.ndarray:
+    from pallas_kernels import get_paged_attention_fn
 
-    fn = functools.partial(paged_attention_ref, num_extend_tokens=batch.num_extend_tokens,
-                           num_extend_seqs=batch.num_extend_seqs, sm_scale=0.125,
-                           decode_fn=decode_fn, **kw)
+    fn = functools.partial(get_paged_attention_fn(backend),
+                           num_extend_tokens=batch.num_extend_tokens,
+                           num_extend_seqs=batch.num_extend_seqs, sm_scale=0.125, **kw)
     return np.asarray(jax.jit(fn)(*args))
 
 
 # Decode rows from 1 token (own key only) to 10 pages, plus the seq_len-0 padding row that
-# _batch adds; a MIXED batch; GQA groups 1/3/8; window and soft cap.
+# _batch adds; extend rows fresh and on cached prefixes (mid-page starts and ends), the
+# bucket's padding tokens and a padding row; MIXED batches; GQA groups 1/3/8 (8: the
+# general, not register-resident path); window and soft cap.
 @pytest.mark.parametrize("page_size,group,extend,window,cap", [
     (16, 3, [], None, None), (64, 1, [], None, None), (16, 8, [(9, 20)], None, None),
-    (16, 3, [(40, 0)], 37, None), (16, 3, [], None, 5.0), (16, 3, [(9, 30)], 20, 5.0)])
-def test_decode_attention_matches_reference(page_size, group, extend, window, cap):
+    (16, 3, [(40, 0)], 37, None), (16, 3, [], None, 5.0), (16, 3, [(9, 30)], 20, 5.0),
+    (16, 3, [(1, 0), (16, 0), (17, 3), (5, 16), (2, 31), (76, 33)], None, None),
+    (64, 8, [(70, 0), (3, 100)], 37, 5.0)])
+def test_attention_matches_reference(page_size, group, extend, window, cap):
     from tests.test_pallas_attention import _batch, _inputs, _ragged_lens
 
     batch, n_pages = _batch(extend, _ragged_lens(page_size), page_size)
     args = _inputs(batch, n_pages, page_size, group, jnp.float32, seed=group)
     kw = dict(sliding_window=window, soft_cap=cap)
-    want = _attention(batch, args, None, **kw)
-    got = _attention(batch, args, cpu_kernels.decode_attention, **kw)
+    want = _attention(batch, args, "xla", **kw)
+    got = _attention(batch, args, "cpu", **kw)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_extend_attention_padding_in_last_row_and_no_page_table():
+    """No spare row (the bucket's padding tokens sit in the last row's span) and a width-0
+    page table (fresh prompts): the same as the jnp path on the real tokens."""
+    from tests.test_pallas_attention import _batch, _inputs
+
+    batch, n_pages = _batch([(13, 0), (30, 0), (18, 0)], [], 16, spare_row=False)
+    for table_width in (None, 0):
+        b = batch if table_width is None else batch.replace(page_table=batch.page_table[:, :0])
+        args = _inputs(b, n_pages, 16, 3, jnp.float32, seed=2)
+        want = _attention(b, args, "xla")[:61]
+        np.testing.assert_allclose(_attention(b, args, "cpu")[:61], want, atol=2e-5,
+                                   rtol=2e-5)
 
 
 def test_decode_attention_rows_do_not_depend_on_the_batch():
