@@ -32,12 +32,16 @@ def smollm2():
     return checkpoint.restore_checkpoint(path)
 
 
-def _maybe_packed(params: dict, matmul: str) -> dict:
-    """The weights as the model runner holds them for `cpu_matmul=matmul`."""
-    return llama.pack_for_cpu(params) if matmul == "packed" else params
+def _logits(params: dict, cfg, ids: list[int], path: str, **kw) -> np.ndarray:
+    """All positions' logits on a CPU path: "cpu_kernels" (the default: packed matmuls,
+    attention backend "cpu") or "xla" (XLA's dot, jnp attention)."""
+    if path == "cpu_kernels":
+        return all_position_logits(llama.pack_for_cpu(params), cfg, ids,
+                                   attention_backend="cpu", **kw)
+    return all_position_logits(params, cfg, ids, **kw)
 
 
-MATMULS = pytest.mark.parametrize("matmul", ["xla", "packed"])
+PATHS = pytest.mark.parametrize("path", ["xla", "cpu_kernels"])
 
 
 @pytest.fixture(scope="module")
@@ -53,29 +57,27 @@ def _comparable_prefix(margins: np.ndarray) -> int:
     return int(small[0]) + 1 if small.size else len(margins)
 
 
-@MATMULS
+@PATHS
 @pytest.mark.parametrize("p", [0, 1])
-def test_smollm2_last_logits_match_transformers(smollm2, reference, p, matmul):
+def test_smollm2_last_logits_match_transformers(smollm2, reference, p, path):
     cfg, params = smollm2
-    params = _maybe_packed(params, matmul)
     _, ref = reference
     ids = ref[f"p{p}_prompt_ids"].tolist()
-    logits = all_position_logits(params, cfg, ids)[-1]
+    logits = _logits(params, cfg, ids, path)[-1]
     err = np.abs(logits - ref[f"p{p}_last_logits"]).max()
     assert err < 1e-3, f"max abs logit error {err}"
 
 
-@MATMULS
+@PATHS
 @pytest.mark.parametrize("p", [0, 1])
-def test_smollm2_teacher_forced_top1_matches_transformers(smollm2, reference, p, matmul):
+def test_smollm2_teacher_forced_top1_matches_transformers(smollm2, reference, p, path):
     """Past any near-tie: feed transformers' 32 greedy tokens and compare each step's
     argmax wherever transformers' own top-2 margin is clear of float noise."""
     cfg, params = smollm2
-    params = _maybe_packed(params, matmul)
     _, ref = reference
     prompt = ref[f"p{p}_prompt_ids"].tolist()
     cont = ref[f"p{p}_greedy_ids"].tolist()
-    logits = all_position_logits(params, cfg, prompt + cont[:-1])[len(prompt) - 1:]
+    logits = _logits(params, cfg, prompt + cont[:-1], path)[len(prompt) - 1:]
     clear = ref[f"p{p}_tf_margins"] > 1e-3
     assert clear.sum() >= 28
     np.testing.assert_array_equal(logits.argmax(-1)[clear], ref[f"p{p}_tf_top1"][clear])
@@ -83,13 +85,12 @@ def test_smollm2_teacher_forced_top1_matches_transformers(smollm2, reference, p,
 
 @pytest.mark.parametrize("name", ["llama3_untied", "qwen2_bias_tied", "llama_tied",
                                   "llama_untied"])
-@MATMULS
-def test_tiny_models_match_transformers(name, matmul):
+@PATHS
+def test_tiny_models_match_transformers(name, path):
     folder = FIXTURES / "tiny_models" / name
     cfg, params = checkpoint.load_hf_safetensors(str(folder))
-    params = _maybe_packed(params, matmul)
     ref = np.load(folder / "ref_logits.npz")
-    logits = all_position_logits(params, cfg, ref["tokens"].tolist(), page_size=4)
+    logits = _logits(params, cfg, ref["tokens"].tolist(), path, page_size=4)
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=1e-4)
 
 
@@ -103,7 +104,7 @@ def test_smollm2_greedy_8_concurrent_match_transformers(smollm2, reference):
                       max_extend_seqs=4, max_total_tokens=4096, compilation_cache_dir=None,
                       strict_compile=True, max_top_logprobs=0)
     eng = Engine(args, model=(cfg, params))
-    assert eng.runner.cfg.cpu_matmul == "packed"  # the CPU default
+    assert (eng.runner.cfg.cpu_matmul, eng.runner.cfg.attention_backend) == ("packed", "cpu")
     prompts = [ref[f"p{i % 2}_prompt_ids"].tolist() for i in range(8)]
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=32,
                                                 ignore_eos=True))
