@@ -8,7 +8,8 @@ panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized 
 The library is compiled on first use with the machine's C++ compiler (`$CXX`, else g++)
 for this CPU (-march=native) and cached under ~/.cache/xlaserve/cpu_kernels, keyed by the
 source, the compiler, the jaxlib headers and the CPU. It needs x86-64 with AVX-512F;
-`unavailable_reason()` says why not, and callers fall back to XLA's matmul.
+`unavailable_reason()` says why not, and the engine then falls back to XLA's dot and the
+jnp attention (runtime.engine_setup).
 """
 
 from __future__ import annotations
