@@ -96,6 +96,39 @@ def test_config_choices():
         RunnerConfig(dtype="bfloat16", cpu_matmul="packed")
     with pytest.raises(ValueError, match="float32"):
         RunnerConfig(dtype="bfloat16", attention_backend="cpu")
+
+
+def test_fallback_where_the_kernels_cannot_build(monkeypatch, caplog):
+    """A CPU without AVX-512 (or without g++): XLA's dot and the jnp attention, said in
+    the log; asking for the kernels there is an error that says why."""
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "needs a CPU with AVX-512F")
+    with caplog.at_level("WARNING"):
+        assert default_cpu_matmul(ServerArgs()) == "xla"
+        assert default_attention_backend(ServerArgs()) == "xla"
+    assert "AVX-512F" in caplog.text
+    with pytest.raises(ValueError, match="needs the CPU kernels: needs a CPU with AVX-512F"):
+        default_cpu_matmul(ServerArgs(cpu_matmul="packed"))
+    with pytest.raises(ValueError, match="needs the CPU kernels"):
+        default_attention_backend(ServerArgs(attention_backend="cpu"))
+
+
+def test_bad_operands_are_rejected_by_the_kernels():
+    """Shape mismatches reach the FFI handlers' checks and come back as errors, not
+    crashes."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((3, 10), np.float32))
+    bad = cpu_kernels.PackedWeight(panels=jnp.zeros((1, 12, 64), jnp.float32), n=64)
+    with pytest.raises(Exception, match="packed_matmul: want x"):
+        jax.block_until_ready(jax.jit(cpu_kernels.packed_matmul)(x, bad))
+    q = jnp.zeros((2, 6, 64), jnp.float32)
+    kv = jnp.zeros((2, 2, 64), jnp.float32)
+    pool = jnp.zeros((1, 2, 4, 16, 64), jnp.float32)
+    table, lens = jnp.ones((2, 1), jnp.int32), jnp.full((2,), 5, jnp.int32)
+    f = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.125))
+    with pytest.raises(Exception, match="decode_attention: layer out of range"):
+        jax.block_until_ready(f(q, kv, kv, pool, pool, jnp.int32(3), table, lens))
+    with pytest.raises(Exception, match="decode_attention: want page_table"):
+        jax.block_until_ready(f(q, kv, kv, pool, pool, jnp.int32(0), table[:1], lens))
     with pytest.raises(ValueError, match="expected 'xla' or 'packed'"):
         RunnerConfig(cpu_matmul="mkl")
 

@@ -1,6 +1,6 @@
 """The Engine on the real SmolLM2 weights with attention_backend="pallas" (the Pallas kernels
 in interpret mode on the CPU, f32: the Triton body) gives the greedy tokens of "xla" (the
-jnp reference) and of transformers (committed fixture).
+jnp reference) and of transformers (committed fixture); so does "cpu" (cpu_kernels).
 
 Kept small because interpret mode is slow: one decode, one extend and one KV-length bucket,
 two chat prompts, a few new tokens each.
