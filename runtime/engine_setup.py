@@ -59,8 +59,8 @@ def default_cpu_matmul(args: ServerArgs) -> str:
 
 
 def default_attention_backend(args: ServerArgs) -> str:
-    """`pallas` on a GPU; on a CPU `cpu` (decode rows through cpu_kernels) wherever the
-    kernels run, else `xla` (the jnp path)."""
+    """`pallas` on a GPU; on a CPU `cpu` (decode and prefill attention through
+    cpu_kernels) wherever the kernels run, else `xla` (the jnp path)."""
     if args.attention_backend is None and on_gpu():
         return "pallas"
     return _default_cpu_kernel_choice(args, "attention_backend", args.attention_backend,
