@@ -1,4 +1,5 @@
-"""Pure-jnp ragged paged attention: the reference twin of the kernels and the CPU fast path.
+"""Pure-jnp ragged paged attention: the reference twin of the kernels, and the CPU path where
+cpu_kernels cannot run (--attention_backend=xla).
 
 The pool holds each row's *earlier* context only; this step's K/V arrive as dense
 `k_new`/`v_new` and are written to the pool after the layer stack (one scatter per

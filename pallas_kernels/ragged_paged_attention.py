@@ -11,7 +11,7 @@ pool after the layer stack (attention_ref.py says why).
   paged_attention_kernel  the Mosaic GPU body (paged_attention_mosaic.py, 16-bit inputs)
                           and the Triton body (paged_attention_triton.py, f32 inputs)
   paged_attention_ref     the pure-jnp twin (attention_ref.py, re-exported here), which is
-                          also the fast path on CPU
+                          also the CPU path where cpu_kernels cannot run
   kv_schedule.py          what both bodies share: launch config, KV block walk, softmax step
 
 On the CPU the kernels run in interpret mode (`interpret=True`, tests). The design:

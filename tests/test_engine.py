@@ -28,7 +28,7 @@ NEAR_TIE = 1e-3  # greedy steps whose top-2 logprob gap is smaller may legitimat
 @pytest.fixture(scope="module", params=[("packed", "cpu"), ("xla", "xla")],
                 ids=["cpu_kernels", "xla"])
 def runner(request) -> ModelRunner:
-    """Both CPU paths: our kernels for matmuls and decode attention (the CPU default), and
+    """Both CPU paths: our kernels for matmuls and attention (the CPU default), and
     XLA's dot with jnp attention (CPUs without AVX-512; the GPU's matmul path)."""
     matmul, attention = request.param
     params = llama.init_params(CFG, jax.random.key(7))
