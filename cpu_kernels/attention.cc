@@ -175,12 +175,15 @@ void WalkPages(const Shapes& s, const float* k_pool, const float* v_pool,
   const float* ahead = values ? v_pool : k_pool;
   const int64_t head_base = (s.layer * s.Hkv + h) * s.P;  // pool page index of page 0
   const int64_t page_floats = s.S * s.D, lines = (page_floats * 4 + 63) / 64;
+  // Page ids are clipped into the pool, as the jnp path's gathers do: a bad table entry
+  // reads a wrong page, never outside the pool.
+  auto page_of = [&](int64_t tok) {
+    return (head_base + std::clamp<int64_t>(table_row[tok / s.S], 0, s.P - 1)) * page_floats;
+  };
   for (int64_t t = first; t < end;) {
     const int64_t slot = t % s.S, n_here = std::min(s.S - slot, end - t);
-    const int64_t page = (head_base + table_row[t / s.S]) * page_floats;
-    const int64_t next = t + n_here < end
-                             ? (head_base + table_row[(t + n_here) / s.S]) * page_floats
-                             : -1;
+    const int64_t page = page_of(t);
+    const int64_t next = t + n_here < end ? page_of(t + n_here) : -1;
     const int64_t per_token = (lines + n_here - 1) / n_here;
     for (int64_t i = 0; i < n_here; ++i) {
       if (next >= 0) {

@@ -212,3 +212,16 @@ def test_decode_attention_head_shapes(group, dh):
     want = jax.jit(functools.partial(_decode, **kw))(*args)
     got = jax.jit(functools.partial(cpu_kernels.decode_attention, **kw))(*args)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
+def test_out_of_range_page_ids_stay_inside_the_pool():
+    """A corrupt page-table entry must not read outside the pool (the kernels clip page
+    ids into it, as the jnp gathers clip their indices): finite output, no crash."""
+    rng = np.random.default_rng(4)
+    q = jnp.asarray(rng.standard_normal((2, 6, 64)), jnp.float32)
+    kv = jnp.asarray(rng.standard_normal((2, 2, 64)), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((1, 2, 4, 16, 64)), jnp.float32)
+    table = jnp.asarray([[1, 2**30], [-5, 3]], jnp.int32)
+    out = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.125))(
+        q, kv, kv, pool, pool, jnp.int32(0), table, jnp.full((2,), 30, jnp.int32))
+    assert np.isfinite(np.asarray(out)).all()
