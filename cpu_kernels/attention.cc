@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -376,37 +377,35 @@ ffi::Error ExtendAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   return ffi::Error::Success();
 }
 
+// The bindings both handlers share: the pool context and q, k_new, v_new, k_pool, v_pool,
+// layer, page_table first; then each its own operands; the attributes last.
+auto BindLeading() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
+template <typename Binding>
+auto BindTrailing(Binding b) {  // Binding's methods take an rvalue
+  return std::move(b)
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<float>("sm_scale")
+      .template Attr<float>("soft_cap")
+      .template Attr<int64_t>("sliding_window");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeAttention, DecodeAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("sm_scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("sliding_window"));
+                              BindTrailing(BindLeading().Arg<ffi::Buffer<ffi::S32>>()));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveExtendAttention, ExtendAttention,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("sm_scale")
-                                  .Attr<float>("soft_cap")
-                                  .Attr<int64_t>("sliding_window"));
+                              BindTrailing(BindLeading()
+                                               .Arg<ffi::Buffer<ffi::S32>>()
+                                               .Arg<ffi::Buffer<ffi::S32>>()));
