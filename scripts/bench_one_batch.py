@@ -326,11 +326,12 @@ def main(argv: list[str]) -> None:
     # flatter every fraction.
     roof = bc.Roofline(max(r.matmul_gflops for r in probes),
                        max(r.mem_read_gbps for r in probes))
-    runner = runners[variants[0]]
     jobs = [(p, batch, v) for p, (batch, _) in zip(points, built, strict=True) for v in variants]
-    records = [_record(p, v, runner.bucket_for(batch), host, total, cfg, runner.dtype.itemsize,
-                       roof)
+    # Each variant's own bucket: the attention backend decides the page-table width.
+    records = [_record(p, v, runners[v].bucket_for(batch), host, total, cfg,
+                       runners[v].dtype.itemsize, roof)
                for (p, batch, v), (host, total) in zip(jobs, timed, strict=True)]
+    runner = runners[variants[0]]
     _print_table(records, variants)
 
     machine["load_average_end"] = bc.load_average()
