@@ -26,11 +26,16 @@ import dataclasses
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import bench_common as bc
+import llama_peer
 import numpy as np
+import offline_peers
+import offline_plots as op
 from absl import app, flags
+from offline_plots import rounds_values as _get
 
 from runtime.config import ModelConfig, ServerArgs
 from runtime.engine import Engine
@@ -55,10 +60,20 @@ flags.DEFINE_integer("max_running_requests", 32, "see ServerArgs")
 flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
+flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "concurrent requests of the "
+                  "side-by-side sweep (xlaserve and llama-server)")
+flags.DEFINE_enum("llama_server", "auto", ["auto", "on", "off"], "llama-server side by "
+                  "side: auto = when `make peers` has built it")
+flags.DEFINE_list("llama_variants", ["f32", "q4_1"], "llama-server model files: f32 (from "
+                  "xlaserve's weights), q4_1 (the shipped GGUF)")
+flags.DEFINE_string("llama_server_cmd", "{llama_server}", "llama-server launch command")
+flags.DEFINE_integer("llama_threads", 2, "llama-server --threads / --threads-batch")
 
 # What the lead compares against (reported, never enforced).
 TARGETS = {"single_stream_vs_hf": 2.5, "throughput_vs_hf_batch_8": 3.0,
            "throughput_vs_hf_batch_32": 1.5, "throughput_frac_compute": 0.5}
+# Issue 15: ahead of llama-server F32 at 8 concurrent, 2x at 32 and 64.
+LLAMA_TARGETS = {"c8_vs_llama_f32": 1.0, "c32_vs_llama_f32": 2.0, "c64_vs_llama_f32": 2.0}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,19 +83,21 @@ class Workload:
     output_len: int
     single_new_tokens: int
     hf_batch_sizes: tuple[int, ...]
+    concurrency: tuple[int, ...] = ()
 
-    def prompts(self, seed: int, vocab: int) -> list[list[int]]:
+    def prompts(self, seed: int, vocab: int, n: int | None = None) -> list[list[int]]:
         # ids from 3 up: 0-2 are unk / bos / eos-pad in SmolLM2's vocabulary.
         rng = np.random.default_rng(seed)
-        return rng.integers(3, vocab, (self.num_prompts, self.input_len)).tolist()
+        return rng.integers(3, vocab, (n or self.num_prompts, self.input_len)).tolist()
 
 
 def _workload() -> Workload:
     if FLAGS.smoke:
         return Workload(num_prompts=4, input_len=16, output_len=8, single_new_tokens=8,
-                        hf_batch_sizes=(2, 4))
+                        hf_batch_sizes=(2, 4), concurrency=(1, 4))
     return Workload(FLAGS.num_prompts, FLAGS.input_len, FLAGS.output_len,
-                    FLAGS.single_new_tokens, tuple(int(b) for b in FLAGS.hf_batch_sizes))
+                    FLAGS.single_new_tokens, tuple(int(b) for b in FLAGS.hf_batch_sizes),
+                    tuple(int(c) for c in FLAGS.concurrency))
 
 
 # ---------------------------------------------------------------- xlaserve
@@ -248,7 +265,7 @@ def throughput_flops(cfg: ModelConfig, w: Workload) -> float:
 
 
 def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
-              single_ids: list[int]) -> dict[str, Any]:
+              single_ids: list[int], llama: offline_peers.LlamaPeers | None) -> dict[str, Any]:
     cfg = engine.model_cfg
     rec: dict[str, Any] = {"round": r, "load_average": bc.load_average()}
     roof = bc.measure_roofline(small=FLAGS.smoke)
@@ -267,9 +284,46 @@ def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
     bc.log(f"round {r}: xlaserve single stream: {s['decode_tok_s']:.1f} decode tok/s, "
            f"ttft {s['ttft_s'] * 1e3:.0f} ms")
     rec["xlaserve"] = {"throughput": x, "single": s}
+    sweep = {c: w.prompts(FLAGS.seed + 1000 * (r + 1) + c, cfg.vocab_size, c)
+             for c in w.concurrency}
+    for c, ps in sweep.items():
+        t = xla_throughput(engine, ps, w.output_len)
+        rec["xlaserve"][f"c{c}"] = t
+        bc.log(f"round {r}: xlaserve {c} concurrent: {t['output_tok_s']:.1f} output tok/s")
     if hf is not None:
         rec["transformers"] = _hf_round(r, hf, prompts, w, single_ids)
+    if llama is not None:
+        rec["llama_server"] = _llama_round(r, llama, sweep, w, single_ids)
+    _sweep_fractions(rec, cfg, w, roof)
     return rec
+
+
+def _sweep_fractions(rec: dict[str, Any], cfg: ModelConfig, w: Workload,
+                     roof: bc.Roofline) -> None:
+    """Each sweep point's useful GFLOP/s as a fraction of this round's matmul probe (the
+    same FLOPs for every contender: the same model and tokens)."""
+    points = [rec["xlaserve"]] + list(rec.get("llama_server", {}).values())
+    for p in points:
+        for c in w.concurrency:
+            t = p[f"c{c}"]
+            flops = throughput_flops(cfg, dataclasses.replace(w, num_prompts=c))
+            t["frac_compute"] = flops / t["wall_s"] / 1e9 / roof.matmul_gflops
+
+
+def _llama_round(r: int, llama: offline_peers.LlamaPeers, sweep: dict[int, list[list[int]]],
+                 w: Workload, single_ids: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for v in llama.servers:
+        rec: dict[str, Any] = {}
+        for c, ps in sweep.items():
+            rec[f"c{c}"] = t = llama.throughput(v, ps, w.output_len)
+            bc.log(f"round {r}: llama-server {v} {c} concurrent: {t['output_tok_s']:.1f} "
+                   "output tok/s")
+        rec["single"] = s = llama.single(v, single_ids, w.single_new_tokens)
+        bc.log(f"round {r}: llama-server {v} single stream: {s['decode_tok_s']:.1f} decode "
+               "tok/s")
+        out[v] = rec
+    return out
 
 
 def _hf_round(r: int, hf: HFReference, prompts: list[list[int]], w: Workload,
@@ -287,26 +341,37 @@ def _hf_round(r: int, hf: HFReference, prompts: list[list[int]], w: Workload,
     return out
 
 
-def warm_up(engine: Engine, hf: HFReference | None, single_ids: list[int]) -> None:
+def warm_up(engine: Engine, hf: HFReference | None, single_ids: list[int],
+            llama: offline_peers.LlamaPeers | None) -> None:
     """First calls pay one-time costs (page faults on fresh buffers, lazy init in torch);
     keep them out of round 0."""
     engine.generate([single_ids, single_ids[::-1]], _greedy(4))
     if hf is not None:
         hf.generate([single_ids, single_ids[::-1]], 4)
+    for v in llama.servers if llama is not None else ():
+        llama.throughput(v, [single_ids, single_ids[::-1]], 4)
+
+
+def start_llama(w: Workload) -> offline_peers.LlamaPeers | None:
+    """The llama-server variants, or None when not asked for / not built (auto; a smoke
+    run compares llama-server only when asked, --llama_server=on)."""
+    if FLAGS.llama_server == "off" or (FLAGS.llama_server == "auto" and FLAGS.smoke):
+        return None
+    try:
+        if "{llama_server}" in FLAGS.llama_server_cmd:
+            llama_peer.find_llama_server()
+    except llama_peer.PeerMissing as e:
+        if FLAGS.llama_server == "on":
+            raise
+        bc.log(f"llama-server not compared: {e}")
+        return None
+    ctx = bc.pow2_at_least(max(w.input_len + w.output_len, 64 + w.single_new_tokens), 256)
+    return offline_peers.LlamaPeers(FLAGS.llama_variants, max(w.concurrency, default=1), ctx,
+                                    FLAGS.llama_threads, FLAGS.llama_server_cmd,
+                                    FLAGS.checkpoint_cache_dir, Path(FLAGS.out_dir))
 
 
 # ---------------------------------------------------------------- summary
-
-
-def _get(rounds: list[dict[str, Any]], *path: str) -> list[float]:
-    vals = []
-    for rec in rounds:
-        v: Any = rec
-        for k in path:
-            v = v.get(k) if isinstance(v, dict) else None
-        if v is not None:
-            vals.append(float(v))
-    return vals
 
 
 def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
@@ -316,11 +381,20 @@ def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
     return bc.median(ratios) if ratios else None
 
 
-def _rate_paths(w: Workload, with_hf: bool) -> dict[str, tuple[str, ...]]:
+def _rate_paths(w: Workload, with_hf: bool,
+                llama: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
     """Summary name -> where each round records that rate (tokens/s)."""
     paths = {"xlaserve_output_tok_s": ("xlaserve", "throughput", "output_tok_s"),
              "xlaserve_total_tok_s": ("xlaserve", "throughput", "total_tok_s"),
              "xlaserve_single_decode_tok_s": ("xlaserve", "single", "decode_tok_s")}
+    for c in w.concurrency:
+        paths[f"xlaserve_c{c}_output_tok_s"] = ("xlaserve", f"c{c}", "output_tok_s")
+    for v in llama:
+        paths[f"llama_{v}_single_decode_tok_s"] = ("llama_server", v, "single",
+                                                   "decode_tok_s")
+        for c in w.concurrency:
+            paths[f"llama_{v}_c{c}_output_tok_s"] = ("llama_server", v, f"c{c}",
+                                                     "output_tok_s")
     if with_hf:
         paths["hf_single_decode_tok_s"] = ("transformers", "single", "decode_tok_s")
         for b in w.hf_batch_sizes:
@@ -330,20 +404,34 @@ def _rate_paths(w: Workload, with_hf: bool) -> dict[str, tuple[str, ...]]:
     return paths
 
 
-def _ratio_names(w: Workload) -> dict[str, tuple[str, str]]:
-    """Ratio name -> (xlaserve rate, transformers rate)."""
-    out = {"single_stream_vs_hf": ("xlaserve_single_decode_tok_s", "hf_single_decode_tok_s")}
-    for b in w.hf_batch_sizes:
-        out[f"throughput_vs_hf_batch_{b}"] = ("xlaserve_output_tok_s",
-                                              f"hf_batch_{b}_output_tok_s")
+def _ratio_names(w: Workload, with_hf: bool,
+                 llama: Sequence[str] = ()) -> dict[str, tuple[str, str]]:
+    """Ratio name -> (xlaserve rate, peer rate)."""
+    out = {}
+    if with_hf:
+        out["single_stream_vs_hf"] = ("xlaserve_single_decode_tok_s", "hf_single_decode_tok_s")
+        for b in w.hf_batch_sizes:
+            out[f"throughput_vs_hf_batch_{b}"] = ("xlaserve_output_tok_s",
+                                                  f"hf_batch_{b}_output_tok_s")
+    for v in llama:
+        out[f"single_stream_vs_llama_{v}"] = ("xlaserve_single_decode_tok_s",
+                                              f"llama_{v}_single_decode_tok_s")
+        for c in w.concurrency:
+            out[f"c{c}_vs_llama_{v}"] = (f"xlaserve_c{c}_output_tok_s",
+                                         f"llama_{v}_c{c}_output_tok_s")
     return out
+
+
+def _llama_variants(rounds: list[dict[str, Any]]) -> list[str]:
+    return list(rounds[0].get("llama_server", {}))
 
 
 def summarize(rounds: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
     """Medians over rounds (and ratios paired within rounds), plus the best round of each
     rate: a neighbour can only slow a run down, so the best is the least disturbed one."""
     with_hf = any("transformers" in rec for rec in rounds)
-    paths = _rate_paths(w, with_hf)
+    llama = _llama_variants(rounds)
+    paths = _rate_paths(w, with_hf, llama)
     s: dict[str, Any] = {k: bc.median(_get(rounds, *p)) for k, p in paths.items()}
     s["xlaserve_single_ttft_s"] = bc.median(_get(rounds, "xlaserve", "single", "ttft_s"))
     s["throughput_gflops"] = bc.median(_get(rounds, "xlaserve", "throughput", "gflops"))
@@ -357,20 +445,22 @@ def summarize(rounds: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
                                                      "gflops")) / s["matmul_gflops"])
     ratios: dict[str, float | None] = {}
     ratios_best: dict[str, float] = {}
-    if with_hf:
-        for name, (num, den) in _ratio_names(w).items():
-            ratios[name] = _paired(rounds, paths[num], paths[den])
-            ratios_best[name] = s["best"][num] / s["best"][den]
-        if not FLAGS.smoke:  # the smoke models are two different random models
-            s["single_greedy_agree_prefix"] = _agree(
-                rounds[0]["xlaserve"]["single"]["output_ids"],
-                rounds[0]["transformers"]["single"]["output_ids"])
+    for name, (num, den) in _ratio_names(w, with_hf, llama).items():
+        ratios[name] = _paired(rounds, paths[num], paths[den])
+        ratios_best[name] = s["best"][num] / s["best"][den]
+    if with_hf and not FLAGS.smoke:  # the smoke models are two different random models
+        s["single_greedy_agree_prefix"] = _agree(
+            rounds[0]["xlaserve"]["single"]["output_ids"],
+            rounds[0]["transformers"]["single"]["output_ids"])
     s["ratios"], s["ratios_best"] = ratios, ratios_best
     values = {**ratios, "throughput_frac_compute": s["throughput_frac_compute"]}
     best = {**ratios_best, "throughput_frac_compute": s["best"]["throughput_frac_compute"]}
+    targets = dict(TARGETS)
+    if "f32" in llama:
+        targets.update({k: t for k, t in LLAMA_TARGETS.items() if k in ratios})
     s["targets"] = {k: {"target": t, "value": values.get(k), "value_best": best.get(k),
                         "met": values.get(k) is not None and values[k] >= t}
-                    for k, t in TARGETS.items()}
+                    for k, t in targets.items()}
     return s
 
 
@@ -383,42 +473,6 @@ def _agree(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
-
-
-def _plot(result: dict[str, Any], out_dir: str) -> None:
-    plt = bc.pyplot()
-    if plt is None:
-        return
-    rounds, s, w = result["rounds"], result["summary"], result["workload"]
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5),
-                                     gridspec_kw={"width_ratios": [3, 2]})
-    bars = [(f"xlaserve\n{w['num_prompts']} requests",
-             _get(rounds, "xlaserve", "throughput", "output_tok_s"))]
-    bars += [(f"transformers\nbatch {b}",
-              _get(rounds, "transformers", f"batch_{b}", "output_tok_s"))
-             for b in w["hf_batch_sizes"]]
-    _bars(ax_t, bars, f"output tok/s, {w['input_len']} in / {w['output_len']} out")
-    bound = s["matmul_gflops"] * 1e9 / result["flops_per_output_token"]
-    ax_t.axhline(bound, color="k", ls="--", lw=1)
-    ax_t.text(0, bound, " compute roofline", va="bottom", fontsize=8)
-    single = [("xlaserve", _get(rounds, "xlaserve", "single", "decode_tok_s")),
-              ("transformers", _get(rounds, "transformers", "single", "decode_tok_s"))]
-    _bars(ax_s, [b for b in single if b[1]], "single-stream decode tok/s")
-    mem = s["mem_read_gbps"] * 1e9 / result["model"]["weight_bytes"]
-    ax_s.axhline(mem, color="k", ls="--", lw=1)
-    ax_s.text(0, mem, " weights / read bandwidth", va="bottom", fontsize=8)
-    fig.suptitle(f"{result['model']['name']} offline, {len(rounds)} rounds (bars: median, "
-                 f"dots: rounds); load {result['machine']['load_average']}")
-    bc.save_figure(fig, out_dir, "bench_offline.png")
-
-
-def _bars(ax: Any, bars: list[tuple[str, list[float]]], title: str) -> None:
-    for i, (_, vals) in enumerate(bars):
-        ax.bar(i, bc.median(vals), color=f"C{i}", alpha=0.7)
-        ax.plot([i] * len(vals), vals, "k.", ms=6)
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars])
-    ax.set(title=title, ylabel="tokens / s")
-    ax.grid(True, axis="y", alpha=0.3)
 
 
 # ---------------------------------------------------------------- main
@@ -438,10 +492,14 @@ def main(argv: list[str]) -> None:
         bc.log("transformers not compared (pip install -e '.[reference]' to compare)")
     single_ids = _single_prompt_ids(engine)
     bc.log(f"single-stream prompt: {len(single_ids)} tokens")
-    warm_up(engine, hf, single_ids)
-
-    repeats = 1 if FLAGS.smoke else FLAGS.repeats
-    rounds = [run_round(r, engine, hf, w, single_ids) for r in range(repeats)]
+    llama = start_llama(w)
+    try:
+        warm_up(engine, hf, single_ids, llama)
+        repeats = 1 if FLAGS.smoke else FLAGS.repeats
+        rounds = [run_round(r, engine, hf, w, single_ids, llama) for r in range(repeats)]
+    finally:
+        if llama is not None:
+            llama.stop()
     machine["load_average_end"] = bc.load_average()
     cfg = engine.model_cfg
     result = {"script": "bench_offline", "command": bc.command_line(), "machine": machine,
@@ -450,12 +508,13 @@ def main(argv: list[str]) -> None:
               "flops_per_output_token": throughput_flops(cfg, w) / (w.num_prompts
                                                                      * w.output_len),
               "transformers_threads": hf.torch.get_num_threads() if hf else None,
+              "llama_server": llama.info() if llama else None,
               "rounds": rounds}
     result["summary"] = summarize(rounds, w)
     result["wall_s"] = time.perf_counter() - t_start
     _print_summary(result["summary"])
     bc.write_json(FLAGS.out_dir, "bench_offline.json", result)
-    _plot(result, FLAGS.out_dir)
+    op.plot(result, FLAGS.out_dir)
 
 
 def _print_summary(s: dict[str, Any]) -> None:

@@ -134,7 +134,7 @@ class Load:
 
 def _load() -> Load:
     if FLAGS.smoke:
-        return Load(16, 8, 6, (1, 4), (20.0, math.inf), (3, 8, 400, 2, 96, 4, 0.5),
+        return Load(16, 8, 6, (1, 4), (20.0, math.inf), (3, 8, 200, 2, 96, 4, 0.5),
                     (2, 3, 32, 8, 20.0))
     return Load(FLAGS.input_len, FLAGS.output_len, FLAGS.num_prompts,
                 tuple(int(c) for c in FLAGS.concurrency),

@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 
 class FakeEngine:
@@ -75,9 +75,15 @@ def build_app(engine: FakeEngine, startup_s: float) -> FastAPI:
         return JSONResponse({"ok": ready.is_set()}, status_code=200 if ready.is_set() else 503)
 
     @app.post("/v1/completions")
-    async def completions(request: Request) -> StreamingResponse:
+    async def completions(request: Request) -> Response:
         body = await request.json()
         n, plen = int(body.get("max_tokens", 16)), _prompt_len(body["prompt"])
+        if not body.get("stream"):
+            async for _ in engine.tokens(plen, n):
+                pass
+            return JSONResponse({"choices": [{"index": 0, "text": " tok" * n,
+                                              "logprobs": {"tokens": [" tok"] * n},
+                                              "finish_reason": "length"}]})
 
         async def events() -> AsyncIterator[str]:
             async for _ in engine.tokens(plen, n):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,45 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
         assert r[section], section
     for d in r["decode"]:
         _positive(d, "pallas_s", "ref_s")
+
+
+FAKE = "--llama_server_cmd={python} tests/fake_openai_server.py"
+
+
+def test_bench_offline_llama_server(tmp_path: Path) -> None:
+    """The llama-server side of the sweep against the fake server (no build needed): each
+    concurrency's requests all make their tokens, ratios and roofline fractions exist."""
+    r = _run("bench_offline.py", tmp_path, "--reference=off", "--llama_server=on", FAKE,
+             "--llama_variants=q4_1")
+    w = r["workload"]
+    rnd = r["rounds"][0]
+    assert w["concurrency"] == [1, 4] and "--parallel" in r["llama_server"]["q4_1"]["argv"]
+    for c in w["concurrency"]:
+        for point in (rnd["xlaserve"][f"c{c}"], rnd["llama_server"]["q4_1"][f"c{c}"]):
+            assert point["output_tokens"] == c * w["output_len"]
+            _positive(point, "output_tok_s", "frac_compute")
+        assert r["summary"]["ratios"][f"c{c}_vs_llama_q4_1"] > 0
+    assert rnd["llama_server"]["q4_1"]["single"]["new_tokens"] == w["single_new_tokens"]
+    assert r["summary"]["ratios"]["single_stream_vs_llama_q4_1"] > 0
+
+
+def test_bench_offline_missing_llama_server_says_make_peers(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_offline.py"), "--smoke",
+           f"--out_dir={tmp_path}", "--compilation_cache_dir=", "--reference=off",
+           "--llama_server=on"]
+    env = {**os.environ, "HOME": str(tmp_path)}  # no ~/.cache/xlaserve/peers there
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode != 0
+    assert "llama-server not found" in proc.stderr and "make peers" in proc.stderr
+
+
+def test_check_llama_peer_fake(tmp_path: Path) -> None:
+    fake = "{python} tests/fake_openai_server.py"
+    cmd = [sys.executable, str(REPO / "scripts" / "check_llama_peer.py"),
+           f"--out_dir={tmp_path}", f"--xlaserve_cmd={fake}", f"--llama_server_cmd={fake}",
+           "--variants=q4_1", "--max_tokens=5"]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads((tmp_path / "check_llama_peer.json").read_text())
+    rows = r["variants"]["q4_1"]["prompts"]
+    assert len(rows) == 4 and all(x["agree_tokens"] == x["tokens"] == 5 for x in rows)

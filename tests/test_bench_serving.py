@@ -43,9 +43,11 @@ def test_frontier_and_peer_side_by_side(tmp_path: Path) -> None:
     """Two launched 'xlaserve' configs (a slow and a fast prefill) and a launched
     'llama-server': every scenario's JSON, the freeze seen during the long prefill, the
     slow config's longer TTFT, the plots and the server logs."""
-    _bench(tmp_path, f"--xlaserve_cmd={FAKE}", "--config=slow=--prefill_us_per_token=3000",
+    # 10 ms steps: the running streams' 200 tokens outlast the long prompts.
+    _bench(tmp_path, f"--xlaserve_cmd={FAKE} --itl_ms=10",
+           "--config=slow=--prefill_us_per_token=3000",
            "--config=fast=--prefill_us_per_token=100", "--peers=q4_1",
-           f"--llama_server_cmd={FAKE}", f"--scenarios={ALL}")
+           f"--llama_server_cmd={FAKE} --itl_ms=10", f"--scenarios={ALL}")
     r = json.loads((tmp_path / "bench_serving.json").read_text())
     assert r["script"] == "bench_serving" and "--smoke" in r["command"]
     assert len(r["git_revision"]) >= 40 and r["machine"]["cpu_count"] > 0
@@ -101,6 +103,25 @@ def test_only_loopback_targets(tmp_path: Path) -> None:
     assert check_loopback("http://127.0.0.1:1/") == "http://127.0.0.1:1"
 
 
+def test_against_xlaserve(tmp_path: Path) -> None:
+    """The real server (tiny random model, the SmolLM2 tokenizer) over both protocols: the
+    load generator parses what xlaserve streams and every request makes its tokens."""
+    from tests.test_server import LiveServer, tiny_engine
+    with LiveServer(tiny_engine, api_key=None) as srv:
+        srv.wait_ready()
+        for backend in ("openai", "generate"):
+            _bench(tmp_path, f"--base_url={srv.url}", f"--backend={backend}",
+                   "--scenarios=concurrent,long_during_decode", f"--tag={backend}")
+            r = json.loads((tmp_path / f"bench_serving_{backend}.json").read_text())
+            sc = _scenarios(r["targets"][0])
+            for p in sc["concurrent"]:
+                assert p["completed"] == p["requests"] == p["concurrency"], p["errors"]
+                assert p["output_tokens"] == p["concurrency"] * r["load"]["output_len"]
+            ldd = sc["long_during_decode"]
+            assert ldd["long_completed"] == 2 and ldd["running_failed"] == 0
+            assert ldd["steady_itl_ms"]["n"] > 0 and ldd["long_ttft_ms"]["n"] == 2
+
+
 def _result(send: float, chunks: list[float], tag: str = "running") -> RequestResult:
     return RequestResult(tag, 8, len(chunks), send, chunks, len(chunks), ok=True)
 
@@ -152,3 +173,38 @@ def test_parse_config() -> None:
         "chunk", "--chunked_prefill_size=128 --enable_mixed_chunk")
     assert parse_config("--chunked_prefill_size=-1") == ("--chunked_prefill_size=-1",) * 2
     assert parse_config("default=") == ("default", "")
+
+
+def test_permute_rows_is_llama_cpp_order() -> None:
+    """llama_peer.permute_rows inverts the importer's unpermutation, and within a head it
+    interleaves the two rope halves: HF rows [a0 a1 .. b0 b1 ..] -> [a0 b0 a1 b1 ..]."""
+    from llama_peer import permute_rows
+
+    from runtime.checkpoint import _unpermute_rows
+    w = np.random.default_rng(0).normal(size=(3 * 8, 5)).astype(np.float32)
+    np.testing.assert_array_equal(_unpermute_rows(permute_rows(w, 3), 3), w)
+    rows = np.arange(8, dtype=np.float32)[:, None]  # one head, head_dim 8
+    assert permute_rows(rows, 1)[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+
+
+@pytest.mark.slow
+def test_f32_gguf_round_trip(tmp_path: Path) -> None:
+    """The F32 GGUF written for llama-server, read back by xlaserve's GGUF importer,
+    gives exactly the weights xlaserve serves (so only llama.cpp's reading of it can
+    differ; check_llama_peer.py checks that), with the source's metadata."""
+    import gguf
+    from llama_peer import write_f32_gguf
+
+    from runtime import checkpoint
+    src = checkpoint.default_gguf_path()
+    cfg, params = checkpoint.load_gguf(src)
+    dst = write_f32_gguf(src, params, cfg, tmp_path / "f32.gguf")
+    cfg2, params2 = checkpoint.load_gguf(str(dst))
+    assert cfg2 == cfg
+    for key in ("embed", "final_norm"):
+        np.testing.assert_array_equal(params2[key], params[key])
+    for key, arr in params["layers"].items():
+        np.testing.assert_array_equal(params2["layers"][key], arr, err_msg=key)
+    reader = gguf.GGUFReader(str(dst))
+    assert {t.tensor_type for t in reader.tensors} == {gguf.GGMLQuantizationType.F32}
+    assert "tokenizer.chat_template" in reader.fields
