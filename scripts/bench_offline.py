@@ -449,7 +449,8 @@ def summarize(rounds: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
         ratios[name] = _paired(rounds, paths[num], paths[den])
         ratios_best[name] = s["best"][num] / s["best"][den]
     if with_hf and not FLAGS.smoke:  # the smoke models are two different random models
-        s["single_greedy_agree_prefix"] = _agree(
+        # transformers' min_new_tokens masks EOS, so they part at the first EOS at the latest.
+        s["single_greedy_agree_prefix"] = bc.common_prefix(
             rounds[0]["xlaserve"]["single"]["output_ids"],
             rounds[0]["transformers"]["single"]["output_ids"])
     s["ratios"], s["ratios_best"] = ratios, ratios_best
@@ -462,17 +463,6 @@ def summarize(rounds: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
                         "met": values.get(k) is not None and values[k] >= t}
                     for k, t in targets.items()}
     return s
-
-
-def _agree(a: Sequence[int], b: Sequence[int]) -> int:
-    """Leading tokens two greedy outputs share (transformers' min_new_tokens masks EOS, so
-    they part at the first EOS at the latest)."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # ---------------------------------------------------------------- main
@@ -502,7 +492,8 @@ def main(argv: list[str]) -> None:
             llama.stop()
     machine["load_average_end"] = bc.load_average()
     cfg = engine.model_cfg
-    result = {"script": "bench_offline", "command": bc.command_line(), "machine": machine,
+    result = {"script": "bench_offline", "command": bc.command_line(),
+              "git_revision": bc.git_revision(), "machine": machine,
               "model": bc.model_summary(cfg, name, engine.runner.cfg.dtype),
               "engine_args": dataclasses.asdict(args), "workload": dataclasses.asdict(w),
               "flops_per_output_token": throughput_flops(cfg, w) / (w.num_prompts

@@ -159,11 +159,11 @@ class Bench:
     def _rng(self, salt: int) -> np.random.Generator:
         return np.random.default_rng([FLAGS.seed, salt])
 
-    async def _send_all(self, specs: list[RequestSpec],
-                        offsets: list[float]) -> list[RequestResult]:
+    async def _send_all(self, specs: list[RequestSpec], offsets: list[float],
+                        progress: str = "") -> list[RequestResult]:
         async with make_client(len(specs) + 4) as client:
             return await run_at(client, self.backend, self.url, specs, offsets, FLAGS.model,
-                                FLAGS.request_timeout_s)
+                                FLAGS.request_timeout_s, progress)
 
     async def warm_up(self) -> None:
         specs = wl.requests(self._rng(99), wl.LengthSpec(16, 4), 2, "ids", FLAGS.vocab_size)
@@ -178,7 +178,7 @@ class Bench:
         for i, c in enumerate(self.load.concurrency):
             specs = wl.requests(self._rng(100 + i), lengths, c, FLAGS.prompt_kind,
                                 FLAGS.vocab_size)
-            res = await self._send_all(specs, [0.0] * c)
+            res = await self._send_all(specs, [0.0] * c, f"concurrent {c}")
             s = sm.summarize(res, sm.duration(res), self.slo)
             bc.log(f"  concurrent {c}: {s['output_tok_s']:.1f} output tok/s, "
                    f"TTFT p50 {_ms(s['ttft_ms']['p50'])}, ITL p50 {_ms(s['itl_ms']['p50'])}")
@@ -193,7 +193,8 @@ class Bench:
             rng = self._rng(200 + i)
             specs = wl.requests(rng, lengths, self.load.num_prompts, FLAGS.prompt_kind,
                                 FLAGS.vocab_size)
-            res = await self._send_all(specs, wl.poisson_offsets(rng, len(specs), rate))
+            res = await self._send_all(specs, wl.poisson_offsets(rng, len(specs), rate),
+                                       f"poisson {rate} req/s")
             s = sm.summarize(res, sm.duration(res), self.slo)
             bc.log(f"  poisson {rate} req/s: {s['completed']}/{s['requests']} done, "
                    f"{s['output_tok_s']:.1f} output tok/s, TTFT p99 "
@@ -207,7 +208,8 @@ class Bench:
         rng = self._rng(300)
         specs = wl.shared_prefix_requests(rng, groups, per, prefix, suffix,
                                           self.load.output_len, FLAGS.vocab_size)
-        res = await self._send_all(specs, wl.poisson_offsets(rng, len(specs), rate))
+        res = await self._send_all(specs, wl.poisson_offsets(rng, len(specs), rate),
+                                   "shared_prefix")
         s = sm.summarize(res, sm.duration(res), self.slo)
         bc.log(f"  shared_prefix: {s['completed']}/{s['requests']} done, TTFT p50 "
                f"{_ms(s['ttft_ms']['p50'])}, {s['total_tok_s']:.1f} total tok/s")
@@ -306,7 +308,7 @@ def main(argv: list[str]) -> None:
     out_dir = Path(FLAGS.out_dir)
     targets = _targets(load)
     result: dict[str, Any] = {"script": "bench_serving", "command": bc.command_line(),
-                              "git_revision": serving_plots.git_revision(),
+                              "git_revision": bc.git_revision(),
                               "machine": bc.machine_info(),
                               "load": dataclasses.asdict(load), "scenarios": FLAGS.scenarios,
                               "backend": FLAGS.backend, "prompt_kind": FLAGS.prompt_kind,

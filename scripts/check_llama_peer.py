@@ -69,15 +69,6 @@ def _pieces(choice: dict[str, Any]) -> list[str]:
     return [choice.get("text", "")]
 
 
-def _agree(a: list[str], b: list[str]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 def complete_all(target: bs.Target, prompts: list[list[int]]) -> list[dict[str, Any]]:
     with bs.running(target, Path(FLAGS.out_dir), 600) as srv:
         return [greedy_choice(srv.base_url, ids) for ids in prompts]
@@ -98,7 +89,7 @@ def main(argv: list[str]) -> None:
         for p, x, y in zip(FLAGS.prompt, ref, complete_all(t, prompts), strict=True):
             a, b = _pieces(x), _pieces(y)
             rows.append({"prompt": p, "xlaserve": x["text"], "llama_server": y["text"],
-                         "agree_tokens": _agree(a, b), "tokens": len(a),
+                         "agree_tokens": bc.common_prefix(a, b), "tokens": len(a),
                          "equal": x["text"] == y["text"]})
             bc.log(f"{v}: {p!r}: {rows[-1]['agree_tokens']}/{len(a)} tokens agree")
         result["variants"][v] = {"argv": list(t.argv), "prompts": rows,

@@ -37,7 +37,8 @@ class LlamaPeers:
         self.parallel, self.threads = parallel, threads
 
     def info(self) -> dict[str, Any]:
-        return {v: {"argv": list(s.target.argv), "startup_s": s.startup_s}
+        return {v: {"argv": list(s.target.argv), "startup_s": s.startup_s,
+                    "model_bytes": _model_bytes(s.target)}
                 for v, s in self.servers.items()}
 
     def stop(self) -> None:
@@ -76,3 +77,10 @@ class LlamaPeers:
         return {"prompt_tokens": len(ids), "new_tokens": r.output_tokens, "ttft_s": r.ttft,
                 "e2e_s": r.e2e,
                 "decode_tok_s": (r.output_tokens - 1) / (r.chunk_t[-1] - r.chunk_t[0])}
+
+
+def _model_bytes(target: bs.Target) -> int | None:
+    """Size of the GGUF a llama-server reads per decode step (its weights' bytes)."""
+    argv = list(target.argv)
+    path = Path(argv[argv.index("--model") + 1])
+    return path.stat().st_size if path.is_file() else None

@@ -23,6 +23,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 import httpx
+from tqdm import tqdm
 
 BACKENDS = ("openai", "generate")
 LOOPBACK = {"127.0.0.1", "localhost", "::1"}
@@ -185,16 +186,25 @@ def make_client(max_connections: int) -> httpx.AsyncClient:
 
 async def run_at(client: httpx.AsyncClient, backend: str, base_url: str,
                  specs: Sequence[RequestSpec], offsets_s: Sequence[float], model: str,
-                 timeout_s: float) -> list[RequestResult]:
-    """Send specs[i] at offsets_s[i] seconds after now; wait for all of them."""
+                 timeout_s: float, progress: str = "") -> list[RequestResult]:
+    """Send specs[i] at offsets_s[i] seconds after now; wait for all of them. A
+    `progress` label shows a bar of finished requests (long runs)."""
     t0 = time.perf_counter()
+    bar = tqdm(total=len(specs), desc=progress, leave=False) if progress else None
 
     async def one(spec: RequestSpec, at: float) -> RequestResult:
         await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
-        return await send(client, backend, base_url, spec, model, timeout_s)
+        r = await send(client, backend, base_url, spec, model, timeout_s)
+        if bar is not None:
+            bar.update()
+        return r
 
-    return list(await asyncio.gather(*(one(s, a) for s, a in
-                                       zip(specs, offsets_s, strict=True))))
+    try:
+        return list(await asyncio.gather(*(one(s, a) for s, a in
+                                           zip(specs, offsets_s, strict=True))))
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def wait_healthy(base_url: str, timeout_s: float, alive: Any = None) -> float:

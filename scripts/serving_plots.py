@@ -14,22 +14,10 @@ is the result and no plot is drawn):
 from __future__ import annotations
 
 import math
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import bench_common as bc
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def git_revision() -> str:
-    """HEAD, with '+dirty' when the working tree differs from it."""
-    def git(*args: str) -> str:
-        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
-                              check=False).stdout.strip()
-    rev = git("rev-parse", "HEAD") or "unknown"
-    return rev + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def _with(result: dict[str, Any], scenario: str) -> list[dict[str, Any]]:
