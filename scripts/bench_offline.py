@@ -352,11 +352,12 @@ def warm_up(engine: Engine, hf: HFReference | None, single_ids: list[int],
         llama.throughput(v, [single_ids, single_ids[::-1]], 4)
 
 
-def start_llama(w: Workload) -> offline_peers.LlamaPeers | None:
-    """The llama-server variants, or None when not asked for / not built (auto; a smoke
-    run compares llama-server only when asked, --llama_server=on)."""
+def want_llama() -> bool:
+    """Whether llama-server runs side by side: asked for, or (auto) built by `make peers`;
+    a smoke run compares it only when asked (--llama_server=on). Checked before anything
+    slow starts, so a missing peer fails at once."""
     if FLAGS.llama_server == "off" or (FLAGS.llama_server == "auto" and FLAGS.smoke):
-        return None
+        return False
     try:
         if "{llama_server}" in FLAGS.llama_server_cmd:
             llama_peer.find_llama_server()
@@ -364,7 +365,11 @@ def start_llama(w: Workload) -> offline_peers.LlamaPeers | None:
         if FLAGS.llama_server == "on":
             raise
         bc.log(f"llama-server not compared: {e}")
-        return None
+        return False
+    return True
+
+
+def start_llama(w: Workload) -> offline_peers.LlamaPeers:
     ctx = bc.pow2_at_least(max(w.input_len + w.output_len, 64 + w.single_new_tokens), 256)
     return offline_peers.LlamaPeers(FLAGS.llama_variants, max(w.concurrency, default=1), ctx,
                                     FLAGS.llama_threads, FLAGS.llama_server_cmd,
@@ -474,6 +479,7 @@ def main(argv: list[str]) -> None:
     w = _workload()
     machine = bc.machine_info()
     bc.log(f"load average {machine['load_average']} on {machine['cpu_count']} CPUs")
+    with_llama = want_llama()
     args = _server_args(w)
     engine, name = _make_engine(args)
     want_ref = FLAGS.reference == "on" or (FLAGS.reference == "auto" and reference_available())
@@ -482,7 +488,7 @@ def main(argv: list[str]) -> None:
         bc.log("transformers not compared (pip install -e '.[reference]' to compare)")
     single_ids = _single_prompt_ids(engine)
     bc.log(f"single-stream prompt: {len(single_ids)} tokens")
-    llama = start_llama(w)
+    llama = start_llama(w) if with_llama else None
     try:
         warm_up(engine, hf, single_ids, llama)
         repeats = 1 if FLAGS.smoke else FLAGS.repeats

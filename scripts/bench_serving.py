@@ -69,8 +69,8 @@ flags.DEFINE_multi_string("config", DEFAULT_CONFIGS, "xlaserve configurations, o
                           "--enable_multiplexing needs no code here)")
 flags.DEFINE_string("xlaserve_cmd", "{python} scripts/serve.py", "launch command of an "
                     "xlaserve config ({python}: this interpreter)")
-flags.DEFINE_string("xlaserve_flags", "--max_total_tokens=65536", "flags of every config "
-                    "(before its own)")
+flags.DEFINE_string("xlaserve_flags", "--max_total_tokens=32768", "flags of every config "
+                    "(before its own; the pool bounds the server's memory)")
 flags.DEFINE_list("peers", [], "llama-server variants to run too: f32, q4_1")
 flags.DEFINE_string("llama_server_cmd", "{llama_server}", "llama-server launch command "
                     "({llama_server}: the binary `make peers` builds)")
