@@ -34,8 +34,8 @@ import llama_peer
 import numpy as np
 import offline_peers
 import offline_plots as op
+import offline_summary as osum
 from absl import app, flags
-from offline_plots import rounds_values as _get
 
 from runtime.config import ModelConfig, ServerArgs
 from runtime.engine import Engine
@@ -51,6 +51,8 @@ flags.DEFINE_integer("seed", 0, "seed of the random prompts (round r uses seed +
 flags.DEFINE_integer("repeats", 2, "rounds; each runs every contender once (A B A B)")
 flags.DEFINE_string("single_prompt", "What is the capital of France?", "single-stream prompt")
 flags.DEFINE_integer("single_new_tokens", 128, "new tokens of the single stream")
+flags.DEFINE_integer("prefill_len", 512, "tokens of the prefill measurement (one random "
+                     "prompt, one new token; prefill tok/s = tokens / TTFT)")
 flags.DEFINE_enum("reference", "auto", ["auto", "on", "off"],
                   "transformers side by side: auto = when torch and transformers import")
 flags.DEFINE_list("hf_batch_sizes", ["8", "32"], "transformers generate batch sizes")
@@ -69,13 +71,6 @@ flags.DEFINE_list("llama_variants", ["f32", "q4_1"], "llama-server model files: 
 flags.DEFINE_string("llama_server_cmd", "{llama_server}", "llama-server launch command")
 flags.DEFINE_integer("llama_threads", 2, "llama-server --threads / --threads-batch")
 
-# What the lead compares against (reported, never enforced).
-TARGETS = {"single_stream_vs_hf": 2.5, "throughput_vs_hf_batch_8": 3.0,
-           "throughput_vs_hf_batch_32": 1.5, "throughput_frac_compute": 0.5}
-# Issue 15: ahead of llama-server F32 at 8 concurrent, 2x at 32 and 64.
-LLAMA_TARGETS = {"c8_vs_llama_f32": 1.0, "c32_vs_llama_f32": 2.0, "c64_vs_llama_f32": 2.0}
-
-
 @dataclasses.dataclass(frozen=True)
 class Workload:
     num_prompts: int
@@ -84,6 +79,7 @@ class Workload:
     single_new_tokens: int
     hf_batch_sizes: tuple[int, ...]
     concurrency: tuple[int, ...] = ()
+    prefill_len: int = 512
 
     def prompts(self, seed: int, vocab: int, n: int | None = None) -> list[list[int]]:
         # ids from 3 up: 0-2 are unk / bos / eos-pad in SmolLM2's vocabulary.
@@ -94,10 +90,10 @@ class Workload:
 def _workload() -> Workload:
     if FLAGS.smoke:
         return Workload(num_prompts=4, input_len=16, output_len=8, single_new_tokens=8,
-                        hf_batch_sizes=(2, 4), concurrency=(1, 4))
+                        hf_batch_sizes=(2, 4), concurrency=(1, 4), prefill_len=32)
     return Workload(FLAGS.num_prompts, FLAGS.input_len, FLAGS.output_len,
                     FLAGS.single_new_tokens, tuple(int(b) for b in FLAGS.hf_batch_sizes),
-                    tuple(int(c) for c in FLAGS.concurrency))
+                    tuple(int(c) for c in FLAGS.concurrency), FLAGS.prefill_len)
 
 
 # ---------------------------------------------------------------- xlaserve
@@ -108,7 +104,7 @@ def _server_args(w: Workload) -> ServerArgs:
     these requests fit (no batch here could use a longer one; fewer executables to compile
     at start-up), and no top-logprobs (no request asks for them)."""
     # The chat template makes the single-stream prompt 37 tokens; 64 leaves room.
-    longest = max(w.input_len + w.output_len, 64 + w.single_new_tokens)
+    longest = max(w.input_len + w.output_len, 64 + w.single_new_tokens, w.prefill_len + 1)
     kv = tuple(b for b in (256, 1024, 4096, 8192) if b >= longest)[:1] or (8192,)
     base = ServerArgs(dtype=FLAGS.dtype, max_running_requests=FLAGS.max_running_requests,
                       kv_len_buckets=kv, max_top_logprobs=0,
@@ -242,6 +238,11 @@ class HFReference:
         return {"batch_size": batch,
                 **_throughput(time.perf_counter() - t0, sum(map(len, prompts)), made)}
 
+    def ttft(self, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        _, stamps = self.generate([ids], 1)
+        return stamps[0] - t0
+
     def single(self, ids: list[int], n: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         out, stamps = self.generate([ids], n)
@@ -283,7 +284,13 @@ def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
     s = xla_single(engine, single_ids, w.single_new_tokens)
     bc.log(f"round {r}: xlaserve single stream: {s['decode_tok_s']:.1f} decode tok/s, "
            f"ttft {s['ttft_s'] * 1e3:.0f} ms")
-    rec["xlaserve"] = {"throughput": x, "single": s}
+    pre_ids = np.random.default_rng(FLAGS.seed + 5000 + r).integers(
+        3, cfg.vocab_size, w.prefill_len).tolist()
+    p = _prefill(cfg, roof, engine.generate([pre_ids], _greedy(1))[0].meta_info["ttft"],
+                 w.prefill_len)
+    bc.log(f"round {r}: xlaserve {w.prefill_len}-token prefill: {p['prefill_tok_s']:.1f} "
+           f"tok/s ({p['frac_compute']:.1%} of compute roofline)")
+    rec["xlaserve"] = {"throughput": x, "single": s, "prefill": p}
     sweep = {c: w.prompts(FLAGS.seed + 1000 * (r + 1) + c, cfg.vocab_size, c)
              for c in w.concurrency}
     for c, ps in sweep.items():
@@ -292,10 +299,21 @@ def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
         bc.log(f"round {r}: xlaserve {c} concurrent: {t['output_tok_s']:.1f} output tok/s")
     if hf is not None:
         rec["transformers"] = _hf_round(r, hf, prompts, w, single_ids)
+        rec["transformers"]["prefill"] = _prefill(cfg, roof, hf.ttft(pre_ids), w.prefill_len)
     if llama is not None:
         rec["llama_server"] = _llama_round(r, llama, sweep, w, single_ids)
+        for v, lr in rec["llama_server"].items():
+            lr["prefill"] = _prefill(cfg, roof, llama.ttft(v, pre_ids), w.prefill_len)
     _sweep_fractions(rec, cfg, w, roof)
     return rec
+
+
+def _prefill(cfg: ModelConfig, roof: bc.Roofline, ttft: float, n: int) -> dict[str, Any]:
+    """A fresh n-token prefill's rate (first token's logits included) and its share of the
+    matmul probe."""
+    flops = bc.step_flops(cfg, [bc.RowWork(0, n)])
+    return {"tokens": n, "ttft_s": ttft, "prefill_tok_s": n / ttft,
+            "frac_compute": flops / ttft / 1e9 / roof.matmul_gflops}
 
 
 def _sweep_fractions(rec: dict[str, Any], cfg: ModelConfig, w: Workload,
@@ -376,100 +394,6 @@ def start_llama(w: Workload) -> offline_peers.LlamaPeers:
                                     FLAGS.checkpoint_cache_dir, Path(FLAGS.out_dir))
 
 
-# ---------------------------------------------------------------- summary
-
-
-def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
-            den: tuple[str, ...]) -> float | None:
-    """Median over rounds of the within-round ratio (neighbours in time share the load)."""
-    ratios = [a / b for a, b in zip(_get(rounds, *num), _get(rounds, *den), strict=False)]
-    return bc.median(ratios) if ratios else None
-
-
-def _rate_paths(w: Workload, with_hf: bool,
-                llama: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
-    """Summary name -> where each round records that rate (tokens/s)."""
-    paths = {"xlaserve_output_tok_s": ("xlaserve", "throughput", "output_tok_s"),
-             "xlaserve_total_tok_s": ("xlaserve", "throughput", "total_tok_s"),
-             "xlaserve_single_decode_tok_s": ("xlaserve", "single", "decode_tok_s")}
-    for c in w.concurrency:
-        paths[f"xlaserve_c{c}_output_tok_s"] = ("xlaserve", f"c{c}", "output_tok_s")
-    for v in llama:
-        paths[f"llama_{v}_single_decode_tok_s"] = ("llama_server", v, "single",
-                                                   "decode_tok_s")
-        for c in w.concurrency:
-            paths[f"llama_{v}_c{c}_output_tok_s"] = ("llama_server", v, f"c{c}",
-                                                     "output_tok_s")
-    if with_hf:
-        paths["hf_single_decode_tok_s"] = ("transformers", "single", "decode_tok_s")
-        for b in w.hf_batch_sizes:
-            for kind in ("output", "total"):
-                paths[f"hf_batch_{b}_{kind}_tok_s"] = ("transformers", f"batch_{b}",
-                                                       f"{kind}_tok_s")
-    return paths
-
-
-def _ratio_names(w: Workload, with_hf: bool,
-                 llama: Sequence[str] = ()) -> dict[str, tuple[str, str]]:
-    """Ratio name -> (xlaserve rate, peer rate)."""
-    out = {}
-    if with_hf:
-        out["single_stream_vs_hf"] = ("xlaserve_single_decode_tok_s", "hf_single_decode_tok_s")
-        for b in w.hf_batch_sizes:
-            out[f"throughput_vs_hf_batch_{b}"] = ("xlaserve_output_tok_s",
-                                                  f"hf_batch_{b}_output_tok_s")
-    for v in llama:
-        out[f"single_stream_vs_llama_{v}"] = ("xlaserve_single_decode_tok_s",
-                                              f"llama_{v}_single_decode_tok_s")
-        for c in w.concurrency:
-            out[f"c{c}_vs_llama_{v}"] = (f"xlaserve_c{c}_output_tok_s",
-                                         f"llama_{v}_c{c}_output_tok_s")
-    return out
-
-
-def _llama_variants(rounds: list[dict[str, Any]]) -> list[str]:
-    return list(rounds[0].get("llama_server", {}))
-
-
-def summarize(rounds: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
-    """Medians over rounds (and ratios paired within rounds), plus the best round of each
-    rate: a neighbour can only slow a run down, so the best is the least disturbed one."""
-    with_hf = any("transformers" in rec for rec in rounds)
-    llama = _llama_variants(rounds)
-    paths = _rate_paths(w, with_hf, llama)
-    s: dict[str, Any] = {k: bc.median(_get(rounds, *p)) for k, p in paths.items()}
-    s["xlaserve_single_ttft_s"] = bc.median(_get(rounds, "xlaserve", "single", "ttft_s"))
-    s["throughput_gflops"] = bc.median(_get(rounds, "xlaserve", "throughput", "gflops"))
-    # The best probe is the machine's capability; a probe slowed by a neighbour would
-    # flatter the fraction.
-    s["matmul_gflops"] = max(_get(rounds, "roofline", "matmul_gflops"))
-    s["mem_read_gbps"] = max(_get(rounds, "roofline", "mem_read_gbps"))
-    s["throughput_frac_compute"] = s["throughput_gflops"] / s["matmul_gflops"]
-    s["best"] = {k: max(_get(rounds, *p)) for k, p in paths.items()}
-    s["best"]["throughput_frac_compute"] = (max(_get(rounds, "xlaserve", "throughput",
-                                                     "gflops")) / s["matmul_gflops"])
-    ratios: dict[str, float | None] = {}
-    ratios_best: dict[str, float] = {}
-    for name, (num, den) in _ratio_names(w, with_hf, llama).items():
-        ratios[name] = _paired(rounds, paths[num], paths[den])
-        ratios_best[name] = s["best"][num] / s["best"][den]
-    if with_hf and not FLAGS.smoke:  # the smoke models are two different random models
-        # transformers' min_new_tokens masks EOS, so they part at the first EOS at the latest.
-        s["single_greedy_agree_prefix"] = bc.common_prefix(
-            rounds[0]["xlaserve"]["single"]["output_ids"],
-            rounds[0]["transformers"]["single"]["output_ids"])
-    s["ratios"], s["ratios_best"] = ratios, ratios_best
-    values = {**ratios, "throughput_frac_compute": s["throughput_frac_compute"]}
-    best = {**ratios_best, "throughput_frac_compute": s["best"]["throughput_frac_compute"]}
-    targets = dict(TARGETS)
-    if "f32" in llama:
-        targets.update({k: t for k, t in LLAMA_TARGETS.items() if k in ratios})
-    s["targets"] = {k: {"target": t, "value": values.get(k), "value_best": best.get(k),
-                        "met": values.get(k) is not None and values[k] >= t}
-                    for k, t in targets.items()}
-    return s
-
-
 # ---------------------------------------------------------------- main
 
 
@@ -507,25 +431,11 @@ def main(argv: list[str]) -> None:
               "transformers_threads": hf.torch.get_num_threads() if hf else None,
               "llama_server": llama.info() if llama else None,
               "rounds": rounds}
-    result["summary"] = summarize(rounds, w)
+    result["summary"] = osum.summarize(rounds, w, FLAGS.smoke)
     result["wall_s"] = time.perf_counter() - t_start
-    _print_summary(result["summary"])
+    osum.print_summary(result["summary"])
     bc.write_json(FLAGS.out_dir, "bench_offline.json", result)
     op.plot(result, FLAGS.out_dir)
-
-
-def _print_summary(s: dict[str, Any]) -> None:
-    bc.log("summary (medians over rounds):")
-    for k, v in s.items():
-        if not isinstance(v, dict):
-            best = s["best"].get(k)
-            text = f"{v:.4g}" if isinstance(v, float) else str(v)
-            print(f"  {k:<32} {text:>8}" + (f"   best round {best:.4g}" if best else ""))
-    for k, t in s["targets"].items():
-        val = "n/a" if t["value"] is None else f"{t['value']:.3g}"
-        best = "n/a" if t["value_best"] is None else f"{t['value_best']:.3g}"
-        print(f"  target {k:<28} {val:>8} (best rounds {best:>6}; want >= {t['target']}) "
-              f"{'MET' if t['met'] else 'not met'}")
 
 
 if __name__ == "__main__":

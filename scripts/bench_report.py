@@ -90,12 +90,30 @@ def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
     out += _table(["system", "decode tok/s", "of memory-bandwidth bound"],
                   [[n, _f(v), _pct(v * b / mem if v and b else None)]
                    for n, v, b in singles if v is not None])
+    pre = [("xlaserve", ("xlaserve",)), ("transformers", ("transformers",))]
+    pre += [(f"llama-server {v.upper()}", ("llama_server", v)) for v in llama]
+    rows = []
+    for n, path in pre:
+        pts = [_dig(p, *path, "prefill") for p in rounds]
+        pts = [p for p in pts if p]
+        if pts:
+            rows.append([n, _f(_median([p["prefill_tok_s"] for p in pts])),
+                         _pct(_median([p["frac_compute"] for p in pts]))])
+    out += [f"{w['prefill_len']}-token prefill (one random prompt, one new token: tokens / "
+            "TTFT; llama-server's over HTTP, so it includes a request's overhead):", ""]
+    out += _table(["system", "prefill tok/s", "of compute roofline"], rows)
     out += ["Targets:", ""]
     out += _table(["target", "want", "median", "best round", ""],
                   [[k, f">= {t['target']}", _f(t["value"], "{:.3g}"),
                     _f(t["value_best"], "{:.3g}"), "met" if t["met"] else "**not met**"]
                    for k, t in s["targets"].items()])
     return out + _img(results, doc, "bench_offline.png")
+
+
+def _dig(d: Any, *path: str) -> Any:
+    for k in path:
+        d = d.get(k) if isinstance(d, dict) else None
+    return d
 
 
 def _median(xs: list[float]) -> float | None:

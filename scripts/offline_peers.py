@@ -72,6 +72,11 @@ class LlamaPeers:
                 "ttft_ms": sm.stats_ms([r.ttft for r in res]),
                 "itl_ms": sm.stats_ms([g for r in res for g in r.itls])}
 
+    def ttft(self, variant: str, ids: Sequence[int]) -> float:
+        """Seconds to the first token of one request (a prefill, over HTTP)."""
+        (r,) = self._run(variant, [ids], 1)
+        return r.ttft
+
     def single(self, variant: str, ids: Sequence[int], n: int) -> dict[str, Any]:
         (r,) = self._run(variant, [ids], n)
         return {"prompt_tokens": len(ids), "new_tokens": r.output_tokens, "ttft_s": r.ttft,
