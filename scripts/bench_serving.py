@@ -108,7 +108,8 @@ flags.DEFINE_float("sp_rate", 4.0, "shared_prefix Poisson rate (req/s)")
 flags.DEFINE_float("slo_ttft_ms", 2000.0, "goodput SLO: TTFT")
 flags.DEFINE_float("slo_tpot_ms", 200.0, "goodput SLO: TPOT")
 flags.DEFINE_float("request_timeout_s", 600.0, "one request's limit")
-flags.DEFINE_float("health_timeout_s", 600.0, "a launched server's start-up limit")
+flags.DEFINE_float("health_timeout_s", 1800.0, "a launched server's start-up limit (a cold "
+                   "compile of every bucket takes minutes on a loaded CPU)")
 
 
 @dataclasses.dataclass(frozen=True)

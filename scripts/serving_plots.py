@@ -79,8 +79,9 @@ def _timeline(plt: Any, result: dict[str, Any], out_dir: Path, name: str) -> Pat
         for r in s["requests"]:
             c = r["chunk_s"]
             if r["tag"] == "running" and len(c) > 1:
-                ax.plot(c[1:], [1e3 * (b - a) for a, b in zip(c, c[1:], strict=False)],
-                        lw=0.6, alpha=0.6)
+                # A gap's value held over the interval it spans: a freeze is a plateau.
+                ax.step(c[1:], [1e3 * (b - a) for a, b in zip(c, c[1:], strict=False)],
+                        where="pre", lw=0.6, alpha=0.6)
         ax.axvspan(s["window_start_s"], s["window_start_s"] + s["window_s"], color="0.85")
         ax.set(ylabel="gap (ms)", title=t["name"], yscale="log")
     axes[-1, 0].set_xlabel("time since the running streams were sent (s); shaded: the long "
