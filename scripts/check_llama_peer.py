@@ -34,8 +34,8 @@ flags.DEFINE_multi_string("prompt", ["What is the capital of France?",
                                      "Explain what a CPU cache is in one sentence."],
                           "user messages (rendered with the chat template)")
 flags.DEFINE_string("xlaserve_cmd", "{python} scripts/serve.py", "xlaserve launch command")
-flags.DEFINE_string("xlaserve_flags", "--max_total_tokens=8192 --max_running_requests=4 "
-                    "--kv_len_buckets=256", "xlaserve flags (small: few executables)")
+flags.DEFINE_string("xlaserve_flags", "--max_total_tokens=32768", "xlaserve flags (as "
+                    "bench_serving.py's, so the compilation cache of one serves the other)")
 flags.DEFINE_string("llama_server_cmd", "{llama_server}", "llama-server launch command")
 flags.DEFINE_integer("llama_threads", 2, "llama-server threads")
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see "
