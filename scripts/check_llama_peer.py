@@ -54,7 +54,7 @@ def greedy_choice(base_url: str, ids: list[int]) -> dict[str, Any]:
     """The greedy completion's choice from /v1/completions: its text and, asked for with
     logprobs, the text piece of every chosen token (compared piece by piece)."""
     body = {"model": "default", "prompt": ids, "max_tokens": FLAGS.max_tokens,
-            "temperature": 0.0, "ignore_eos": True, "logprobs": 1}
+            "temperature": 0.0, "logprobs": 1}
     r = httpx.post(base_url + "/v1/completions", json=body, timeout=300, trust_env=False)
     r.raise_for_status()
     return r.json()["choices"][0]
@@ -78,7 +78,7 @@ def main(argv: list[str]) -> None:
     del argv
     logging.getLogger("httpx").setLevel(logging.WARNING)
     prompts = prompt_ids()
-    ref = complete_all(bs.xlaserve_target("xlaserve", FLAGS.xlaserve_cmd,
+    ref = complete_all(bs.xlaserve_target("xlaserve=", FLAGS.xlaserve_cmd,
                                           FLAGS.xlaserve_flags, "openai"), prompts)
     result: dict[str, Any] = {"script": "check_llama_peer", "command": bc.command_line(),
                               "max_tokens": FLAGS.max_tokens, "variants": {}}
