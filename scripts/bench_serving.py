@@ -124,13 +124,18 @@ class Load:
     ldd: tuple[int, int, int, int, int, int, float]  # running, in, max, long, len, out, s
     sp: tuple[int, int, int, int, float]  # groups, per group, prefix, suffix, rate
 
-    def longest(self) -> int:
-        ldd = max(self.ldd[1] + self.ldd[2], self.ldd[4] + self.ldd[5])
-        return max(ldd, self.sp[2] + self.sp[3] + self.output_len,
-                   2 * (self.input_len + self.output_len))
-
-    def most_concurrent(self) -> int:
-        return max(*self.concurrency, self.ldd[0] + self.ldd[3], 8)
+    def needs(self, scenarios: list[str], length_dist: str) -> tuple[int, int]:
+        """(most requests in flight, longest request in tokens) of the scenarios to run:
+        what a llama-server's slots and per-slot context must hold."""
+        spread = 4 if length_dist == "sharegpt" else 1  # lengths are capped at 4x the mean
+        per = {"concurrent": (max(self.concurrency), self.input_len + self.output_len),
+               "poisson": (self.num_prompts, spread * (self.input_len + self.output_len)),
+               "shared_prefix": (self.sp[0] * self.sp[1],
+                                 self.sp[2] + self.sp[3] + self.output_len),
+               "long_during_decode": (self.ldd[0] + self.ldd[3],
+                                      max(self.ldd[1] + self.ldd[2], self.ldd[4] + self.ldd[5]))}
+        picked = [per[n] for n in scenarios]
+        return min(64, max(c for c, _ in picked)), max(n for _, n in picked)
 
 
 def _load() -> Load:
@@ -189,7 +194,8 @@ class Bench:
     async def poisson(self) -> list[dict[str, Any]]:
         out = []
         lengths = wl.LengthSpec(self.load.input_len, self.load.output_len, FLAGS.length_dist,
-                                FLAGS.range_ratio)
+                                FLAGS.range_ratio, max_input_len=4 * self.load.input_len,
+                                max_output_len=4 * self.load.output_len)
         for i, rate in enumerate(self.load.rates):
             rng = self._rng(200 + i)
             specs = wl.requests(rng, lengths, self.load.num_prompts, FLAGS.prompt_kind,
@@ -269,8 +275,9 @@ def _targets(load: Load) -> list[bs.Target]:
            for c in FLAGS.config]
     if FLAGS.peers:
         import llama_peer
-        parallel = FLAGS.llama_parallel or load.most_concurrent()
-        ctx = FLAGS.llama_ctx_per_slot or bc.pow2_at_least(load.longest(), 256)
+        slots, longest = load.needs(FLAGS.scenarios, FLAGS.length_dist)
+        parallel = FLAGS.llama_parallel or slots
+        ctx = FLAGS.llama_ctx_per_slot or bc.pow2_at_least(longest, 256)
         out += [llama_peer.llama_target(v, parallel, ctx, FLAGS.llama_threads,
                                         FLAGS.llama_server_cmd, FLAGS.checkpoint_cache_dir,
                                         FLAGS.llama_flags) for v in FLAGS.peers]

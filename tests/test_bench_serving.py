@@ -208,3 +208,15 @@ def test_f32_gguf_round_trip(tmp_path: Path) -> None:
     reader = gguf.GGUFReader(str(dst))
     assert {t.tensor_type for t in reader.tensors} == {gguf.GGMLQuantizationType.F32}
     assert "tokenizer.chat_template" in reader.fields
+
+
+def test_llama_slots_follow_the_scenarios() -> None:
+    """llama-server's slots and per-slot context are sized by the scenarios that run (a
+    concurrent-only run must not reserve KV for the long prompts of another scenario)."""
+    from bench_serving import Load
+    load = Load(128, 128, 24, (8, 32), (2.0,), (16, 64, 2048, 4, 2048, 8, 4.0),
+                (4, 8, 512, 32, 4.0))
+    assert load.needs(["concurrent"], "random") == (32, 256)
+    assert load.needs(["concurrent", "long_during_decode"], "random") == (32, 2112)
+    assert load.needs(["poisson"], "sharegpt") == (24, 1024)
+    assert load.needs(["shared_prefix"], "fixed") == (32, 672)
