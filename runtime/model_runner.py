@@ -299,16 +299,18 @@ class ModelRunner:
                                                  is_out)
 
     def launch(self, batch: ScheduleBatch) -> PendingStep:
-        """Dispatch one step asynchronously; the returned PendingStep reads it back."""
+        """Dispatch one step asynchronously; the returned PendingStep reads it back. A
+        SPLIT_PREFILL batch too small to split (can_split) runs whole as an EXTEND step."""
         shape = self.bucket_for(batch)
-        exe = self._executables[StepKey(batch.mode, shape)]
+        mode = ForwardMode.EXTEND if batch.mode is ForwardMode.SPLIT_PREFILL else batch.mode
+        exe = self._executables[StepKey(mode, shape)]
         self.init_slots(batch.extend_rows)
         arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape, self.cache_cfg.page_size)
         row_slots = self._row_slots(batch, shape)[0]
         logits, self.kv = exe(self.params, self.kv, self.state.last_tokens, arrays, row_slots)
-        self.step_counts[batch.mode] += 1
+        self.step_counts[mode] += 1
         pending = self._sample(batch, shape, logits)
-        self.costs.watch(_cost_key(batch.mode, shape), pending.out.next_tokens)
+        self.costs.watch(_cost_key(mode, shape), pending.out.next_tokens)
         return pending
 
     def step_cost(self, batch: ScheduleBatch) -> float | None:
@@ -329,18 +331,6 @@ class ModelRunner:
     def can_split(self, batch: ScheduleBatch) -> bool:
         """Whether batch's extend bucket has split programs (see split_min_tokens)."""
         return self.split is not None and self.bucket_for(batch) in self.split.shapes
-
-    def launch_whole(self, batch: ScheduleBatch) -> PendingStep:
-        """A prefill too small to split, run as one EXTEND step (the batch keeps its
-        SPLIT_PREFILL identity for the scheduler's accounting)."""
-        shape = self.bucket_for(batch)
-        self.init_slots(batch.extend_rows)
-        arrays = pack_rows(batch.extend_rows, [], shape, self.cache_cfg.page_size)
-        exe = self._executables[StepKey(ForwardMode.EXTEND, shape)]
-        row_slots = self._row_slots(batch, shape)[0]
-        logits, self.kv = exe(self.params, self.kv, self.state.last_tokens, arrays, row_slots)
-        self.step_counts[ForwardMode.EXTEND] += 1
-        return self._sample(batch, shape, logits)
 
     def start_split(self, batch: ScheduleBatch) -> SplitPrefill:
         """Embed an EXTEND batch's tokens; its layers then run interval by interval."""

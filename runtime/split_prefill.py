@@ -8,7 +8,7 @@ hidden state, s traced and k static, writing those layers' K/V as it goes) and `
 interval sizes k are the powers of two up to 8 below the depth, the depth and an optional
 fixed size, so any remaining run of layers is a sum of compiled sizes and no remainder
 needs a trace of its own. Extend buckets below RunnerConfig.split_min_tokens get no split
-programs: such a prefill is cheap enough to run whole (ModelRunner.launch_whole).
+programs: such a prefill is cheap enough to run whole (ModelRunner.launch).
 
 `SplitPrefill` is the carried state of one batch in flight: the host's packed inputs,
 the device handle of the hidden state, and where it stands. It belongs to the loop that

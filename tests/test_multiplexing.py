@@ -8,6 +8,8 @@ retracted all change tokens or trip an assertion.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -20,6 +22,7 @@ from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch, StepOutput
 from runtime.scheduler import Scheduler
 from runtime.split_prefill import SplitPrefill, interval_sizes
+from runtime.step_costs import DeviceCosts
 from tests.fake_runner import EOS, FakeRunner, check_invariants, next_token, reference_output
 
 LAYERS = 6
@@ -44,15 +47,12 @@ class FakeSplitRunner(FakeRunner):
         self.interval_sizes = interval_sizes(LAYERS)
 
     def launch(self, batch: ScheduleBatch) -> _Done:
-        self.log.append(("decode", len(batch.decode_rows)))
+        self.log.append(("decode", len(batch.decode_rows)) if batch.decode_rows
+                        else ("whole", batch.num_tokens))
         return _Done(batch, self.forward(batch))
 
     def can_split(self, batch: ScheduleBatch) -> bool:
         return batch.num_tokens > 12  # small prefills run whole
-
-    def launch_whole(self, batch: ScheduleBatch) -> _Done:
-        self.log.append(("whole", batch.num_tokens))
-        return _Done(batch, self.forward(batch))
 
     def start_split(self, batch: ScheduleBatch) -> SplitPrefill:
         return SplitPrefill(batch, shape=None, arrays={}, hidden=None, num_layers=LAYERS)
@@ -237,3 +237,29 @@ def test_pool_pressure_during_a_split_retracts_others_never_the_held():
     got = _run(sched, loop, {0: reqs[:3], 2: reqs[3:]})
     assert sched.stats().num_retractions > 0
     assert got == {r.rid: reference_output(r.prompt_ids, 20, ignore_eos=True) for r in reqs}
+
+
+def test_device_costs_charge_each_launch_its_own_device_time():
+    """Launches run in order: each is charged from when the device could start it."""
+    class Output:
+        def __init__(self, ready: threading.Event) -> None:
+            self.ready = ready
+
+        def block_until_ready(self) -> None:
+            self.ready.wait(5)
+
+    costs = DeviceCosts(smoothing=1.0)
+    first, second = threading.Event(), threading.Event()
+    costs.watch("a", Output(first))
+    costs.watch("b", Output(second), per=2)
+    time.sleep(0.05)
+    first.set()  # a ran ~50 ms
+    time.sleep(0.1)
+    second.set()  # b started when a finished and ran ~100 ms, over 2 layers
+    deadline = time.monotonic() + 5
+    while costs.get("b") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 0.04 <= costs.get("a") < 0.2
+    assert 0.04 <= costs.get("b") < 0.15  # ~0.1 s / 2
+    costs.record("a", 1.0)
+    assert costs.get("a") == 1.0 and set(costs.snapshot()) == {"a", "b"}

@@ -172,6 +172,6 @@ def test_launch_whole_is_the_extend_step(runner):
     """A prefill below split_min_tokens runs whole under the SPLIT_PREFILL identity."""
     rows = _rows([11, 6], 0, 1, seed=6)
     plain = runner.launch(ScheduleBatch(ForwardMode.EXTEND, rows, [])).result()
-    whole = runner.launch_whole(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, [])).result()
+    whole = runner.launch(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, [])).result()
     np.testing.assert_array_equal(whole.next_token_ids, plain.next_token_ids)
     assert runner.can_split(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, []))
