@@ -10,6 +10,7 @@ the multiplexing loop's interval policy reads.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -27,7 +28,7 @@ class DeviceCosts:
         self._alpha = smoothing
         self._cost: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[str, float, _Awaitable, int]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[str, float, _Awaitable, int] | None] = queue.SimpleQueue()
         self._last_ready = 0.0
         self._thread: threading.Thread | None = None
 
@@ -50,11 +51,24 @@ class DeviceCosts:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="device-costs", daemon=True)
             self._thread.start()
+            # A daemon thread still waiting on the runtime when the interpreter tears it
+            # down aborts the process ("terminate called ..."): stop it first.
+            atexit.register(self.close)
         self._queue.put((key, time.perf_counter(), output, per))
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop the watcher after the launches it already has (idempotent)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put(None)
+            thread.join(timeout)
 
     def _run(self) -> None:
         while True:
-            key, launched, output, per = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            key, launched, output, per = item
             try:
                 output.block_until_ready()
             except Exception:  # a failed step is reported by its reader, not here

@@ -26,7 +26,8 @@ PAGE = 4
 
 
 def test_interval_sizes_cover_any_remainder():
-    assert interval_sizes(30) == [1, 2, 4, 8, 30]
+    assert interval_sizes(30) == [2, 4, 8, 30]  # no one-layer calls (slow on XLA CPU)
+    assert interval_sizes(30, fixed=9) == [1, 2, 4, 8, 9, 30]
     assert interval_sizes(9, fixed=7) == [1, 2, 4, 7, 8, 9]
     with pytest.raises(ValueError, match="split_prefill_layers=10"):
         interval_sizes(9, fixed=10)
@@ -39,7 +40,13 @@ def test_interval_sizes_cover_any_remainder():
             plan.append(k)
             left -= k
         assert sum(plan) == 30 and max(plan) <= max(want, 1)
+    for fixed in (None, 3, 7, 9):
+        sizes, left = interval_sizes(30, fixed), 30
+        while left:
+            left -= next_interval(left, fixed or 5, sizes)
+        assert left == 0
     assert [next_interval(2, 7, sizes), next_interval(30, 0, sizes)] == [2, 1]
+    assert next_interval(30, 1, interval_sizes(30)) == 2
 
 
 @pytest.fixture(scope="module", params=[("packed", "cpu"), ("xla", "xla"), ("xla", "pallas")],
