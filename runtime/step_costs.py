@@ -28,7 +28,9 @@ class DeviceCosts:
         self._alpha = smoothing
         self._cost: dict[str, float] = {}
         self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[tuple[str, float, _Awaitable, int] | None] = queue.SimpleQueue()
+        # (key, launch time, output, layers); None stops the watcher.
+        self._queue: queue.SimpleQueue[tuple[str, float, _Awaitable, int] | None] = \
+            queue.SimpleQueue()
         self._last_ready = 0.0
         self._thread: threading.Thread | None = None
 
