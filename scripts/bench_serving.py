@@ -2,7 +2,8 @@
 SGLang-native streaming server, every streamed chunk's arrival recorded.
 
     # the ITL / TTFT frontier: xlaserve started with each config in turn (the default
-    # configs: plain, chunked at 128 and 512, chunked + mixed), long prompts during decode
+    # configs: plain, chunked at 128 and 512, chunked + mixed, multiplexing), long prompts
+    # during decode
     .venv/bin/python scripts/bench_serving.py --out_dir=bench_out
     # the same load against a server already running on this machine
     .venv/bin/python scripts/bench_serving.py --base_url=http://127.0.0.1:30000 \
@@ -54,7 +55,8 @@ FLAGS = flags.FLAGS
 SCENARIOS = ("concurrent", "poisson", "shared_prefix", "long_during_decode")
 DEFAULT_CONFIGS = ["plain=--chunked_prefill_size=-1", "chunk128=--chunked_prefill_size=128",
                    "chunk512=--chunked_prefill_size=512",
-                   "chunk512_mixed=--chunked_prefill_size=512 --enable_mixed_chunk"]
+                   "chunk512_mixed=--chunked_prefill_size=512 --enable_mixed_chunk",
+                   "mux=--enable_multiplexing"]
 
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON, PNGs and server logs go")
 flags.DEFINE_string("tag", "", "suffix of the output names (bench_serving_<tag>.json)")
