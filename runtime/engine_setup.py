@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import psutil
 
 import cpu_kernels
+from models import registry
 from runtime import checkpoint
 from runtime.config import ModelConfig, RunnerConfig, ServerArgs
 from runtime.kv_pool import kv_bytes_per_token
@@ -52,9 +53,13 @@ def _default_cpu_kernel_choice(args: ServerArgs, flag: str, value: str | None, o
     return fallback if reason is not None else ours
 
 
-def default_cpu_matmul(args: ServerArgs) -> str:
+def default_cpu_matmul(args: ServerArgs, model_cfg: ModelConfig | None = None) -> str:
     """`packed` (cpu_kernels) wherever it runs: CPU backend, float32, x86-64 with AVX-512
-    and a C++ compiler; else XLA's dot."""
+    and a C++ compiler, a dense Llama-family model; else XLA's dot."""
+    if args.cpu_matmul is None and model_cfg and not registry.has_packed_matmul(model_cfg):
+        logger.info("cpu_matmul: xla (the packed CPU matmul covers dense Llama weights, not "
+                    "%s)", model_cfg.architecture)
+        return "xla"
     return _default_cpu_kernel_choice(args, "cpu_matmul", args.cpu_matmul, "packed", "xla")
 
 
@@ -79,6 +84,9 @@ def load_model(args: ServerArgs) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """Load weights and tokenizer for `args.model` (see ServerArgs.model)."""
     dtype = default_dtype(args)
     path = args.model
+    if path in registry.PRESETS:
+        cfg, params = registry.load_preset(path, dtype)
+        return cfg, params, Tokenizer.from_gguf(checkpoint.default_gguf_path())
     if path == "default":
         path = checkpoint.ensure_default_checkpoint(
             os.path.expanduser(args.checkpoint_cache_dir), dtype)
@@ -128,7 +136,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         strict_compile=args.strict_compile,
         per_layer_weights=(not on_gpu() if args.per_layer_weights is None
                            else args.per_layer_weights),
-        cpu_matmul=default_cpu_matmul(args),
+        cpu_matmul=default_cpu_matmul(args, model_cfg),
     )
 
 

@@ -20,7 +20,7 @@ import numpy as np
 from flax import struct
 from tqdm import tqdm
 
-from models import llama
+from models.registry import model_module
 from runtime import sampling
 from runtime.batch_builder import BucketShape, pack_rows
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
@@ -79,11 +79,12 @@ class ModelRunner:
         compile_counter()  # listen from here on, so warm-up compilations are counted too
         self.max_running = max_running_requests
         self.dtype = jnp.dtype(runner_cfg.dtype)
+        self.model = model_module(model_cfg)
         self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
         if runner_cfg.per_layer_weights:
-            self.params = llama.unstack_layers(self.params)
+            self.params = self.model.unstack_layers(self.params)
         if runner_cfg.cpu_matmul == "packed":
-            self.params = llama.pack_for_cpu(self.params)
+            self.params = self.model.pack_for_cpu(self.params)
         self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, self.dtype)
         s, v = max_running_requests + 1, model_cfg.vocab_size
         self.state = SlotState(last_tokens=jnp.zeros(s, jnp.int32),
@@ -148,6 +149,7 @@ class ModelRunner:
         shape = key.shape
         te, be = shape.num_extend_tokens, shape.num_extend_seqs
         cfg, backend, top_n = self.model_cfg, self.cfg.attention_backend, self.cfg.max_top_logprobs
+        model = self.model
         dummy = self.max_running
 
         def step(params, kv, state, arrays, row_slots, sample_mask, sp):
@@ -158,7 +160,7 @@ class ModelRunner:
                             arrays["input_ids"])
             batch = ForwardBatch(**{**arrays, "input_ids": ids}, mode=key.mode,
                                  num_extend_tokens=te, num_extend_seqs=be)
-            logits, kv = llama.forward(params, kv, batch, cfg, backend)  # [B, V]
+            logits, kv = model.forward(params, kv, batch, cfg, backend)  # [B, V]
             out = sampling.sample(logits, sp, state.token_counts[row_slots],
                                   state.prompt_mask[row_slots], num_top_logprobs=top_n)
             tgt = jnp.where(sample_mask, row_slots, dummy)  # [B]

@@ -15,7 +15,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.llama import param_shapes
+from models.registry import model_module
 from runtime.config import ModelConfig
 
 # Logical name of every dimension of every parameter (see models/params_layout.md).
@@ -98,7 +98,7 @@ def param_specs(
     def spec(key: str, shape: tuple[int, ...]) -> PartitionSpec:
         return logical_to_spec(PARAM_AXES[key], shape, mesh, cfg, rules)
 
-    shapes = param_shapes(cfg)
+    shapes = model_module(cfg).param_shapes(cfg)
     tree = {k: spec(k, v) for k, v in shapes.items() if k != "layers"}
     tree["layers"] = {k: spec(k, v) for k, v in shapes["layers"].items()}
     return tree

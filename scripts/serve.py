@@ -20,8 +20,9 @@ from runtime.config import ServerArgs  # noqa: E402
 from runtime.server import serve  # noqa: E402
 
 _D = ServerArgs()
-flags.DEFINE_string("model", _D.model, "orbax checkpoint, GGUF file, Hugging Face folder, or "
-                    "'default' (the embedded SmolLM2-135M-Instruct)")
+flags.DEFINE_string("model", _D.model, "orbax checkpoint, GGUF file, Hugging Face folder, "
+                    "'default' (the embedded SmolLM2-135M-Instruct) or a preset: 'tiny-moe' "
+                    "(random-weight Qwen2-MoE-style model, SmolLM2 tokenizer)")
 flags.DEFINE_string("served_model_name", None, "model name in /v1 replies (default: from "
                     "--model)")
 flags.DEFINE_string("host", _D.host, "address to listen on")
