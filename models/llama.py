@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 
 import cpu_kernels
 from models import layers
@@ -75,8 +76,12 @@ def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg:
 
 
 def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
-            attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
-    """One full forward: logits [B, V] for each row's sampled token, and the updated pool."""
+            attention_backend: str = "xla",
+            mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
+    """One full forward: logits [B, V] for each row's sampled token, and the updated pool.
+
+    `mesh` is unused: tensor parallelism follows the parameters' shardings (GSPMD)."""
+    del mesh
     h = embed(params, batch.input_ids)
     h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend)
     return compute_logits(params, h, batch.logits_indices, cfg), kv

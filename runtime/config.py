@@ -301,3 +301,8 @@ class ServerArgs:
     checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"
     strict_compile: bool = False
     max_queued_requests: int = 1024
+    # Device mesh (runtime/sharding.serving_mesh): tensor parallel over heads / MLP columns,
+    # expert parallel over MoE experts; dp > 1 (data-parallel attention) is not built yet.
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1

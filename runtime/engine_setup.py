@@ -8,10 +8,11 @@ import os
 import jax
 import jax.numpy as jnp
 import psutil
+from jax.sharding import Mesh
 
 import cpu_kernels
 from models import registry
-from runtime import checkpoint
+from runtime import checkpoint, sharding
 from runtime.config import ModelConfig, RunnerConfig, ServerArgs
 from runtime.kv_pool import kv_bytes_per_token
 from runtime.tokenizer import Tokenizer
@@ -31,10 +32,16 @@ def default_dtype(args: ServerArgs) -> str:
     return args.dtype or ("bfloat16" if on_gpu() else "float32")
 
 
+def on_mesh(args: ServerArgs) -> bool:
+    return args.dp * args.tp * args.ep > 1
+
+
 def _cpu_kernels_off(args: ServerArgs) -> str | None:
     """Why cpu_kernels can't serve these args (None: they can)."""
     if on_gpu():
         return "the backend is a GPU"
+    if on_mesh(args):
+        return f"a device mesh (tp={args.tp}, ep={args.ep}: the CPU kernels are single-device)"
     if default_dtype(args) != "float32":
         return f"dtype {default_dtype(args)} (the kernels are float32)"
     return cpu_kernels.unavailable_reason()
@@ -67,6 +74,10 @@ def default_attention_backend(args: ServerArgs) -> str:
     """`pallas` on a GPU; on a CPU `cpu` (decode and prefill attention through
     cpu_kernels) wherever the kernels run, else `xla` (the jnp path)."""
     if args.attention_backend is None and on_gpu():
+        if on_mesh(args):  # the Pallas kernels are not shard_mapped over heads yet
+            logger.info("attention_backend: xla on the device mesh (tp=%d, ep=%d)", args.tp,
+                        args.ep)
+            return "xla"
         return "pallas"
     return _default_cpu_kernel_choice(args, "attention_backend", args.attention_backend,
                                       "cpu", "xla")
@@ -110,6 +121,15 @@ def _powers(lo: int, hi: int, factor: int) -> tuple[int, ...]:
         out.append(b)
         b *= factor
     return tuple(out + [hi])
+
+
+def serving_mesh(args: ServerArgs, model_cfg: ModelConfig) -> Mesh | None:
+    """The runner's device mesh for --dp/--tp/--ep (None: one device)."""
+    mesh = sharding.serving_mesh(model_cfg, dp=args.dp, tp=args.tp, ep=args.ep)
+    if mesh is not None:
+        logger.info("device mesh %s on %d devices: XLA's dot and the jnp attention",
+                    dict(mesh.shape), mesh.devices.size)
+    return mesh
 
 
 def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:

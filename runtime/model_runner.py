@@ -18,15 +18,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import struct
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tqdm import tqdm
 
 from models.registry import model_module
-from runtime import sampling
+from runtime import sampling, sharding
 from runtime.batch_builder import BucketShape, pack_rows
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig
 from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.kv_pool import KVPool, init_kv_pool
+from runtime.kv_pool import KVPool, init_kv_pool, kv_pool_shape
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
 
 logger = logging.getLogger(__name__)
@@ -74,22 +75,43 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: dict, cache_cfg: CacheConfig,
-                 runner_cfg: RunnerConfig, max_running_requests: int) -> None:
+                 runner_cfg: RunnerConfig, max_running_requests: int,
+                 mesh: Mesh | None = None) -> None:
+        """`mesh` (runtime/sharding.serving_mesh): params, KV pool and sampler state are
+        placed on it (tensor-parallel weights, KV pool split over KV heads, experts over
+        `ep`, the rest replicated); XLA partitions each step from those shardings."""
         self.model_cfg, self.cache_cfg, self.cfg = model_cfg, cache_cfg, runner_cfg
+        if mesh is not None and "cpu" in (runner_cfg.attention_backend,
+                                          runner_cfg.cpu_matmul.replace("packed", "cpu")):
+            raise ValueError("the CPU kernels are single-device: on a mesh use "
+                             "attention_backend='xla' and cpu_matmul='xla'")
+        self.mesh = mesh
         compile_counter()  # listen from here on, so warm-up compilations are counted too
         self.max_running = max_running_requests
         self.dtype = jnp.dtype(runner_cfg.dtype)
         self.model = model_module(model_cfg)
         self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
+        if mesh is not None:
+            self.params = jax.device_put(self.params, sharding.param_shardings(model_cfg, mesh))
         if runner_cfg.per_layer_weights:
             self.params = self.model.unstack_layers(self.params)
         if runner_cfg.cpu_matmul == "packed":
             self.params = self.model.pack_for_cpu(self.params)
-        self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, self.dtype)
+        kv_sh = None if mesh is None else sharding.kv_sharding(
+            model_cfg, kv_pool_shape(model_cfg, cache_cfg), mesh)
+        self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, self.dtype, kv_sh)
         s, v = max_running_requests + 1, model_cfg.vocab_size
         self.state = SlotState(last_tokens=jnp.zeros(s, jnp.int32),
                                token_counts=jnp.zeros((s, v), jnp.int32),
                                prompt_mask=jnp.zeros((s, v), bool))
+        # Outputs keep the inputs' placement, so a donated pool stays where it was and
+        # every call of an executable sees the shardings it was compiled for.
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self._jit_kw: dict = {}
+        if mesh is not None:
+            self.state = jax.device_put(self.state, self._replicated)
+            self._jit_kw = dict(out_shardings=(self._replicated, KVPool(k=kv_sh, v=kv_sh),
+                                               self._replicated))
         self._executables: dict[StepKey, Callable] = {}
         self._warm_compiles: int | None = None
         self._init_slot_exec: dict[int, Callable] = {}
@@ -149,7 +171,7 @@ class ModelRunner:
         shape = key.shape
         te, be = shape.num_extend_tokens, shape.num_extend_seqs
         cfg, backend, top_n = self.model_cfg, self.cfg.attention_backend, self.cfg.max_top_logprobs
-        model = self.model
+        model, mesh = self.model, self.mesh
         dummy = self.max_running
 
         def step(params, kv, state, arrays, row_slots, sample_mask, sp):
@@ -160,7 +182,7 @@ class ModelRunner:
                             arrays["input_ids"])
             batch = ForwardBatch(**{**arrays, "input_ids": ids}, mode=key.mode,
                                  num_extend_tokens=te, num_extend_seqs=be)
-            logits, kv = model.forward(params, kv, batch, cfg, backend)  # [B, V]
+            logits, kv = model.forward(params, kv, batch, cfg, backend, mesh=mesh)  # [B, V]
             out = sampling.sample(logits, sp, state.token_counts[row_slots],
                                   state.prompt_mask[row_slots], num_top_logprobs=top_n)
             tgt = jnp.where(sample_mask, row_slots, dummy)  # [B]
@@ -171,18 +193,19 @@ class ModelRunner:
                 prompt_mask=state.prompt_mask)
             return out, kv, state
 
-        return jax.jit(step, donate_argnums=(1, 2))
+        return jax.jit(step, donate_argnums=(1, 2), **self._jit_kw)
 
     def _abstract_inputs(self, shape: BucketShape):
         t = shape.num_extend_tokens + shape.num_decode_seqs
         b = shape.num_extend_seqs + shape.num_decode_seqs
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        rep = self._replicated
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)  # noqa: E731
         arrays = dict(input_ids=i32(t), positions=i32(t), out_cache_loc=i32(t),
                       page_table=i32(b, shape.num_pages_per_seq), seq_lens=i32(b),
                       query_start=i32(b + 1), logits_indices=i32(b))
-        sp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+        sp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
                           sampling.SamplingBatch.create(b))
-        return arrays, i32(b), jax.ShapeDtypeStruct((b,), bool), sp
+        return arrays, i32(b), jax.ShapeDtypeStruct((b,), bool, sharding=rep), sp
 
     def warmup(self, progress: bool = True) -> float:
         """Compile every executable (persistent cache makes repeats fast); returns seconds.
@@ -209,10 +232,11 @@ class ModelRunner:
             self._executables = {key: f.result() for key, f in futures.items()}
         bar.close()
         for n in self.cfg.kv_len_buckets:
-            self._init_slot_exec[n] = jax.jit(_init_slot, donate_argnums=(0,)).lower(
-                abstract(self.state), jax.ShapeDtypeStruct((), jnp.int32),
-                jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32),
-            ).compile()
+            i32 = functools.partial(jax.ShapeDtypeStruct, dtype=jnp.int32,
+                                    sharding=self._replicated)
+            out_sh = {} if self.mesh is None else dict(out_shardings=self._replicated)
+            self._init_slot_exec[n] = jax.jit(_init_slot, donate_argnums=(0,), **out_sh).lower(
+                abstract(self.state), i32(()), i32((n,)), i32((n,))).compile()
         self._warm_compiles = compile_counter().count
         secs = time.perf_counter() - t0
         logger.info("compiled %d executables in %.1f s", len(keys), secs)

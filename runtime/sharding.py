@@ -130,3 +130,29 @@ def param_shardings(
         specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
+
+
+# Logical axes of the KV pool [L, Hkv, P, S, Dh]: each tp rank holds its KV heads' pages.
+KV_AXES: tuple[str | None, ...] = ("layers", "kv_heads", None, None, None)
+
+
+def kv_sharding(cfg: ModelConfig, shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(KV_AXES, shape, mesh, cfg))
+
+
+def serving_mesh(cfg: ModelConfig, dp: int = 1, tp: int = 1, ep: int = 1) -> Mesh | None:
+    """The runner's mesh for --dp/--tp/--ep (None: one device). Every split must be even:
+    tp divides the query and KV heads (each rank owns whole heads and its KV pages), ep
+    the experts; anything else is a start-up error that names the numbers."""
+    if dp != 1:
+        raise ValueError(f"dp={dp}: data-parallel attention is not implemented; use dp=1")
+    bad = [f"{name}={n}" for name, n in (("num_heads", cfg.num_heads),
+                                         ("num_kv_heads", cfg.num_kv_heads)) if n % tp]
+    if bad:
+        raise ValueError(f"tp={tp} does not divide the model's {' and '.join(bad)}")
+    if ep > 1 and (not cfg.is_moe or cfg.num_experts % ep):
+        raise ValueError(f"ep={ep} needs a MoE model whose experts it divides "
+                         f"(num_experts={cfg.num_experts})")
+    if tp * ep == 1:
+        return None
+    return make_mesh(tp=tp, ep=ep)

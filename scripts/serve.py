@@ -70,6 +70,12 @@ flags.DEFINE_enum("cpu_matmul", None, ["packed", "xla"], "CPU matmuls: our kerne
                   "weights packed at load, or XLA's dot (default: packed where it builds: "
                   "x86-64 with AVX-512 and a C++ compiler)")
 
+flags.DEFINE_integer("tp", _D.tp, "tensor-parallel devices (must divide the query and KV "
+                     "heads); on a mesh attention and matmuls run through XLA")
+flags.DEFINE_integer("ep", _D.ep, "expert-parallel devices for a MoE model (must divide "
+                     "the experts)")
+flags.DEFINE_integer("dp", _D.dp, "data-parallel attention (not implemented: only 1)")
+
 FLAGS = flags.FLAGS
 
 
@@ -95,7 +101,8 @@ def server_args() -> ServerArgs:
         compilation_cache_dir=FLAGS.compilation_cache_dir or None,
         checkpoint_cache_dir=FLAGS.checkpoint_cache_dir, strict_compile=FLAGS.strict_compile,
         max_queued_requests=FLAGS.max_queued_requests,
-        per_layer_weights=FLAGS.per_layer_weights, cpu_matmul=FLAGS.cpu_matmul)
+        per_layer_weights=FLAGS.per_layer_weights, cpu_matmul=FLAGS.cpu_matmul,
+        tp=FLAGS.tp, ep=FLAGS.ep, dp=FLAGS.dp)
 
 
 def main(argv: list[str]) -> None:

@@ -1,0 +1,98 @@
+"""Serving on a device mesh (4 fake CPU devices): tensor-parallel dense Llama and
+expert-parallel MoE give the single-device greedy tokens, in strict no-recompile mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+import pytest
+
+from models import llama, registry
+from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
+from runtime.engine import Engine
+from runtime.model_runner import ModelRunner
+from runtime.request import SamplingParams
+from runtime.sharding import serving_mesh
+from tests.test_engine import _check_same
+
+PAGE = 4
+# 8 query / 4 KV heads: tp 2 and 4 divide both.
+DENSE = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                    num_heads=8, num_kv_heads=4, head_dim=8, max_position_embeddings=256)
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, top_logprobs=2)
+
+
+def _runner(cfg: ModelConfig, params: dict, tp: int = 1, ep: int = 1) -> ModelRunner:
+    rcfg = RunnerConfig(decode_buckets=(8,), extend_token_buckets=(64,),
+                        extend_seq_buckets=(1, 4), kv_len_buckets=(256,), max_top_logprobs=2,
+                        strict_compile=True, per_layer_weights=True, cpu_matmul="xla",
+                        attention_backend="xla")
+    r = ModelRunner(cfg, params, CacheConfig(page_size=PAGE, num_pages=160), rcfg,
+                    max_running_requests=8, mesh=serving_mesh(cfg, tp=tp, ep=ep))
+    r.warmup(progress=False)
+    return r
+
+
+def _args(**kw) -> ServerArgs:
+    base = dict(page_size=PAGE, max_running_requests=8, max_prefill_tokens=64,
+                chunked_prefill_size=64, max_extend_seqs=4, compilation_cache_dir=None)
+    return ServerArgs(**{**base, **kw})
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    """8 prompts of 3..60 tokens; every other one shares a 20-token prefix."""
+    rng = np.random.default_rng(0)
+    system = list(rng.integers(0, vocab, 20))
+    bodies = [list(rng.integers(0, vocab, int(rng.integers(3, 40)))) for _ in range(8)]
+    return [system + b if i % 2 == 0 else b for i, b in enumerate(bodies)]
+
+
+def _generate(runner: ModelRunner, **kw) -> list:
+    eng = Engine(_args(**kw), runner=runner)
+    out = eng.generate(_prompts(runner.model_cfg.vocab_size), GREEDY)
+    runner.check_no_compiles()
+    return out
+
+
+@functools.cache
+def _dense_reference() -> list:
+    params = llama.init_params(DENSE, jax.random.key(3))
+    return _generate(_runner(DENSE, params), disable_prefix_cache=True,
+                     chunked_prefill_size=None)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_dense_matches_one_device(tp):
+    want = _dense_reference()  # first: a warm-up later would count as our compilation
+    runner = _runner(DENSE, llama.init_params(DENSE, jax.random.key(3)), tp=tp)
+    assert runner.kv.k.sharding.spec[1] == "tp"  # the pool is split over KV heads
+    assert runner.params["layer_list"][0]["wq"].sharding.spec[-1] == "tp"
+    _check_same(_generate(runner, disable_prefix_cache=True, chunked_prefill_size=None), want)
+    # The invariance matrix on the mesh: chunked prefill and the prefix cache.
+    _check_same(_generate(runner, chunked_prefill_size=16), want)
+    assert runner.compiles_after_warmup == 0
+
+
+def test_expert_parallel_moe_matches_one_device():
+    cfg, params = registry.load_preset("tiny-moe")
+    want = _generate(_runner(cfg, params), disable_prefix_cache=True)
+    runner = _runner(cfg, params, tp=1, ep=4)
+    assert runner.params["layer_list"][0]["we_gate"].sharding.spec[0] == "ep"
+    _check_same(_generate(runner, disable_prefix_cache=True), want)
+    _check_same(_generate(runner, chunked_prefill_size=16), want)
+
+
+def test_uneven_tp_is_a_clear_error():
+    with pytest.raises(ValueError, match="tp=3 does not divide the model's num_heads=8 and "
+                                         "num_kv_heads=4"):
+        serving_mesh(DENSE, tp=3)
+    with pytest.raises(ValueError, match="num_kv_heads=2"):
+        serving_mesh(dataclasses.replace(DENSE, num_kv_heads=2), tp=4)
+    with pytest.raises(ValueError, match="ep=3"):
+        serving_mesh(registry.PRESETS["tiny-moe"], ep=3)
+    with pytest.raises(ValueError, match="single-device"):
+        ModelRunner(DENSE, llama.init_params(DENSE, jax.random.key(0)), CacheConfig(),
+                    RunnerConfig(attention_backend="cpu"), 4, mesh=serving_mesh(DENSE, tp=2))
