@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 
 from models import llama, registry
+from runtime import checkpoint
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from runtime.sharding import serving_mesh
 from tests.test_engine import _check_same
+from tests.test_parity import FIXTURES, _ckpt_cache, _comparable_prefix
 
 PAGE = 4
 # 8 query / 4 KV heads: tp 2 and 4 divide both.
@@ -96,3 +98,25 @@ def test_uneven_tp_is_a_clear_error():
     with pytest.raises(ValueError, match="single-device"):
         ModelRunner(DENSE, llama.init_params(DENSE, jax.random.key(0)), CacheConfig(),
                     RunnerConfig(attention_backend="cpu"), 4, mesh=serving_mesh(DENSE, tp=2))
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_greedy_matches_transformers():
+    """SmolLM2 (9 query / 3 KV heads) on tp=3 through ServerArgs: the two fixture prompts'
+    32 greedy tokens equal transformers' up to the first near-tie."""
+    path = checkpoint.ensure_default_checkpoint(_ckpt_cache(), "float32")
+    cfg, params = checkpoint.restore_checkpoint(path)
+    ref = np.load(FIXTURES / "smollm2_reference.npz")
+    args = ServerArgs(tp=3, max_running_requests=2, decode_buckets=(2,),
+                      extend_token_buckets=(128,), kv_len_buckets=(128,), max_prefill_tokens=128,
+                      chunked_prefill_size=128, max_extend_seqs=2, max_total_tokens=1024,
+                      compilation_cache_dir=None, strict_compile=True, max_top_logprobs=0)
+    eng = Engine(args, model=(cfg, params))
+    assert (eng.runner.cfg.cpu_matmul, eng.runner.cfg.attention_backend) == ("xla", "xla")
+    assert dict(eng.runner.mesh.shape) == {"dp": 1, "tp": 3, "ep": 1}
+    outs = eng.generate([ref[f"p{i}_prompt_ids"].tolist() for i in range(2)],
+                        SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True))
+    for i, out in enumerate(outs):
+        n = _comparable_prefix(ref[f"p{i}_greedy_margins"])
+        assert out.output_ids[:n] == ref[f"p{i}_greedy_ids"].tolist()[:n], (i, n)
+    eng.runner.check_no_compiles()
