@@ -15,6 +15,9 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import shard_map
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from cpu_kernels import PackedWeight, packed_matmul
 from pallas_kernels import get_paged_attention_fn
@@ -166,14 +169,40 @@ def qkv(lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
             v.reshape(t, cfg.num_kv_heads, cfg.head_dim))
 
 
+def _tp(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape.get("tp", 1)
+
+
+# Head-split specs under tensor parallelism: q/k/v [T, H, Dh] and the pool [L, Hkv, ...].
+_HEADS, _POOL = P(None, "tp"), P(None, "tp")
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Array,
-           batch: ForwardBatch, cfg: ModelConfig, attention_backend: str) -> jax.Array:
-    """Paged attention over earlier context (pool) and this step's k, v -> [T, Hq*Dh]."""
-    attn = get_paged_attention_fn(attention_backend)
+           batch: ForwardBatch, cfg: ModelConfig, attention_backend: str,
+           mesh: Mesh | None = None) -> jax.Array:
+    """Paged attention over earlier context (pool) and this step's k, v -> [T, Hq*Dh].
+
+    With a `tp` mesh axis each device attends with its own heads over its own KV pages
+    (shard_map): left to GSPMD, the page gather all-gathers the whole pool every step."""
+    attn = functools.partial(get_paged_attention_fn(attention_backend),
+                             num_extend_tokens=batch.num_extend_tokens,
+                             num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5)
+    if _tp(mesh) > 1:
+        attn = shard_map(attn, mesh=mesh, out_specs=_HEADS,
+                         in_specs=(_HEADS, _HEADS, _HEADS, _POOL, _POOL, *[P()] * 5))
     o = attn(q, k, v, kv.k, kv.v, layer, batch.page_table, batch.seq_lens, batch.query_start,
-             batch.positions, num_extend_tokens=batch.num_extend_tokens,
-             num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5)
+             batch.positions)
     return o.reshape(q.shape[0], cfg.q_size)
+
+
+def _write_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array,
+              mesh: Mesh | None) -> KVPool:
+    """write_kv; under tensor parallelism each device scatters its own heads' K/V."""
+    if _tp(mesh) == 1:
+        return write_kv(kv, layers, slots, k, v)
+    pool, new = KVPool(k=_POOL, v=_POOL), P(None, None, "tp")  # k, v [N, T, Hkv, Dh]
+    return shard_map(write_kv, mesh=mesh, in_specs=(pool, P(), P(), new, new),
+                     out_specs=pool)(kv, layers, slots, k, v)
 
 
 def out_mlp(lp: dict, h: jax.Array, o: jax.Array, cfg: ModelConfig, mlp: Mlp) -> jax.Array:
@@ -188,8 +217,8 @@ _out_mlp_jit = jax.jit(out_mlp, static_argnames=("cfg", "mlp"))
 
 def run_decoder_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
                        cfg: ModelConfig, mlp: Mlp, *, start: jax.Array | int = 0,
-                       num_layers: int | None = None,
-                       attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
+                       num_layers: int | None = None, attention_backend: str = "xla",
+                       mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
     """Run decoder layers [start, start + num_layers) over hidden h [T, D].
 
     `start` may be traced (split prefill advances it call by call); `num_layers` is
@@ -199,7 +228,7 @@ def run_decoder_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBat
     Weights come stacked (`layers`, sliced by the loop index) or per layer (`layer_list`,
     see unstack_layers), where a `lax.switch` on the index picks the layer's own buffers:
     XLA CPU copies a dynamic slice of the stacked weights before every dot, which halves
-    the speed of a memory-bound decode step.
+    the speed of a memory-bound decode step. `mesh`: see attend.
     """
     n = cfg.num_layers if num_layers is None else num_layers
     cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
@@ -216,18 +245,18 @@ def run_decoder_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBat
 
         def body(h, layer):
             q, k, v = jax.lax.switch(layer, qkv_fns, h, cos, sin)
-            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend)
+            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh)
             return jax.lax.switch(layer, out_fns, h, o), (k, v)
     else:
         def body(h, layer):
             lp = jax.tree.map(lambda w: w[layer], params["layers"])
             q, k, v = qkv(lp, h, cos, sin, cfg)
-            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend)
+            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh)
             return out_mlp(lp, h, o, cfg, mlp), (k, v)
 
     layers = jnp.arange(n, dtype=jnp.int32) + start
     h, (k, v) = jax.lax.scan(body, h, layers)  # k, v [n, T, Hkv, Dh]
-    return h, write_kv(kv, layers, batch.out_cache_loc, k, v)
+    return h, _write_kv(kv, layers, batch.out_cache_loc, k, v, mesh)
 
 
 def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,

@@ -68,11 +68,12 @@ def pack_for_cpu(params: dict) -> dict:
 
 def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
                *, start: jax.Array | int = 0, num_layers: int | None = None,
-               attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
+               attention_backend: str = "xla",
+               mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
     """Decoder layers [start, start + num_layers) (see layers.run_decoder_layers)."""
     return layers.run_decoder_layers(params, kv, h, batch, cfg, mlp, start=start,
                                      num_layers=num_layers,
-                                     attention_backend=attention_backend)
+                                     attention_backend=attention_backend, mesh=mesh)
 
 
 def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
@@ -80,8 +81,9 @@ def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
             mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
     """One full forward: logits [B, V] for each row's sampled token, and the updated pool.
 
-    `mesh` is unused: tensor parallelism follows the parameters' shardings (GSPMD)."""
-    del mesh
+    On a `mesh` the matmuls follow the parameters' shardings (GSPMD) and attention runs
+    per device on its heads (layers.attend)."""
     h = embed(params, batch.input_ids)
-    h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend)
+    h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend,
+                       mesh=mesh)
     return compute_logits(params, h, batch.logits_indices, cfg), kv

@@ -176,7 +176,7 @@ def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg:
     """Decoder layers [start, start + num_layers) (see layers.run_decoder_layers)."""
     return layers.run_decoder_layers(params, kv, h, batch, cfg, MoeMlp(cfg, mesh), start=start,
                                      num_layers=num_layers,
-                                     attention_backend=attention_backend)
+                                     attention_backend=attention_backend, mesh=mesh)
 
 
 def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import numpy as np
@@ -72,12 +73,17 @@ def test_tensor_parallel_dense_matches_one_device(tp):
     runner = _runner(DENSE, llama.init_params(DENSE, jax.random.key(3)), tp=tp)
     assert runner.kv.k.sharding.spec[1] == "tp"  # the pool is split over KV heads
     assert runner.params["layer_list"][0]["wq"].sharding.spec[-1] == "tp"
+    # Attention runs on each device's own heads and pages: no step gathers the pool.
+    pool = "f32[" + ",".join(map(str, runner.kv.k.shape)) + "]"
+    for exe in runner._executables.values():
+        assert not re.search(re.escape(pool) + r"\S* all-gather", exe.as_text())
     _check_same(_generate(runner, disable_prefix_cache=True, chunked_prefill_size=None), want)
     # The invariance matrix on the mesh: chunked prefill and the prefix cache.
     _check_same(_generate(runner, chunked_prefill_size=16), want)
     assert runner.compiles_after_warmup == 0
 
 
+@pytest.mark.slow  # ~3 min: two tiny-moe runners (49152-token vocabulary) compile
 def test_expert_parallel_moe_matches_one_device():
     cfg, params = registry.load_preset("tiny-moe")
     want = _generate(_runner(cfg, params), disable_prefix_cache=True)
