@@ -245,6 +245,10 @@ class RunnerConfig:
     # "packed": matmuls through cpu_kernels (weights packed at load; float32, CPU only);
     # "xla": XLA's own dot.
     cpu_matmul: str = "xla"
+    # Compile SPLIT_PREFILL executables (runtime/split_prefill.py) for every extend bucket.
+    enable_split_prefill: bool = False
+    # An interval size compiled besides the powers of two and the depth (fixed k).
+    split_prefill_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -306,3 +310,8 @@ class ServerArgs:
     dp: int = 1
     tp: int = 1
     ep: int = 1
+    # Split prefill (runtime/split_prefill.py) and multiplexing (runtime/multiplexing.py).
+    enable_split_prefill: bool = False
+    enable_multiplexing: bool = False  # implies split prefill
+    split_prefill_layers: int | None = None  # None: chosen per iteration (IntervalPolicy)
+    multiplex_itl_target_ms: float = 0.0  # 0: twice the running batch's decode step

@@ -22,6 +22,7 @@ import jax
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
 from runtime.engine_setup import load_model, runner_config, serving_mesh, size_kv_pool
 from runtime.model_runner import ModelRunner, PendingStep
+from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.request import Req, SamplingParams
 from runtime.scheduler import ReqEvent, Scheduler
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -64,8 +65,35 @@ class _Tracked:
         return text[:len(text) - hold] if hold else text
 
 
+class StepLoop:
+    """The plain engine loop: one scheduler batch per iteration. With overlap it launches
+    batch N+1 before it reads back batch N, so host scheduling hides behind device work."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool) -> None:
+        self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
+        self._pending: PendingStep | None = None
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def step(self) -> list[ReqEvent]:
+        batch = self.scheduler.next_batch()
+        launched = self.runner.launch(batch) if batch is not None else None
+        if self.overlap:
+            done, self._pending = self._pending, launched
+        else:
+            done = launched
+        if done is None:
+            return []
+        return self.scheduler.process_results(done.batch, done.result())
+
+
 class Engine:
-    """Continuous-batching generation engine (offline API; the HTTP server wraps it)."""
+    """Continuous-batching generation engine (offline API; the HTTP server wraps it).
+
+    Its loop is one object chosen at start-up: StepLoop, or with --enable_split_prefill /
+    --enable_multiplexing the MultiplexLoop of runtime/multiplexing.py."""
 
     def __init__(self, args: ServerArgs, *, model: tuple[ModelConfig, dict] | None = None,
                  tokenizer: Tokenizer | None = None, runner: ModelRunner | None = None) -> None:
@@ -110,8 +138,17 @@ class Engine:
             eos_token_ids=eos,
             decode_fn=tokenizer.decode if tokenizer else None,
         )
-        self._overlap = not args.disable_overlap_schedule
-        self._pending: PendingStep | None = None
+        overlap = not args.disable_overlap_schedule
+        if args.enable_multiplexing or args.enable_split_prefill:
+            if runner.split is None:
+                raise ValueError("split prefill / multiplexing need a runner compiled with "
+                                 "RunnerConfig.enable_split_prefill")
+            policy = IntervalPolicy(args.split_prefill_layers,
+                                    args.multiplex_itl_target_ms / 1000)
+            self.loop: StepLoop | MultiplexLoop = MultiplexLoop(
+                self.scheduler, runner, policy, overlap, interleave=args.enable_multiplexing)
+        else:
+            self.loop = StepLoop(self.scheduler, runner, overlap)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
@@ -146,20 +183,12 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return not self.scheduler.is_idle() or self._pending is not None
+        return not self.scheduler.is_idle() or self.loop.has_pending
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch one batch; read back the previous one (overlap) or this one."""
-        batch = self.scheduler.next_batch()
-        launched = self.runner.launch(batch) if batch is not None else None
-        if self._overlap:
-            done, self._pending = self._pending, launched
-        else:
-            done = launched
-        if done is None:
-            return []
-        events = self.scheduler.process_results(done.batch, done.result())
-        return [self._output(e) for e in events]
+        """One loop iteration: launch its work, read back the previous one (overlap) or
+        this one, and turn the events into outputs."""
+        return [self._output(e) for e in self.loop.step()]
 
     def _output(self, event: ReqEvent) -> RequestOutput:
         t = self._tracked[event.req.rid]
@@ -173,7 +202,8 @@ class Engine:
         delta, t.emitted = text[len(t.emitted):], text
         meta: dict[str, Any] = {"prompt_tokens": len(req.prompt_ids),
                                 "completion_tokens": len(req.output_ids),
-                                "cached_tokens": req.cached_tokens}
+                                "cached_tokens": req.cached_tokens,
+                                "prefill_intervals": req.prefill_intervals}
         if event.finished:
             self._tracked.pop(req.rid, None)
             reason = req.finish_reason

@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from runtime.compile_counter import compile_counter
+from runtime.executable_budget import footprint
 from runtime.scheduler import SchedulerStats
 
 PREFIX = "xlaserve_"
@@ -54,6 +55,7 @@ class ServerMetrics:
                                      ["mode"], registry=r)
         self.stats: SchedulerStats | None = None
         self.compiles_after_warmup = 0
+        self.executables = 0  # compiled by the model runner's warm-up
         r.register(_SchedulerCollector(self))
 
     def render(self) -> bytes:
@@ -75,6 +77,18 @@ class _SchedulerCollector(Collector):
                                    "since the model runner's warm-up (must stay 0)")
         late.add_metric([], self._metrics.compiles_after_warmup)
         yield late
+        # What the executables cost: each one maps memory and the kernel caps the count
+        # (runtime/executable_budget.py), so the headroom is worth watching.
+        fp = footprint()
+        for name, doc, value in (
+            ("executables", "Executables compiled at warm-up", self._metrics.executables),
+            ("process_memory_mappings", "Memory mappings of the server process", fp.maps),
+            ("process_max_memory_mappings", "The kernel's limit (vm.max_map_count)",
+             fp.max_maps),
+            ("process_resident_memory_bytes", "Resident memory of the server process",
+             fp.resident_mb * 2**20),
+        ):
+            yield GaugeMetricFamily(f"{PREFIX}{name}", doc, value=value)
         s = self._metrics.stats
         if s is None:
             return

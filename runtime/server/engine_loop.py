@@ -179,6 +179,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics.stats = engine.scheduler.stats()
         self.metrics.compiles_after_warmup = engine.runner.compiles_after_warmup
+        self.metrics.executables = engine.runner.num_executables
         self.ready.set()
         if self._on_ready is not None:
             self._on_ready(engine)
