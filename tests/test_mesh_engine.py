@@ -18,10 +18,10 @@ from runtime.engine import Engine
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from runtime.sharding import serving_mesh
+from tests.engine_utils import engine_args, prompts, small_runner
 from tests.test_engine import _check_same
 from tests.test_parity import FIXTURES, _ckpt_cache, _comparable_prefix
 
-PAGE = 4
 # 8 query / 4 KV heads: tp 2 and 4 divide both.
 DENSE = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
                     num_heads=8, num_kv_heads=4, head_dim=8, max_position_embeddings=256)
@@ -29,33 +29,12 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, top_lo
 
 
 def _runner(cfg: ModelConfig, params: dict, tp: int = 1, ep: int = 1) -> ModelRunner:
-    rcfg = RunnerConfig(decode_buckets=(8,), extend_token_buckets=(64,),
-                        extend_seq_buckets=(1, 4), kv_len_buckets=(256,), max_top_logprobs=2,
-                        strict_compile=True, per_layer_weights=True, cpu_matmul="xla",
-                        attention_backend="xla")
-    r = ModelRunner(cfg, params, CacheConfig(page_size=PAGE, num_pages=160), rcfg,
-                    max_running_requests=8, mesh=serving_mesh(cfg, tp=tp, ep=ep))
-    r.warmup(progress=False)
-    return r
-
-
-def _args(**kw) -> ServerArgs:
-    base = dict(page_size=PAGE, max_running_requests=8, max_prefill_tokens=64,
-                chunked_prefill_size=64, max_extend_seqs=4, compilation_cache_dir=None)
-    return ServerArgs(**{**base, **kw})
-
-
-def _prompts(vocab: int) -> list[list[int]]:
-    """8 prompts of 3..60 tokens; every other one shares a 20-token prefix."""
-    rng = np.random.default_rng(0)
-    system = list(rng.integers(0, vocab, 20))
-    bodies = [list(rng.integers(0, vocab, int(rng.integers(3, 40)))) for _ in range(8)]
-    return [system + b if i % 2 == 0 else b for i, b in enumerate(bodies)]
+    return small_runner(cfg, params, serving_mesh(cfg, tp=tp, ep=ep))
 
 
 def _generate(runner: ModelRunner, **kw) -> list:
-    eng = Engine(_args(**kw), runner=runner)
-    out = eng.generate(_prompts(runner.model_cfg.vocab_size), GREEDY)
+    eng = Engine(engine_args(**kw), runner=runner)
+    out = eng.generate(prompts(runner.model_cfg.vocab_size), GREEDY)
     runner.check_no_compiles()
     return out
 
