@@ -37,7 +37,7 @@ from runtime.forward_batch import ForwardBatch
 from runtime.kv_pool import KVPool
 
 __all__ = ["compute_logits", "embed", "forward", "init_params", "pack_for_cpu",
-           "param_shapes", "run_layers", "unstack_layers", "MoeMlp"]
+           "param_shapes", "run_layer_range", "run_layers", "unstack_layers", "MoeMlp"]
 
 EP_AXIS = "ep"
 EXPERT_KEYS = ("we_gate", "we_up", "we_down")
@@ -177,6 +177,15 @@ def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg:
     return layers.run_decoder_layers(params, kv, h, batch, cfg, MoeMlp(cfg, mesh), start=start,
                                      num_layers=num_layers,
                                      attention_backend=attention_backend, mesh=mesh)
+
+
+def run_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
+                    cfg: ModelConfig, start: jax.Array, stop: jax.Array,
+                    attention_backend: str = "xla",
+                    mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
+    """Layers [start, stop), both traced (see layers.run_decoder_layer_range)."""
+    return layers.run_decoder_layer_range(params, kv, h, batch, cfg, MoeMlp(cfg, mesh), start, stop,
+                                          attention_backend, mesh)
 
 
 def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,

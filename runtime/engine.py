@@ -146,7 +146,8 @@ class Engine:
             policy = IntervalPolicy(args.split_prefill_layers,
                                     args.multiplex_itl_target_ms / 1000)
             self.loop: StepLoop | MultiplexLoop = MultiplexLoop(
-                self.scheduler, runner, policy, overlap, interleave=args.enable_multiplexing)
+                self.scheduler, runner, policy, overlap, interleave=args.enable_multiplexing,
+                fused=args.multiplex_fused)
         else:
             self.loop = StepLoop(self.scheduler, runner, overlap)
         self._tracked: dict[str, _Tracked] = {}

@@ -17,11 +17,11 @@ The target is --multiplex_itl_target_ms, or, when 0, twice the running batch's o
 decode step: streams slow down at most ~2x while a prompt prefills, and the prefill gets
 the rest of the device.
 
-Why two calls and not one fused executable: on this CPU the decode step and the interval
-both saturate the cores, so fusing them saves only the decode rows' weight reads for k
-layers; the two-call loop needs no executables beyond the split-prefill set. The fused
-variant (decode rows through all layers, the prefill tokens through [s, s + k) of the
-same loop) is not built yet; which one wins on a GPU is part of the GPU suite.
+Two ways to run an iteration: two calls (a DECODE step, then an interval: no executables
+beyond the split-prefill set) or, with --multiplex_fused, one executable in which the
+decode rows run all layers and the prefill tokens the interval's layers of the same loop,
+sharing those layers' weight reads (runtime/fused_step.py). Which is the default is
+decided by measurement (docs/multiplexing.md).
 """
 
 from __future__ import annotations
@@ -43,9 +43,12 @@ class SplitRunner(Protocol):
     """What the loop needs of a runner (ModelRunner, or a fake in tests)."""
 
     def launch(self, batch: ScheduleBatch) -> _Pending: ...
+    def can_split(self, batch: ScheduleBatch) -> bool: ...
     def start_split(self, batch: ScheduleBatch) -> SplitPrefill: ...
     def run_interval(self, split: SplitPrefill, k: int) -> None: ...
     def finish_split(self, split: SplitPrefill) -> _Pending: ...
+    def launch_fused(self, decode: ScheduleBatch, split: SplitPrefill,
+                     k: int) -> _Pending | None: ...
     def step_cost(self, batch: ScheduleBatch) -> float | None: ...
     def layer_cost(self, split: SplitPrefill) -> float | None: ...
     @property
@@ -74,12 +77,13 @@ class IntervalPolicy:
 class MultiplexLoop:
     """The engine loop with split prefill; `interleave=False` runs each split prefill to
     its end before decoding (prefill priority, as the plain loop), for --enable_split_prefill
-    without --enable_multiplexing."""
+    without --enable_multiplexing; `fused` runs decode + interval as one executable where
+    the runner has one for the shapes (runtime/fused_step.py), else as two calls."""
 
     def __init__(self, scheduler: Scheduler, runner: SplitRunner, policy: IntervalPolicy,
-                 overlap: bool, interleave: bool = True) -> None:
+                 overlap: bool, interleave: bool = True, fused: bool = False) -> None:
         self.scheduler, self.runner, self.policy = scheduler, runner, policy
-        self.overlap, self.interleave = overlap, interleave
+        self.overlap, self.interleave, self.fused = overlap, interleave, fused
         self.split: SplitPrefill | None = None
         self._pending: list[_Pending] = []
         self.last_intervals: list[tuple[int, int]] = []  # of the latest iteration
@@ -91,19 +95,21 @@ class MultiplexLoop:
     def step(self) -> list[ReqEvent]:
         """One iteration; returns the events of the launches it read back."""
         sched = self.scheduler
+        launched: list[_Pending] = []
         if self.split is None:
             batch = sched.next_prefill()
-            if batch is not None:
+            if batch is not None and self.runner.can_split(batch):
                 self.split = self.runner.start_split(batch)
-        launched: list[_Pending] = []
+            elif batch is not None:  # too small to be worth splitting: one call
+                launched.append(self.runner.launch(batch))
+                sched.release_prefill()
         decode = sched.next_decode() if self.interleave or self.split is None else None
-        if decode is not None:
-            launched.append(self.runner.launch(decode))
         self.last_intervals = []
-        if self.split is not None:
-            done = self._advance(decode)
-            if done is not None:
-                launched.append(done)
+        launched += self._launch(decode)
+        if self.split is not None and self.split.done:
+            split, self.split = self.split, None
+            launched.append(self.runner.finish_split(split))
+            sched.release_prefill()
         if self.overlap:
             ready, self._pending = self._pending, launched
         else:
@@ -113,28 +119,34 @@ class MultiplexLoop:
             events += sched.process_results(p.batch, p.result())
         return events
 
-    def _advance(self, decode: ScheduleBatch | None) -> _Pending | None:
-        """Run this iteration's interval(s) of the split in flight; when its last layer is
-        launched, sample it and release its requests to decode."""
+    def _launch(self, decode: ScheduleBatch | None) -> list[_Pending]:
+        """This iteration's decode step and interval(s) of the split in flight."""
         split, sizes = self.split, self.runner.interval_sizes
-        assert split is not None
+        if split is None:
+            return [self.runner.launch(decode)] if decode is not None else []
         if decode is None:
             while not split.done:  # nothing to interleave with: run it all now
                 want = self.policy.fixed or split.remaining
                 self._run(split, next_interval(split.remaining, want, sizes))
-        else:
-            want = self.policy.layers(split.remaining, self.runner.step_cost(decode),
-                                      self.runner.layer_cost(split))
-            self._run(split, next_interval(split.remaining, want, sizes))
-        if not split.done:
-            return None
-        self.split = None
-        pending = self.runner.finish_split(split)
-        self.scheduler.release_prefill()
-        return pending
+            return []
+        want = self.policy.layers(split.remaining, self.runner.step_cost(decode),
+                                  self.runner.layer_cost(split))
+        k = next_interval(split.remaining, want, sizes)
+        if self.fused:
+            start = split.next_layer
+            fused = self.runner.launch_fused(decode, split, k)
+            if fused is not None:
+                self._count(split, start, k)
+                return [fused]
+        pending = self.runner.launch(decode)
+        self._run(split, k)
+        return [pending]
 
     def _run(self, split: SplitPrefill, k: int) -> None:
-        self.last_intervals.append((split.next_layer, k))
+        self._count(split, split.next_layer, k)
+        self.runner.run_interval(split, k)
+
+    def _count(self, split: SplitPrefill, start: int, k: int) -> None:
+        self.last_intervals.append((start, k))
         for row in split.batch.extend_rows:
             row.req.prefill_intervals += 1
-        self.runner.run_interval(split, k)
