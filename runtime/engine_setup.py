@@ -74,7 +74,7 @@ def default_attention_backend(args: ServerArgs) -> str:
     """`pallas` on a GPU; on a CPU `cpu` (decode and prefill attention through
     cpu_kernels) wherever the kernels run, else `xla` (the jnp path)."""
     if args.attention_backend is None and on_gpu():
-        if on_mesh(args):  # the Pallas kernels are not shard_mapped over heads yet
+        if on_mesh(args):  # Pallas on a mesh has not run on a multi-GPU machine yet
             logger.info("attention_backend: xla on the device mesh (tp=%d, ep=%d)", args.tp,
                         args.ep)
             return "xla"
