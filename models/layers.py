@@ -1,15 +1,31 @@
-"""Pure building blocks shared by the model families."""
+"""Building blocks shared by the model families: norms, rope, MLPs, and the decoder
+skeleton (attention, residuals, the layer scan, logits) that takes a family's MLP.
+
+A family's MLP is `mlp(lp, x) -> [T, D]` over one layer's weights `lp` and the normed
+hidden states x [T, D]; it must be hashable (a module-level function or a frozen
+dataclass), since it is a static argument of the per-layer jitted halves.
+"""
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import shard_map
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from cpu_kernels import PackedWeight, packed_matmul
-from runtime.config import RopeScaling
+from pallas_kernels import get_paged_attention_fn
+from runtime.config import ModelConfig, RopeScaling
+from runtime.forward_batch import ForwardBatch
+from runtime.kv_pool import KVPool, write_kv
+
+Mlp = Callable[[dict, jax.Array], jax.Array]
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
@@ -65,3 +81,218 @@ def fused_gated_mlp(x: jax.Array, w_gate_up: jax.Array | PackedWeight,
     """SwiGLU with gate and up in one matrix [D, 2F] (gate columns first): x [T, D] -> [T, D]."""
     gate, up = jnp.split(linear(x, w_gate_up), 2, axis=-1)  # [T, F] each
     return linear(jax.nn.silu(gate) * up, w_down)
+
+
+# ---------------------------------------------------------------- parameters
+
+
+def init_from_shapes(shapes: dict, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict:
+    """Random weights for a {key: shape} tree: norms near 1, biases small, matrices
+    ~ N(0, 1/fan_in) (fan-in is the second-to-last dim) so activations keep unit scale
+    through depth, embeddings N(0, 1)."""
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    flat, treedef = jax.tree_util.tree_flatten_with_path(shapes, is_leaf=is_shape)
+    keys = jax.random.split(key, len(flat))
+    out = []
+    for (path, shape), k in zip(flat, keys, strict=True):
+        name = path[-1].key
+        x = jax.random.normal(k, shape)
+        if "norm" in name:
+            w = 1.0 + 0.1 * x
+        elif name in ("bq", "bk", "bv"):
+            w = 0.1 * x
+        elif name == "embed":
+            w = x
+        else:
+            w = x * shape[-2] ** -0.5
+        out.append(w.astype(dtype))
+    return jax.tree.unflatten(treedef, out)
+
+
+def attention_shapes(cfg: ModelConfig) -> dict:
+    """The per-layer attention weights every family has (see params_layout.md)."""
+    L, D = cfg.num_layers, cfg.hidden_size
+    out = {"attn_norm": (L, D), "wq": (L, D, cfg.q_size), "wk": (L, D, cfg.kv_size),
+           "wv": (L, D, cfg.kv_size), "wo": (L, cfg.q_size, D), "mlp_norm": (L, D)}
+    if cfg.attention_bias:
+        out.update(bq=(L, cfg.q_size), bk=(L, cfg.kv_size), bv=(L, cfg.kv_size))
+    if cfg.qk_norm:
+        out.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    return out
+
+
+def model_shapes(cfg: ModelConfig, layer_shapes: dict) -> dict:
+    """Embedding, final norm and (untied) head around a family's per-layer shapes."""
+    tree = {"embed": (cfg.vocab_size, cfg.hidden_size), "final_norm": (cfg.hidden_size,),
+            "layers": layer_shapes}
+    if not cfg.tie_word_embeddings:
+        tree["lm_head"] = (cfg.hidden_size, cfg.vocab_size)
+    return tree
+
+
+def unstack_layers(params: dict) -> dict:
+    """Replace the stacked `layers` by `layer_list`, one dict of arrays per layer, for
+    run_layers' switch dispatch (same memory: the stacked copy is dropped)."""
+    layers = params["layers"]
+    n = layers["attn_norm"].shape[0]
+    per_layer = [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(n)]
+    return {**{k: v for k, v in params.items() if k != "layers"}, "layer_list": per_layer}
+
+
+# ---------------------------------------------------------------- decoder skeleton
+
+
+def embed(params: dict, input_ids: jax.Array) -> jax.Array:
+    """input_ids [T] -> hidden [T, D]."""
+    return params["embed"][input_ids]
+
+
+def qkv(lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
+        cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """h [T, D] -> q [T, Hq, Dh], k, v [T, Hkv, Dh] (normed, projected, rope applied)."""
+    t = h.shape[0]
+    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    if "wqkv" in lp:  # packed (llama.pack_for_cpu): one matmul for all three
+        q, k, v = jnp.split(linear(x, lp["wqkv"]), [cfg.q_size, cfg.q_size + cfg.kv_size], -1)
+    else:
+        q = x @ lp["wq"]  # [T, Hq*Dh]
+        k = x @ lp["wk"]  # [T, Hkv*Dh]
+        v = x @ lp["wv"]
+    if cfg.attention_bias:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+    k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:  # Qwen3: per-head RMSNorm before rope
+        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    return (apply_rope(q, cos, sin), apply_rope(k, cos, sin),
+            v.reshape(t, cfg.num_kv_heads, cfg.head_dim))
+
+
+def _tp(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape.get("tp", 1)
+
+
+# Head-split specs under tensor parallelism: q/k/v [T, H, Dh] and the pool [L, Hkv, ...].
+_HEADS, _POOL = P(None, "tp"), P(None, "tp")
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Array,
+           batch: ForwardBatch, cfg: ModelConfig, attention_backend: str,
+           mesh: Mesh | None = None) -> jax.Array:
+    """Paged attention over earlier context (pool) and this step's k, v -> [T, Hq*Dh].
+
+    With a `tp` mesh axis each device attends with its own heads over its own KV pages
+    (shard_map): left to GSPMD, the page gather all-gathers the whole pool every step."""
+    attn = functools.partial(get_paged_attention_fn(attention_backend),
+                             num_extend_tokens=batch.num_extend_tokens,
+                             num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5)
+    if _tp(mesh) > 1:
+        attn = shard_map(attn, mesh=mesh, out_specs=_HEADS,
+                         in_specs=(_HEADS, _HEADS, _HEADS, _POOL, _POOL, *[P()] * 5))
+    o = attn(q, k, v, kv.k, kv.v, layer, batch.page_table, batch.seq_lens, batch.query_start,
+             batch.positions)
+    return o.reshape(q.shape[0], cfg.q_size)
+
+
+def _write_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array,
+              mesh: Mesh | None) -> KVPool:
+    """write_kv; under tensor parallelism each device scatters its own heads' K/V."""
+    if _tp(mesh) == 1:
+        return write_kv(kv, layers, slots, k, v)
+    pool, new = KVPool(k=_POOL, v=_POOL), P(None, None, "tp")  # k, v [N, T, Hkv, Dh]
+    return shard_map(write_kv, mesh=mesh, in_specs=(pool, P(), P(), new, new),
+                     out_specs=pool)(kv, layers, slots, k, v)
+
+
+def out_mlp(lp: dict, h: jax.Array, o: jax.Array, cfg: ModelConfig, mlp: Mlp) -> jax.Array:
+    """Attention output projection and the MLP, both residual: h [T, D] -> [T, D]."""
+    h = h + linear(o, lp["wo"])
+    return h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
+
+
+_qkv_jit = jax.jit(qkv, static_argnames="cfg")
+_out_mlp_jit = jax.jit(out_mlp, static_argnames=("cfg", "mlp"))
+
+
+def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig, mlp: Mlp,
+                cos: jax.Array, sin: jax.Array, attention_backend: str,
+                mesh: Mesh | None) -> Callable:
+    """body(h [T, D], layer) -> (h, (k, v)): one decoder layer, the layer index traced.
+
+    Weights come stacked (`layers`, sliced by the index) or per layer (`layer_list`, see
+    unstack_layers), where a `lax.switch` on the index picks the layer's own buffers:
+    XLA CPU copies a dynamic slice of the stacked weights before every dot, which halves
+    the speed of a memory-bound decode step."""
+    if "layer_list" in params:
+        # Only the weight-bearing halves are switched; attention (no weights, most of the
+        # HLO) is traced once, which keeps compile and cache-load time down.
+        # Each branch calls one jitted function: its jaxpr is traced once per step shape
+        # and lowered once, not 30 times, which halves start-up tracing.
+        qkv_fns = [functools.partial(_qkv_jit, lp, cfg=cfg) for lp in params["layer_list"]]
+        out_fns = [functools.partial(_out_mlp_jit, lp, cfg=cfg, mlp=mlp)
+                   for lp in params["layer_list"]]
+
+        def body(h, layer):
+            q, k, v = jax.lax.switch(layer, qkv_fns, h, cos, sin)
+            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh)
+            return jax.lax.switch(layer, out_fns, h, o), (k, v)
+    else:
+        def body(h, layer):
+            lp = jax.tree.map(lambda w: w[layer], params["layers"])
+            q, k, v = qkv(lp, h, cos, sin, cfg)
+            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh)
+            return out_mlp(lp, h, o, cfg, mlp), (k, v)
+    return body
+
+
+def _rope(batch: ForwardBatch, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    return rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                                       cfg.rope_scaling))
+
+
+def run_decoder_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
+                       cfg: ModelConfig, mlp: Mlp, *, start: jax.Array | int = 0,
+                       num_layers: int | None = None, attention_backend: str = "xla",
+                       mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
+    """Run decoder layers [start, start + num_layers) over hidden h [T, D].
+
+    `start` may be traced (split prefill advances it call by call); `num_layers` is
+    static, so every layer chunk of the same size shares one trace. The pool is only
+    read inside the loop; this step's K/V are written once after it. `mesh`: see attend.
+    """
+    n = cfg.num_layers if num_layers is None else num_layers
+    cos, sin = _rope(batch, cfg)
+    body = _layer_body(params, kv, batch, cfg, mlp, cos, sin, attention_backend, mesh)
+    layers = jnp.arange(n, dtype=jnp.int32) + start
+    h, (k, v) = jax.lax.scan(body, h, layers)  # k, v [n, T, Hkv, Dh]
+    return h, _write_kv(kv, layers, batch.out_cache_loc, k, v, mesh)
+
+
+def run_decoder_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
+                            cfg: ModelConfig, mlp: Mlp, start: jax.Array, stop: jax.Array,
+                            attention_backend: str = "xla",
+                            mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
+    """Layers [start, stop) with both bounds traced (a while loop): each layer writes its
+    K/V into the pool as it ends, since the count is not known at trace time. The decode
+    rows of a fused multiplexed step run the layers outside its prefill interval this way."""
+    cos, sin = _rope(batch, cfg)
+
+    def step(layer, carry):
+        h, kv = carry
+        body = _layer_body(params, kv, batch, cfg, mlp, cos, sin, attention_backend, mesh)
+        h, (k, v) = body(h, layer)
+        return h, _write_kv(kv, layer[None], batch.out_cache_loc, k[None], v[None], mesh)
+
+    return jax.lax.fori_loop(start, stop, step, (h, kv))
+
+
+def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,
+                   cfg: ModelConfig) -> jax.Array:
+    """h [T, D] -> logits [B, V] in f32, only for the tokens that are sampled."""
+    x = rms_norm(h[logits_indices], params["final_norm"], cfg.rms_norm_eps)  # [B, D]
+    if isinstance(params.get("lm_head"), PackedWeight):
+        return linear(x, params["lm_head"])
+    if cfg.tie_word_embeddings:
+        return jnp.einsum("bd,vd->bv", x, params["embed"], preferred_element_type=jnp.float32)
+    return jnp.einsum("bd,dv->bv", x, params["lm_head"], preferred_element_type=jnp.float32)

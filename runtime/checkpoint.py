@@ -1,8 +1,9 @@
 """Checkpoints: importers (GGUF, Hugging Face safetensors) and orbax save/restore.
 
 Importers return `(ModelConfig, params)` with params as float32 NumPy arrays in the
-layout of models/params_layout.md; every tensor is checked against
-`models.llama.param_shapes(cfg)` before any data is read. An orbax checkpoint directory
+layout of models/params_layout.md (MoE: models/moe.py); every tensor is checked against
+the model module's `param_shapes(cfg)` (models/registry.py) before any data is read.
+An orbax checkpoint directory
 holds `state/` (orbax), `model_config.json` (`ModelConfig.to_json`) and
 `checkpoint_meta.json` (dtype; written last, so its presence marks a complete save).
 """
@@ -10,6 +11,7 @@ holds `state/` (orbax), `model_config.json` (`ModelConfig.to_json`) and
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import json
 import os
 import shutil
@@ -25,7 +27,7 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
-from models.llama import param_shapes
+from models.registry import model_module
 from runtime import sharding
 from runtime.config import ModelConfig
 
@@ -60,13 +62,42 @@ _NAMES: dict[str, tuple[str, str]] = {
     "w_up": ("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
     "w_down": ("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
 }
+# Hugging Face names of the MoE families' own tensors; {j} is the expert index (those
+# keys are stacked [L, E, ...]).
+_QWEN_MOE = "model.layers.{i}.mlp."
+_MIXTRAL_MOE = "model.layers.{i}.block_sparse_moe."
+_MOE_HF_NAMES: dict[str, dict[str, str]] = {
+    "qwen": {
+        "router": _QWEN_MOE + "gate.weight",
+        "we_gate": _QWEN_MOE + "experts.{j}.gate_proj.weight",
+        "we_up": _QWEN_MOE + "experts.{j}.up_proj.weight",
+        "we_down": _QWEN_MOE + "experts.{j}.down_proj.weight",
+        "ws_gate": _QWEN_MOE + "shared_expert.gate_proj.weight",
+        "ws_up": _QWEN_MOE + "shared_expert.up_proj.weight",
+        "ws_down": _QWEN_MOE + "shared_expert.down_proj.weight",
+        "ws_router": _QWEN_MOE + "shared_expert_gate.weight",
+        "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
+        "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
+    },
+    "mixtral": {
+        "router": _MIXTRAL_MOE + "gate.weight",
+        "we_gate": _MIXTRAL_MOE + "experts.{j}.w1.weight",
+        "we_up": _MIXTRAL_MOE + "experts.{j}.w3.weight",
+        "we_down": _MIXTRAL_MOE + "experts.{j}.w2.weight",
+    },
+}
 # Stored [out, in] by both sources, [in, out] by us.
-_TRANSPOSED = {"lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"}
+_TRANSPOSED = {"lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router",
+               "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router"}
 # GGUF architectures we read -> whether llama.cpp permuted the Q/K rows.
 _GGUF_ARCHS = {"llama": True, "qwen2": False}
 
 
 # ---------------------------------------------------------------- shared assembly
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    return model_module(cfg).param_shapes(cfg)
 
 
 def _flat_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], bool]]:
@@ -97,17 +128,34 @@ def _describe(cfg: ModelConfig) -> str:
             f"{cfg.intermediate_size}, vocab {cfg.vocab_size}")
 
 
-_Job = tuple[str, int | None, str, tuple[int, ...]]
+_Job = tuple[str, tuple[int, ...], str, tuple[int, ...]]
+
+
+def _source_name(cfg: ModelConfig, key: str, src: int) -> str:
+    """The name template of a layout key in source `src` (0 GGUF, 1 Hugging Face)."""
+    if key in _NAMES:
+        return _NAMES[key][src]
+    family = "mixtral" if cfg.architecture == "mixtral" else "qwen"
+    if src == 0 or key not in _MOE_HF_NAMES[family]:
+        raise CheckpointError(f"{cfg.architecture}: tensor {key!r} has no "
+                              f"{('GGUF', 'Hugging Face')[src]} name")
+    return _MOE_HF_NAMES[family][key]
 
 
 def _plan(cfg: ModelConfig, src: int) -> list[_Job]:
-    """(key, layer, source name, expected source shape [out, in]) per source tensor."""
+    """(key, index into the stacked array, source name, expected source shape [out, in])
+    per source tensor; layer weights are stacked [L, ...], expert weights [L, E, ...]."""
     jobs = []
     for key, (shape, stacked) in _flat_shapes(cfg).items():
-        one = shape[1:] if stacked else shape
+        name = _source_name(cfg, key, src)
+        grid = [range(cfg.num_layers)] if stacked else []
+        if "{j}" in name:
+            grid.append(range(cfg.num_experts))
+        one = shape[len(grid):]
         want = tuple(reversed(one)) if key in _TRANSPOSED else tuple(one)
-        for layer in range(cfg.num_layers) if stacked else [None]:
-            jobs.append((key, layer, _NAMES[key][src].format(i=layer), want))
+        for index in itertools.product(*grid):
+            fmt = dict(zip("ij", index, strict=False))  # layer i, expert j
+            jobs.append((key, index, name.format(**fmt), want))
     return jobs
 
 
@@ -143,10 +191,9 @@ def _assemble(
     out = {k: np.empty(s, np.float32) for k, (s, _) in _flat_shapes(cfg).items()}
 
     def fill(job: _Job) -> None:
-        key, layer, name, _ = job
+        key, index, name, _ = job
         arr = fix(key, read(name).astype(np.float32, copy=False))  # [out, in]
-        dest = out[key] if layer is None else out[key][layer]
-        dest[...] = arr.T if key in _TRANSPOSED else arr  # [in, out]
+        out[key][index] = arr.T if key in _TRANSPOSED else arr  # [in, out]
 
     # numpy's dequantize and copies release the GIL for part of the work.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:

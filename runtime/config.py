@@ -23,7 +23,8 @@ class RopeScaling:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Llama-family decoder (Llama 2/3, SmolLM2, Qwen2 dense)."""
+    """Architecture of a decoder: the Llama family (Llama 2/3, SmolLM2, Qwen2 dense) or,
+    with num_experts > 0, a mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral)."""
 
     vocab_size: int
     hidden_size: int
@@ -41,12 +42,26 @@ class ModelConfig:
     architecture: str = "llama"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    qk_norm: bool = False  # RMSNorm over each q / k head before rope (Qwen3)
+    # Mixture of experts (0 experts: a dense MLP of intermediate_size).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
+    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
             )
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                             f"[1, num_experts={self.num_experts}]")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def q_size(self) -> int:
@@ -62,7 +77,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or [cfg.get("model_type", "")]
         arch = archs[0]
         known = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "llama": "llama",
-                 "qwen2": "qwen2", "MistralForCausalLM": "llama"}
+                 "qwen2": "qwen2", "MistralForCausalLM": "llama",
+                 **{a: m for m, a in _MOE_ARCHS.items()}, **{m: m for m in _MOE_ARCHS}}
         if arch not in known:
             supported = sorted(a for a in known if a[0].isupper())
             raise ValueError(f"unknown architecture {arch!r}; supported: {supported}")
@@ -98,11 +114,14 @@ class ModelConfig:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=cfg.get("max_position_embeddings", 8192),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", family == "qwen2")),
+            # Qwen2-MoE names its q/k/v bias qkv_bias (default on)
+            attention_bias=bool(cfg.get("attention_bias", cfg.get(
+                "qkv_bias", family in ("qwen2", "qwen2_moe")))),
             rope_scaling=rope_scaling,
             architecture=family,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            **_moe_fields(cfg, family),
         )
 
     def to_json(self) -> str:
@@ -115,6 +134,32 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
+
+
+_MOE_ARCHS = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+              "mixtral": "MixtralForCausalLM"}
+
+
+def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The ModelConfig fields of an HF MoE config (none for a dense family)."""
+    if family not in _MOE_ARCHS:
+        return {}
+    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
+        raise ValueError("dense layers inside a MoE model (mlp_only_layers / "
+                         "decoder_sparse_step != 1) are not supported")
+    if cfg.get("use_sliding_window") or (family == "mixtral" and cfg.get("sliding_window")):
+        raise ValueError("sliding-window attention is not supported")
+    if family == "mixtral":  # top-k renormalized; experts are intermediate_size wide
+        return dict(num_experts=cfg["num_local_experts"],
+                    num_experts_per_tok=cfg["num_experts_per_tok"],
+                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+    # transformers >= 5 writes Qwen3-MoE's num_experts as num_local_experts
+    experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
+    return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["moe_intermediate_size"],
+                shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                qk_norm=family == "qwen3_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -233,7 +278,8 @@ class ServerArgs:
     """Everything `scripts/serve.py` and `Engine` take (flag names follow SGLang's).
 
     model: an orbax checkpoint made by scripts/convert_checkpoint.py, a GGUF file, a
-    Hugging Face folder, or "default" (the embedded SmolLM2-135M-Instruct).
+    Hugging Face folder, "default" (the embedded SmolLM2-135M-Instruct) or a preset of
+    models/registry.py ("tiny-moe": random weights, the SmolLM2 tokenizer).
     """
 
     model: str = "default"
@@ -263,6 +309,11 @@ class ServerArgs:
     checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"
     strict_compile: bool = False
     max_queued_requests: int = 1024
+    # Device mesh (runtime/sharding.serving_mesh): tensor parallel over heads / MLP columns,
+    # expert parallel over MoE experts; dp > 1 (data-parallel attention) is not built yet.
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
     # Split prefill (runtime/split_prefill.py) and multiplexing (runtime/multiplexing.py).
     enable_split_prefill: bool = False
     enable_multiplexing: bool = False  # implies split prefill

@@ -20,7 +20,7 @@ from typing import Any
 import jax
 
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
-from runtime.engine_setup import load_model, runner_config, size_kv_pool
+from runtime.engine_setup import load_model, runner_config, serving_mesh, size_kv_pool
 from runtime.model_runner import ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.request import Req, SamplingParams
@@ -110,7 +110,8 @@ class Engine:
             rcfg = runner_config(args, model_cfg)
             cache = CacheConfig(page_size=args.page_size,
                                 num_pages=size_kv_pool(args, model_cfg, rcfg.dtype))
-            runner = ModelRunner(model_cfg, params, cache, rcfg, args.max_running_requests)
+            runner = ModelRunner(model_cfg, params, cache, rcfg, args.max_running_requests,
+                                 mesh=serving_mesh(args, model_cfg))
             runner.warmup()
         self.runner = runner
         self.model_cfg = runner.model_cfg

@@ -8,9 +8,11 @@ import os
 import jax
 import jax.numpy as jnp
 import psutil
+from jax.sharding import Mesh
 
 import cpu_kernels
-from runtime import checkpoint
+from models import registry
+from runtime import checkpoint, sharding
 from runtime.config import ModelConfig, RunnerConfig, ServerArgs
 from runtime.kv_pool import kv_bytes_per_token
 from runtime.tokenizer import Tokenizer
@@ -30,10 +32,16 @@ def default_dtype(args: ServerArgs) -> str:
     return args.dtype or ("bfloat16" if on_gpu() else "float32")
 
 
+def on_mesh(args: ServerArgs) -> bool:
+    return args.dp * args.tp * args.ep > 1
+
+
 def _cpu_kernels_off(args: ServerArgs) -> str | None:
     """Why cpu_kernels can't serve these args (None: they can)."""
     if on_gpu():
         return "the backend is a GPU"
+    if on_mesh(args):
+        return f"a device mesh (tp={args.tp}, ep={args.ep}: the CPU kernels are single-device)"
     if default_dtype(args) != "float32":
         return f"dtype {default_dtype(args)} (the kernels are float32)"
     return cpu_kernels.unavailable_reason()
@@ -52,9 +60,13 @@ def _default_cpu_kernel_choice(args: ServerArgs, flag: str, value: str | None, o
     return fallback if reason is not None else ours
 
 
-def default_cpu_matmul(args: ServerArgs) -> str:
+def default_cpu_matmul(args: ServerArgs, model_cfg: ModelConfig | None = None) -> str:
     """`packed` (cpu_kernels) wherever it runs: CPU backend, float32, x86-64 with AVX-512
-    and a C++ compiler; else XLA's dot."""
+    and a C++ compiler, a dense Llama-family model; else XLA's dot."""
+    if args.cpu_matmul is None and model_cfg and not registry.has_packed_matmul(model_cfg):
+        logger.info("cpu_matmul: xla (the packed CPU matmul covers dense Llama weights, not "
+                    "%s)", model_cfg.architecture)
+        return "xla"
     return _default_cpu_kernel_choice(args, "cpu_matmul", args.cpu_matmul, "packed", "xla")
 
 
@@ -62,6 +74,10 @@ def default_attention_backend(args: ServerArgs) -> str:
     """`pallas` on a GPU; on a CPU `cpu` (decode and prefill attention through
     cpu_kernels) wherever the kernels run, else `xla` (the jnp path)."""
     if args.attention_backend is None and on_gpu():
+        if on_mesh(args):  # Pallas on a mesh has not run on a multi-GPU machine yet
+            logger.info("attention_backend: xla on the device mesh (tp=%d, ep=%d)", args.tp,
+                        args.ep)
+            return "xla"
         return "pallas"
     return _default_cpu_kernel_choice(args, "attention_backend", args.attention_backend,
                                       "cpu", "xla")
@@ -79,6 +95,9 @@ def load_model(args: ServerArgs) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """Load weights and tokenizer for `args.model` (see ServerArgs.model)."""
     dtype = default_dtype(args)
     path = args.model
+    if path in registry.PRESETS:
+        cfg, params = registry.load_preset(path, dtype)
+        return cfg, params, Tokenizer.from_gguf(checkpoint.default_gguf_path())
     if path == "default":
         path = checkpoint.ensure_default_checkpoint(
             os.path.expanduser(args.checkpoint_cache_dir), dtype)
@@ -102,6 +121,15 @@ def _powers(lo: int, hi: int, factor: int) -> tuple[int, ...]:
         out.append(b)
         b *= factor
     return tuple(out + [hi])
+
+
+def serving_mesh(args: ServerArgs, model_cfg: ModelConfig) -> Mesh | None:
+    """The runner's device mesh for --dp/--tp/--ep (None: one device)."""
+    mesh = sharding.serving_mesh(model_cfg, dp=args.dp, tp=args.tp, ep=args.ep)
+    if mesh is not None:
+        logger.info("device mesh %s on %d devices: XLA's dot and the jnp attention",
+                    dict(mesh.shape), mesh.devices.size)
+    return mesh
 
 
 def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
@@ -128,7 +156,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         strict_compile=args.strict_compile,
         per_layer_weights=(not on_gpu() if args.per_layer_weights is None
                            else args.per_layer_weights),
-        cpu_matmul=default_cpu_matmul(args),
+        cpu_matmul=default_cpu_matmul(args, model_cfg),
         enable_split_prefill=args.enable_split_prefill or args.enable_multiplexing,
         split_prefill_layers=args.split_prefill_layers,
         multiplex_fused=args.multiplex_fused,

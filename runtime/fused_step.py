@@ -6,7 +6,7 @@ iteration (a DECODE step, then an interval); runtime/multiplexing.py runs either
 
 Layout: the inputs are a MIXED packing (the split's extend rows, then the decode rows) at
 the widest page table; the decode rows alone go through [0, s) and [s + k, L) in while
-loops (models.llama.run_layer_range) and join the prefill tokens for [s, s + k).
+loops (the model module's run_layer_range) and join the prefill tokens for [s, s + k).
 
 Count: extend buckets x decode buckets x interval sizes below the depth, so it is opt-in
 (--multiplex_fused): at the default flags that is 6 x 6 x 5 = 180 executables.
@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models import llama
+from models.registry import model_module
 from runtime.batch_builder import BucketShape
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch, ForwardMode
@@ -64,7 +64,7 @@ class FusedExecutables:
         return self._exe[_name(shape, k)](*args)
 
     def _fused(self, shape: BucketShape, k: int) -> Callable:
-        cfg, backend = self.cfg, self.backend
+        cfg, backend, model = self.cfg, self.backend, model_module(self.cfg)
         te, be = shape.num_extend_tokens, shape.num_extend_seqs
 
         def fused(params, kv, last_tokens, hidden, arrays, row_slots, start):
@@ -79,15 +79,15 @@ class FusedExecutables:
                 seq_lens=arrays["seq_lens"][be:], query_start=arrays["query_start"][be:] - te,
                 logits_indices=arrays["logits_indices"][be:] - te, mode=ForwardMode.DECODE,
                 num_extend_tokens=0, num_extend_seqs=0)
-            h_dec = llama.embed(params, dec_ids)  # [B_d, D]
-            h_dec, kv = llama.run_layer_range(params, kv, h_dec, dec, cfg, jnp.int32(0), start,
+            h_dec = model.embed(params, dec_ids)  # [B_d, D]
+            h_dec, kv = model.run_layer_range(params, kv, h_dec, dec, cfg, jnp.int32(0), start,
                                               backend)
-            h, kv = llama.run_layers(params, kv, jnp.concatenate([hidden, h_dec]), mixed, cfg,
+            h, kv = model.run_layers(params, kv, jnp.concatenate([hidden, h_dec]), mixed, cfg,
                                      start=start, num_layers=k, attention_backend=backend)
             hidden, h_dec = h[:te], h[te:]  # [T_e, D], [B_d, D]
-            h_dec, kv = llama.run_layer_range(params, kv, h_dec, dec, cfg, start + k,
+            h_dec, kv = model.run_layer_range(params, kv, h_dec, dec, cfg, start + k,
                                               jnp.int32(cfg.num_layers), backend)
-            return llama.compute_logits(params, h_dec, dec.logits_indices, cfg), hidden, kv
+            return model.compute_logits(params, h_dec, dec.logits_indices, cfg), hidden, kv
 
         return jax.jit(fused, donate_argnums=(1,))
 

@@ -24,9 +24,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import llama
-from runtime import sampling
+from models.registry import model_module
+from runtime import sampling, sharding
 from runtime.batch_builder import BucketShape, pack_rows
 from runtime.bucket_plan import BucketPlan, StepKey, smallest_fitting
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
@@ -41,7 +42,7 @@ from runtime.executable_budget import (
 )
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.fused_step import FusedExecutables
-from runtime.kv_pool import KVPool, init_kv_pool
+from runtime.kv_pool import KVPool, init_kv_pool, kv_pool_shape
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
 from runtime.slot_state import SlotState, init_slot, sampling_columns
 from runtime.split_prefill import SplitExecutables, SplitPrefill, redirect_finished
@@ -68,21 +69,40 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: dict, cache_cfg: CacheConfig,
-                 runner_cfg: RunnerConfig, max_running_requests: int) -> None:
+                 runner_cfg: RunnerConfig, max_running_requests: int,
+                 mesh: Mesh | None = None) -> None:
+        """`mesh` (runtime/sharding.serving_mesh): params, KV pool and sampler state are
+        placed on it (tensor-parallel weights, KV pool split over KV heads, experts over
+        `ep`, the rest replicated); XLA partitions each step from those shardings."""
         self.model_cfg, self.cache_cfg, self.cfg = model_cfg, cache_cfg, runner_cfg
+        _check_mesh(runner_cfg, mesh)
+        self.mesh = mesh
         compile_counter()  # listen from here on, so warm-up compilations are counted too
         self.max_running = max_running_requests
         self.dtype = jnp.dtype(runner_cfg.dtype)
+        self.model = model_module(model_cfg)
         self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
+        if mesh is not None:
+            self.params = jax.device_put(self.params, sharding.param_shardings(model_cfg, mesh))
         if runner_cfg.per_layer_weights:
-            self.params = llama.unstack_layers(self.params)
+            self.params = self.model.unstack_layers(self.params)
         if runner_cfg.cpu_matmul == "packed":
-            self.params = llama.pack_for_cpu(self.params)
-        self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, self.dtype)
+            self.params = self.model.pack_for_cpu(self.params)
+        kv_sh = None if mesh is None else sharding.kv_sharding(
+            model_cfg, kv_pool_shape(model_cfg, cache_cfg), mesh)
+        self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, self.dtype, kv_sh)
         s, v = max_running_requests + 1, model_cfg.vocab_size
         self.state = SlotState(last_tokens=jnp.zeros(s, jnp.int32),
                                token_counts=jnp.zeros((s, v), jnp.int32),
                                prompt_mask=jnp.zeros((s, v), bool))
+        # On a mesh, outputs keep the inputs' placement, so a donated pool stays where it
+        # was and every call of an executable sees the shardings it was compiled for.
+        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
+        self._out = (lambda *sh: {}) if mesh is None else (
+            lambda *sh: {"out_shardings": sh if len(sh) > 1 else sh[0]})
+        self._kv_sh = None if mesh is None else KVPool(k=kv_sh, v=kv_sh)
+        if mesh is not None:
+            self.state = jax.device_put(self.state, self._replicated)
         self.buckets = BucketPlan(runner_cfg, cache_cfg.page_size)
         self._executables: dict[StepKey, Callable] = {}
         self.split = (SplitExecutables(model_cfg, runner_cfg.attention_backend, [
@@ -139,6 +159,7 @@ class ModelRunner:
         shape = key.shape
         te, be = shape.num_extend_tokens, shape.num_extend_seqs
         cfg, backend, dummy = self.model_cfg, self.cfg.attention_backend, self.max_running
+        model, mesh = self.model, self.mesh
 
         def forward(params, kv, last_tokens, arrays, row_slots):
             # Decode inputs of -1 are the tokens this slot sampled in the previous step,
@@ -148,9 +169,9 @@ class ModelRunner:
                             arrays["input_ids"])
             batch = ForwardBatch(**{**arrays, "input_ids": ids}, mode=key.mode,
                                  num_extend_tokens=te, num_extend_seqs=be)
-            return llama.forward(params, kv, batch, cfg, backend)  # [B, V], pool
+            return model.forward(params, kv, batch, cfg, backend, mesh=mesh)  # [B, V], pool
 
-        return jax.jit(forward, donate_argnums=(1,))
+        return jax.jit(forward, donate_argnums=(1,), **self._out(self._replicated, self._kv_sh))
 
     def _sample_fn(self) -> Callable:
         top_n, dummy = self.cfg.max_top_logprobs, self.max_running
@@ -166,22 +187,26 @@ class ModelRunner:
                 prompt_mask=state.prompt_mask)
             return out, state
 
-        return jax.jit(sample, donate_argnums=(0,))
+        return jax.jit(sample, donate_argnums=(0,),
+                       **self._out(self._replicated, self._replicated))
 
     def _abstract_inputs(self, shape: BucketShape) -> tuple[dict, jax.ShapeDtypeStruct]:
         t = shape.num_extend_tokens + shape.num_decode_seqs
         b = shape.num_extend_seqs + shape.num_decode_seqs
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        rep = self._replicated
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)  # noqa: E731
         arrays = dict(input_ids=i32(t), positions=i32(t), out_cache_loc=i32(t),
                       page_table=i32(b, shape.num_pages_per_seq), seq_lens=i32(b),
                       query_start=i32(b + 1), logits_indices=i32(b))
         return arrays, i32(b)
 
     def _abstract_sample_inputs(self, b: int) -> tuple:
-        sp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
+        rep = self._replicated
+        sp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
                           sampling.SamplingBatch.create(b))
-        return (jax.ShapeDtypeStruct((b, self.model_cfg.vocab_size), jnp.float32),
-                jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), bool), sp)
+        return (jax.ShapeDtypeStruct((b, self.model_cfg.vocab_size), jnp.float32, sharding=rep),
+                jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rep),
+                jax.ShapeDtypeStruct((b,), bool, sharding=rep), sp)
 
     def _lowerings(self) -> Iterator[tuple[str, Callable[[], Any]]]:
         """(name, lower) for every executable of the plan, in compile order."""
@@ -202,11 +227,12 @@ class ModelRunner:
         for b in self.sampler_sizes():
             yield f"sample/B{b}", functools.partial(sample.lower, state,
                                                     *self._abstract_sample_inputs(b))
-        init = jax.jit(init_slot, donate_argnums=(0,))
+        init = jax.jit(init_slot, donate_argnums=(0,), **self._out(self._replicated))
         for n in self.cfg.kv_len_buckets:
-            i32 = jax.ShapeDtypeStruct((n,), jnp.int32)
+            i32 = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._replicated)
             yield f"init_slot/N{n}", functools.partial(
-                init.lower, state, jax.ShapeDtypeStruct((), jnp.int32), i32, i32)
+                init.lower, state, jax.ShapeDtypeStruct((), jnp.int32,
+                                                        sharding=self._replicated), i32, i32)
 
     def warmup(self, progress: bool = True) -> float:
         """Check the plan against the budget, then compile every executable (persistent
@@ -430,3 +456,14 @@ def _key_name(key: StepKey) -> str:
     s = key.shape
     return (f"{key.mode.value}/te{s.num_extend_tokens}_be{s.num_extend_seqs}"
             f"_bd{s.num_decode_seqs}_np{s.num_pages_per_seq}")
+
+
+def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None) -> None:
+    """What does not run on a mesh yet, as a start-up error."""
+    if mesh is None:
+        return
+    if "cpu" in (cfg.attention_backend, cfg.cpu_matmul.replace("packed", "cpu")):
+        raise ValueError("the CPU kernels are single-device: on a mesh use "
+                         "attention_backend='xla' and cpu_matmul='xla'")
+    if cfg.enable_split_prefill:
+        raise ValueError("split prefill / multiplexing on a device mesh is not built yet")

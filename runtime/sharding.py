@@ -4,7 +4,9 @@ Every parameter dimension gets a logical name (`vocab`, `q_heads`, `mlp`, ...); 
 rules table maps logical names to mesh axes. Tensor parallelism is Megatron style:
 wq/wk/wv/w_gate/w_up are column-parallel (split on their output dim), wo/w_down are
 row-parallel (split on their input dim), embed/lm_head split on vocab, norms
-replicated. Parameters are replicated across `dp`.
+replicated. Parameters are replicated across `dp`. MoE expert weights are split on their
+expert dim over `ep` (models/moe.py dispatches tokens to them); the router and the
+shared expert follow the dense rules.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models.llama import param_shapes
+from models.registry import model_module
 from runtime.config import ModelConfig
 
 # Logical name of every dimension of every parameter (see models/params_layout.md).
@@ -35,6 +37,16 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "w_gate": ("layers", "embed", "mlp"),
     "w_up": ("layers", "embed", "mlp"),
     "w_down": ("layers", "mlp", "embed"),
+    "q_norm": ("layers", None),
+    "k_norm": ("layers", None),
+    "router": ("layers", "embed", None),
+    "we_gate": ("layers", "experts", "embed", None),
+    "we_up": ("layers", "experts", "embed", None),
+    "we_down": ("layers", "experts", None, "embed"),
+    "ws_gate": ("layers", "embed", "mlp"),
+    "ws_up": ("layers", "embed", "mlp"),
+    "ws_down": ("layers", "mlp", "embed"),
+    "ws_router": ("layers", "embed", None),
 }
 
 # Logical name -> mesh axis (None: replicated). The layer axis stays whole because
@@ -44,21 +56,25 @@ DEFAULT_RULES: dict[str, str | None] = {
     "q_heads": "tp",
     "kv_heads": "tp",
     "mlp": "tp",
+    "experts": "ep",
     "embed": None,
     "layers": None,
 }
 
 
-def make_mesh(dp: int = 1, tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
-    """A (dp, tp) mesh with Auto axes (so plain jit + shardings propagate as GSPMD)."""
+def make_mesh(dp: int = 1, tp: int = 1, devices: Sequence[jax.Device] | None = None,
+              ep: int = 1) -> Mesh:
+    """A (dp, tp, ep) mesh with Auto axes (so plain jit + shardings propagate as GSPMD)."""
     if devices is None:
         devices = jax.devices()
-    if dp < 1 or tp < 1:
-        raise ValueError(f"dp and tp must be >= 1, got dp={dp} tp={tp}")
-    if len(devices) < dp * tp:
-        raise ValueError(f"mesh dp={dp} x tp={tp} needs {dp * tp} devices, have {len(devices)}")
-    grid = np.array(list(devices)[: dp * tp]).reshape(dp, tp)  # [dp, tp]
-    return Mesh(grid, ("dp", "tp"))
+    if min(dp, tp, ep) < 1:
+        raise ValueError(f"dp, tp and ep must be >= 1, got dp={dp} tp={tp} ep={ep}")
+    n = dp * tp * ep
+    if len(devices) < n:
+        raise ValueError(f"mesh dp={dp} x tp={tp} x ep={ep} needs {n} devices, "
+                         f"have {len(devices)}")
+    grid = np.array(list(devices)[:n]).reshape(dp, tp, ep)  # [dp, tp, ep]
+    return Mesh(grid, ("dp", "tp", "ep"))
 
 
 def _pieces(logical: str | None, size: int, cfg: ModelConfig) -> int:
@@ -98,7 +114,7 @@ def param_specs(
     def spec(key: str, shape: tuple[int, ...]) -> PartitionSpec:
         return logical_to_spec(PARAM_AXES[key], shape, mesh, cfg, rules)
 
-    shapes = param_shapes(cfg)
+    shapes = model_module(cfg).param_shapes(cfg)
     tree = {k: spec(k, v) for k, v in shapes.items() if k != "layers"}
     tree["layers"] = {k: spec(k, v) for k, v in shapes["layers"].items()}
     return tree
@@ -114,3 +130,29 @@ def param_shardings(
         specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
+
+
+# Logical axes of the KV pool [L, Hkv, P, S, Dh]: each tp rank holds its KV heads' pages.
+KV_AXES: tuple[str | None, ...] = ("layers", "kv_heads", None, None, None)
+
+
+def kv_sharding(cfg: ModelConfig, shape: Sequence[int], mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, logical_to_spec(KV_AXES, shape, mesh, cfg))
+
+
+def serving_mesh(cfg: ModelConfig, dp: int = 1, tp: int = 1, ep: int = 1) -> Mesh | None:
+    """The runner's mesh for --dp/--tp/--ep (None: one device). Every split must be even:
+    tp divides the query and KV heads (each rank owns whole heads and its KV pages), ep
+    the experts; anything else is a start-up error that names the numbers."""
+    if dp != 1:
+        raise ValueError(f"dp={dp}: data-parallel attention is not implemented; use dp=1")
+    bad = [f"{name}={n}" for name, n in (("num_heads", cfg.num_heads),
+                                         ("num_kv_heads", cfg.num_kv_heads)) if n % tp]
+    if bad:
+        raise ValueError(f"tp={tp} does not divide the model's {' and '.join(bad)}")
+    if ep > 1 and (not cfg.is_moe or cfg.num_experts % ep):
+        raise ValueError(f"ep={ep} needs a MoE model whose experts it divides "
+                         f"(num_experts={cfg.num_experts})")
+    if tp * ep == 1:
+        return None
+    return make_mesh(tp=tp, ep=ep)

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from models import llama
+from models.registry import model_module
 from runtime.batch_builder import BucketShape
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch, ForwardMode
@@ -149,7 +149,7 @@ class SplitExecutables:
             hidden = jax.ShapeDtypeStruct((s.num_extend_tokens, self.cfg.hidden_size), dtype)
             if kind == "embed":
                 args: tuple = (params, i32(s.num_extend_tokens))
-                fn = jax.jit(llama.embed)  # (params, ids [T]) -> [T, D]
+                fn = jax.jit(model_module(self.cfg).embed)  # (params, ids [T]) -> [T, D]
             elif kind == "head":
                 args, fn = (params, hidden, i32(s.num_extend_seqs)), self._head()
             else:
@@ -162,20 +162,20 @@ class SplitExecutables:
         self._exe = {name: compiled[name] for name in self.names}
 
     def _interval(self, shape: BucketShape, k: int) -> Callable:
-        cfg, backend = self.cfg, self.backend
+        cfg, backend, model = self.cfg, self.backend, model_module(self.cfg)
         te, be = shape.num_extend_tokens, shape.num_extend_seqs
 
         def interval(params, kv, hidden, arrays, start):
             batch = ForwardBatch(**arrays, mode=ForwardMode.EXTEND, num_extend_tokens=te,
                                  num_extend_seqs=be)
-            return llama.run_layers(params, kv, hidden, batch, cfg, start=start, num_layers=k,
+            return model.run_layers(params, kv, hidden, batch, cfg, start=start, num_layers=k,
                                     attention_backend=backend)  # [T, D], pool
 
         return jax.jit(interval, donate_argnums=(1,))
 
     def _head(self) -> Callable:
-        cfg = self.cfg
-        return jax.jit(lambda params, hidden, idx: llama.compute_logits(params, hidden, idx, cfg))
+        cfg, model = self.cfg, model_module(self.cfg)
+        return jax.jit(lambda params, hidden, idx: model.compute_logits(params, hidden, idx, cfg))
 
     # ---- running ----
 

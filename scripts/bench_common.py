@@ -144,10 +144,23 @@ class RowWork:
     sampled: bool = True
 
 
-def matmul_params(cfg: ModelConfig) -> int:
-    """Weights of the decoder layers' matmuls: each costs 2 FLOPs per token."""
-    d, q, kv, f = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    return cfg.num_layers * (d * (q + 2 * kv) + q * d + 3 * d * f)
+def _mlp_params(cfg: ModelConfig, active: bool) -> int:
+    """One layer's MLP weights: dense, or a MoE's router, experts (only the top-k a token
+    uses when `active`) and shared expert with its gate."""
+    d = cfg.hidden_size
+    if not cfg.is_moe:
+        return 3 * d * cfg.intermediate_size
+    experts = cfg.num_experts_per_tok if active else cfg.num_experts
+    shared = cfg.shared_expert_intermediate_size
+    return (d * cfg.num_experts + experts * 3 * d * cfg.moe_intermediate_size
+            + (3 * d * shared + d if shared else 0))
+
+
+def matmul_params(cfg: ModelConfig, active: bool = True) -> int:
+    """Weights of the decoder layers' matmuls: each costs 2 FLOPs per token it is used by
+    (for a MoE, `active`: the experts one token runs)."""
+    d, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    return cfg.num_layers * (d * (q + 2 * kv) + q * d + _mlp_params(cfg, active))
 
 
 def total_params(cfg: ModelConfig) -> int:
@@ -155,7 +168,7 @@ def total_params(cfg: ModelConfig) -> int:
     norms = (2 * cfg.num_layers + 1) * d
     biases = cfg.num_layers * (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0
     head = 0 if cfg.tie_word_embeddings else d * v
-    return matmul_params(cfg) + norms + biases + v * d + head
+    return matmul_params(cfg, active=False) + norms + biases + v * d + head
 
 
 def weight_bytes(cfg: ModelConfig, itemsize: int) -> int:

@@ -3,6 +3,8 @@
     .venv/bin/python scripts/bench_one_batch.py --out_dir=bench_out
     .venv/bin/python scripts/bench_one_batch.py --tiny --out_dir=/tmp/b1   # seconds
     .venv/bin/python scripts/bench_one_batch.py --variants=packed+cpu,xla+xla  # side by side
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 \
+      .venv/bin/python scripts/bench_one_batch.py --model=tiny-moe --ep=4  # on a mesh
 
 Each point is a synthetic batch (fake requests with their own pages; the KV pool holds
 zeros, which costs the same as real K/V) timed over --iters calls after --warmup calls:
@@ -16,6 +18,9 @@ f32 matmul peak) and of the memory bound (weights + cached K/V read / read bandw
 it reaches. --variants (MATMUL+ATTENTION pairs: cpu_matmul packed / xla, attention
 backend cpu / xla / pallas) builds one runner per pair and times each point on them back
 to back; the table gives each one's speed-up over the last pair.
+--model takes anything ServerArgs.model does (a preset such as tiny-moe too); --tp / --ep
+put the runner on a mesh (on a CPU host the devices are XLA_FLAGS' fakes). The MoE layer's
+per-op split (dispatch, exchange, experts, combine) is scripts/bench_moe_ops.py.
 Writes bench_one_batch.json and bench_one_batch.png to --out_dir.
 """
 
@@ -32,7 +37,7 @@ from absl import app, flags
 
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, ModelConfig, ServerArgs
-from runtime.engine_setup import load_model, runner_config, size_kv_pool
+from runtime.engine_setup import load_model, runner_config, serving_mesh, size_kv_pool
 from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner, StepKey
 from runtime.request import Req, SamplingParams
@@ -40,6 +45,9 @@ from runtime.schedule_batch import BatchRow, ScheduleBatch
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
+flags.DEFINE_string("model", "default", "see ServerArgs.model (a preset, e.g. tiny-moe, too)")
+flags.DEFINE_integer("tp", 1, "tensor-parallel devices (see ServerArgs)")
+flags.DEFINE_integer("ep", 1, "expert-parallel devices (see ServerArgs)")
 flags.DEFINE_bool("tiny", False, "a tiny random model instead of SmolLM2 (seconds; CI)")
 flags.DEFINE_bool("smoke", False, "alias of --tiny with few iterations and a small probe")
 flags.DEFINE_list("decode_batches", ["1", "2", "4", "8", "16", "32"], "decode rows per step")
@@ -121,7 +129,8 @@ def _server_args(points: list[Point], cfg: ModelConfig) -> ServerArgs:
 
 
 def _base_args() -> ServerArgs:
-    return ServerArgs(dtype=FLAGS.dtype, checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
+    return ServerArgs(model=FLAGS.model, dtype=FLAGS.dtype, tp=FLAGS.tp, ep=FLAGS.ep,
+                      checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
 
 
@@ -180,7 +189,8 @@ def _make_runner(args: ServerArgs, model: tuple[ModelConfig, dict], batches: lis
     rcfg = runner_config(args, cfg)
     pages = max(num_pages, size_kv_pool(args, cfg, rcfg.dtype))
     cache = CacheConfig(page_size=args.page_size, num_pages=pages)
-    runner = _BenchRunner(cfg, params, cache, rcfg, args.max_running_requests)
+    runner = _BenchRunner(cfg, params, cache, rcfg, args.max_running_requests,
+                          mesh=serving_mesh(args, cfg))
     runner.wanted = {(b.mode, runner.bucket_for(b)) for b in batches}
     bc.log(f"compiling {len(runner.step_keys())} executables")
     secs = runner.warmup(progress=False)
@@ -273,7 +283,9 @@ def _load(tiny: bool) -> tuple[tuple[ModelConfig, dict], str]:
     if tiny:
         return bc.tiny_model(), "tiny-random"
     cfg, params, _ = load_model(_base_args())
-    return (cfg, params), "SmolLM2-135M-Instruct"
+    name = "SmolLM2-135M-Instruct" if FLAGS.model == "default" else FLAGS.model
+    return (cfg, params), name + (f" tp={FLAGS.tp} ep={FLAGS.ep}" if FLAGS.tp * FLAGS.ep > 1
+                                  else "")
 
 
 def _print_table(records: list[dict[str, Any]], variants: list[str | None]) -> None:

@@ -9,7 +9,7 @@ runs it, the tests only read what it writes:
   tests/fixtures/tiny_models/<name>/             seeded random HF models (safetensors +
       config.json) and ref_logits.npz: logits [T, V] of a fixed token sequence.
 
-Usage: .venv/bin/python scripts/make_reference.py [--only=smollm2|tiny]
+Usage: .venv/bin/python scripts/make_reference.py [--only=smollm2|tiny|tiny_moe]
 """
 
 from __future__ import annotations
@@ -29,15 +29,22 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
 )
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.checkpoint import default_gguf_path  # noqa: E402
 
 FLAGS = flags.DEFINE_string("out_dir", "tests/fixtures", "fixture folder")
-ONLY = flags.DEFINE_enum("only", None, ["smollm2", "tiny"], "generate just one group")
+ONLY = flags.DEFINE_enum("only", None, ["smollm2", "tiny", "tiny_moe"],
+                        "generate just one group")
 NUM_GREEDY = flags.DEFINE_integer("num_greedy", 32, "greedy tokens per prompt")
 
 PROMPTS = [
@@ -156,6 +163,27 @@ def tiny_configs() -> dict[str, tuple[type, object]]:
     }
 
 
+def tiny_moe_configs() -> dict[str, tuple[type, object]]:
+    """8 experts, top-2 over 12 tokens: 24 assignments, so some experts get none."""
+    common = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, num_experts_per_tok=2,
+                  tie_word_embeddings=False)
+    rope = {"rope_type": "default", "rope_theta": 1e4}
+    return {
+        "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(
+            **common, rope_parameters=rope, num_experts=8, intermediate_size=96,
+            moe_intermediate_size=32, shared_expert_intermediate_size=48,
+            norm_topk_prob=False)),
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+            **common, rope_parameters=rope, num_experts=8, intermediate_size=96,
+            moe_intermediate_size=32, norm_topk_prob=True)),
+        "mixtral": (MixtralForCausalLM, MixtralConfig(
+            **common, rope_parameters=rope, num_local_experts=8, intermediate_size=32,
+            sliding_window=None)),
+    }
+
+
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights with O(1) logits: HF's 0.02 init leaves them near-uniform and uninformative.
@@ -173,9 +201,9 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(noise * p.shape[-1] ** -0.5)
 
 
-def make_tiny(out_dir: str) -> None:
+def make_tiny(out_dir: str, configs: dict[str, tuple[type, object]], seed0: int = 0) -> None:
     tokens = torch.tensor([TINY_TOKENS])
-    for seed, (name, (cls, cfg)) in enumerate(tiny_configs().items()):
+    for seed, (name, (cls, cfg)) in enumerate(configs.items(), start=seed0):
         torch.manual_seed(seed)
         model = cls(cfg).eval()
         randomize(model, seed)
@@ -184,7 +212,7 @@ def make_tiny(out_dir: str) -> None:
         for old in os.listdir(folder):
             os.remove(os.path.join(folder, old))
         # One model in bf16 (like real Qwen2 releases) and one sharded, to cover those paths.
-        if name.startswith("qwen2"):
+        if name == "qwen2_bias_tied":
             model = model.to(torch.bfloat16)
         shard = "100KB" if name == "llama3_untied" else "50MB"
         model.save_pretrained(folder, max_shard_size=shard)
@@ -192,9 +220,14 @@ def make_tiny(out_dir: str) -> None:
         # (casting the live bf16 model back would keep its bf16-rounded rope buffers).
         model = cls.from_pretrained(folder, dtype=torch.float32).eval()
         logits = model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits[0]
+        extra = {}
+        block = model.model.layers[0].mlp
+        if hasattr(block, "experts"):  # MoE: layer 0's block alone on seeded inputs
+            x = torch.randn(1, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
+            extra = {"moe_in": x[0].numpy(), "moe_out": block(x)[0].float().numpy()}  # [16, D]
         np.savez_compressed(os.path.join(folder, "ref_logits.npz"),
                             tokens=np.array(TINY_TOKENS, np.int32),
-                            logits=logits.float().numpy())  # [T, V]
+                            logits=logits.float().numpy(), **extra)  # [T, V]
         print(f"{name}: {sorted(os.listdir(folder))}, logits std {float(logits.std()):.3f}")
 
 
@@ -205,7 +238,9 @@ def main(argv: list[str]) -> None:
     torch.set_grad_enabled(False)
     t0 = time.perf_counter()
     if ONLY.value in (None, "tiny"):
-        make_tiny(out_dir)
+        make_tiny(out_dir, tiny_configs())
+    if ONLY.value in (None, "tiny_moe"):
+        make_tiny(out_dir, tiny_moe_configs(), seed0=100)
     if ONLY.value in (None, "smollm2"):
         make_smollm2(out_dir)
     print(f"fixtures written to {out_dir} in {time.perf_counter() - t0:.1f}s")

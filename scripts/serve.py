@@ -20,8 +20,9 @@ from runtime.config import ServerArgs  # noqa: E402
 from runtime.server import serve  # noqa: E402
 
 _D = ServerArgs()
-flags.DEFINE_string("model", _D.model, "orbax checkpoint, GGUF file, Hugging Face folder, or "
-                    "'default' (the embedded SmolLM2-135M-Instruct)")
+flags.DEFINE_string("model", _D.model, "orbax checkpoint, GGUF file, Hugging Face folder, "
+                    "'default' (the embedded SmolLM2-135M-Instruct) or a preset: 'tiny-moe' "
+                    "(random-weight Qwen2-MoE-style model, SmolLM2 tokenizer)")
 flags.DEFINE_string("served_model_name", None, "model name in /v1 replies (default: from "
                     "--model)")
 flags.DEFINE_string("host", _D.host, "address to listen on")
@@ -82,6 +83,12 @@ flags.DEFINE_enum("cpu_matmul", None, ["packed", "xla"], "CPU matmuls: our kerne
                   "weights packed at load, or XLA's dot (default: packed where it builds: "
                   "x86-64 with AVX-512 and a C++ compiler)")
 
+flags.DEFINE_integer("tp", _D.tp, "tensor-parallel devices (must divide the query and KV "
+                     "heads); on a mesh attention and matmuls run through XLA")
+flags.DEFINE_integer("ep", _D.ep, "expert-parallel devices for a MoE model (must divide "
+                     "the experts)")
+flags.DEFINE_integer("dp", _D.dp, "data-parallel attention (not implemented: only 1)")
+
 FLAGS = flags.FLAGS
 
 
@@ -108,6 +115,7 @@ def server_args() -> ServerArgs:
         checkpoint_cache_dir=FLAGS.checkpoint_cache_dir, strict_compile=FLAGS.strict_compile,
         max_queued_requests=FLAGS.max_queued_requests,
         per_layer_weights=FLAGS.per_layer_weights, cpu_matmul=FLAGS.cpu_matmul,
+        tp=FLAGS.tp, ep=FLAGS.ep, dp=FLAGS.dp,
         enable_split_prefill=FLAGS.enable_split_prefill,
         split_prefill_layers=FLAGS.split_prefill_layers,
         enable_multiplexing=FLAGS.enable_multiplexing,

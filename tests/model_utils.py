@@ -77,7 +77,7 @@ def dense_llama_logits(params: dict, cfg: ModelConfig, ids: list[int]) -> np.nda
 def all_position_logits(params: dict, cfg: ModelConfig, ids: list[int], page_size: int = 16,
                         attention_backend: str = "xla") -> np.ndarray:
     """Our forward over one sequence in a single EXTEND call -> logits [T, V] (f32)."""
-    from models import llama
+    from models.registry import model_module
     from runtime.config import CacheConfig
     from runtime.kv_pool import init_kv_pool
 
@@ -87,10 +87,12 @@ def all_position_logits(params: dict, cfg: ModelConfig, ids: list[int], page_siz
     batch = make_batch(ForwardMode.EXTEND, [SimpleRow(list(ids), 0, list(range(1, n_pages + 1)))],
                        [], BucketShape(t, 1, 0, n_pages), page_size)
 
+    model = model_module(cfg)
+
     @jax.jit
     def run(params, kv, batch):
-        h, _ = llama.run_layers(params, kv, llama.embed(params, batch.input_ids), batch, cfg,
+        h, _ = model.run_layers(params, kv, model.embed(params, batch.input_ids), batch, cfg,
                                 attention_backend=attention_backend)
-        return llama.compute_logits(params, h, jnp.arange(t), cfg)
+        return model.compute_logits(params, h, jnp.arange(t), cfg)
 
     return np.asarray(run(params, kv, batch))

@@ -50,6 +50,16 @@ def test_bench_one_batch_smoke(tmp_path: Path) -> None:
         assert p["bucket"]["num_decode_seqs"] >= p["decode_rows"]
 
 
+def test_bench_moe_ops_smoke(tmp_path: Path) -> None:
+    r = _run("bench_moe_ops.py", tmp_path)
+    assert [(p["tokens"], p["ep"]) for p in r["points"]] == [(8, 1), (8, 4)]
+    for p in r["points"]:
+        for stage in ("dispatch", "exchange", "experts", "combine", "layer"):
+            _positive(p["stages"][stage], "median_s")
+        # no dropping: each rank can receive every pair its peers' tokens could send
+        assert p["stages"]["buffer_pairs_per_rank"] == 8 // p["ep"] * min(2, 8 // p["ep"]) * p["ep"]
+
+
 def test_bench_offline_smoke(tmp_path: Path) -> None:
     r = _run("bench_offline.py", tmp_path)
     assert r["script"] == "bench_offline"

@@ -271,7 +271,7 @@ def test_restore_onto_mesh(tmp_path, tiny_llama, dp, tp):
     cfg, params = tiny_llama
     out = checkpoint.save_checkpoint(str(tmp_path / "ck"), cfg, params, "float32")
     mesh = sharding.make_mesh(dp=dp, tp=tp)
-    assert dict(mesh.shape) == {"dp": dp, "tp": tp}
+    assert dict(mesh.shape) == {"dp": dp, "tp": tp, "ep": 1}
     _, restored = checkpoint.restore_checkpoint(out, mesh=mesh)
     lay = restored["layers"]
     # 4 query heads split on tp; 2 KV heads only when tp divides them.

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import llama
+from models import layers, llama
 from pallas_kernels import get_paged_attention_fn
 from pallas_kernels.ragged_paged_attention import paged_attention, paged_attention_ref
 from runtime.batch_builder import BucketShape
@@ -273,7 +273,7 @@ def _compiled_kernels(backend: str):
 @pytest.mark.parametrize("mode", list(BUCKETS))
 def test_smollm2_forward_lowers_for_cuda(mode, monkeypatch):
     """The model's own call site (inside the layer scan) with compiled kernels, bf16."""
-    monkeypatch.setattr(llama, "get_paged_attention_fn", _compiled_kernels)
+    monkeypatch.setattr(layers, "get_paged_attention_fn", _compiled_kernels)
     te, be, bd, npg = BUCKETS[mode]
     sds = jax.ShapeDtypeStruct
     params = jax.tree.map(lambda s: sds(s, jnp.bfloat16), llama.param_shapes(SMOLLM2),

@@ -1,0 +1,198 @@
+"""Mixture-of-experts decoders (Qwen2-MoE, Qwen3-MoE, Mixtral) over a paged KV pool.
+
+Attention, norms, the layer scan and the logits are the shared skeleton of
+models/layers.py; this module adds the routed-expert MLP. Routing is softmax top-k (f32),
+optionally renormalized (`norm_topk_prob`; Mixtral always), plus Qwen2-MoE's shared
+expert scaled by a sigmoid gate.
+
+Expert parallelism (EP): with a mesh whose `ep` axis has n > 1 devices, experts are
+sharded over `ep` and the tokens split across it; each rank routes its own tokens,
+sends every (token, expert) pair to the expert's owner with `all_to_all`, runs its local
+experts on what it received and sends the results back with a second `all_to_all`
+(SGLang's DeepEP dispatch / combine). Nothing is dropped: a rank's send buffer to each
+peer holds every pair its tokens could send there (tokens x min(top_k, local experts)).
+The stages (route, dispatch, exchange, experts, combine) are separate functions over
+explicit arrays, so two micro-batches can interleave them (two-batch overlap).
+
+Parameter layout (models/params_layout.md), per layer on top of the attention weights:
+  router [L, D, E]; we_gate, we_up [L, E, D, Fm]; we_down [L, E, Fm, D];
+  with a shared expert: ws_gate, ws_up [L, D, Fs], ws_down [L, Fs, D], ws_router [L, D, 1].
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import shard_map
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from models import layers
+from models.layers import compute_logits, embed, gated_mlp, unstack_layers
+from runtime.config import ModelConfig
+from runtime.forward_batch import ForwardBatch
+from runtime.kv_pool import KVPool
+
+__all__ = ["compute_logits", "embed", "forward", "init_params", "pack_for_cpu",
+           "param_shapes", "run_layer_range", "run_layers", "unstack_layers", "MoeMlp"]
+
+EP_AXIS = "ep"
+EXPERT_KEYS = ("we_gate", "we_up", "we_down")
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The parameter tree as {key: shape tuple} (see the module docstring)."""
+    L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    mlp = {"router": (L, D, E), "we_gate": (L, E, D, F), "we_up": (L, E, D, F),
+           "we_down": (L, E, F, D)}
+    fs = cfg.shared_expert_intermediate_size
+    if fs:
+        mlp.update(ws_gate=(L, D, fs), ws_up=(L, D, fs), ws_down=(L, fs, D),
+                   ws_router=(L, D, 1))
+    return layers.model_shapes(cfg, {**layers.attention_shapes(cfg), **mlp})
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict:
+    """Random weights with the real layout (see layers.init_from_shapes)."""
+    return layers.init_from_shapes(param_shapes(cfg), key, dtype)
+
+
+def pack_for_cpu(params: dict) -> dict:
+    raise ValueError("cpu_matmul='packed' is the dense Llama path; MoE models run XLA's dot "
+                     "(cpu_matmul='xla')")
+
+
+# ---------------------------------------------------------------- the stages
+
+
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """x [T, D] -> top-k weights [T, k] (f32) and expert ids [T, k] int32."""
+    probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # [T, E]
+    w, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [T, k]
+    if cfg.norm_topk_prob:
+        w = w / w.sum(-1, keepdims=True)
+    return w, ids.astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dispatch:
+    """Where each of a rank's (token, expert) pairs went: peer rank and buffer slot."""
+
+    dest: jax.Array  # [N] int32 rank owning the pair's expert; N = T * k
+    slot: jax.Array  # [N] int32 position in the send buffer to that rank
+
+
+def dispatch(x: jax.Array, ids: jax.Array, num_ranks: int,
+             experts_per_rank: int) -> tuple[jax.Array, jax.Array, Dispatch]:
+    """Pack pairs into per-peer send buffers: x [T, D], ids [T, k] ->
+    send_x [R, C, D], send_e [R, C] (the expert's local id; experts_per_rank = empty)."""
+    t, k = ids.shape
+    cap = t * min(k, experts_per_rank)  # the most pairs of these tokens one peer can own
+    flat = ids.reshape(-1)  # [N]
+    dest = flat // experts_per_rank  # [N]
+    onehot = (dest[:, None] == jnp.arange(num_ranks)[None, :]).astype(jnp.int32)  # [N, R]
+    slot = jnp.take_along_axis(jnp.cumsum(onehot, axis=0), dest[:, None], 1)[:, 0] - 1  # [N]
+    tok = jnp.arange(t * k) // k  # [N]
+    send_x = jnp.zeros((num_ranks, cap, x.shape[-1]), x.dtype).at[dest, slot].set(x[tok])
+    send_e = jnp.full((num_ranks, cap), experts_per_rank, jnp.int32).at[dest, slot].set(
+        flat % experts_per_rank)
+    return send_x, send_e, Dispatch(dest=dest, slot=slot)
+
+
+def exchange(buf: jax.Array, axis: str | None) -> jax.Array:
+    """[R, ...] -> [R, ...]: row r goes to rank r; row r of the result came from rank r."""
+    if axis is None:
+        return buf
+    return jax.lax.all_to_all(buf, axis, split_axis=0, concat_axis=0)
+
+
+def experts(recv_x: jax.Array, recv_e: jax.Array, lp: dict) -> jax.Array:
+    """SwiGLU of each received pair through its local expert: recv_x [R, C, D],
+    recv_e [R, C] -> [R, C, D]; empty slots (id = local experts) come back as zeros."""
+    r, c, d = recv_x.shape
+    n_local = lp["we_gate"].shape[0]
+    xs, es = recv_x.reshape(r * c, d), recv_e.reshape(r * c)
+    order = jnp.argsort(es, stable=True)  # group the pairs by expert; empties last
+    sizes = jnp.bincount(es, length=n_local).astype(jnp.int32)  # [El]
+    xs = xs[order]  # [R*C, D]
+    g = jax.lax.ragged_dot(xs, lp["we_gate"], sizes)  # [R*C, Fm]
+    u = jax.lax.ragged_dot(xs, lp["we_up"], sizes)
+    ys = jax.lax.ragged_dot(jax.nn.silu(g) * u, lp["we_down"], sizes)  # [R*C, D]
+    return jnp.zeros_like(ys).at[order].set(ys).reshape(r, c, d)
+
+
+def combine(back: jax.Array, where: Dispatch, w: jax.Array) -> jax.Array:
+    """back [R, C, D] (results of the pairs sent to each peer), weights w [T, k] -> [T, D]."""
+    t, k = w.shape
+    ys = back[where.dest, where.slot].reshape(t, k, -1)  # [T, k, D]
+    return jnp.einsum("tkd,tk->td", ys, w.astype(ys.dtype))
+
+
+def moe_block(lp: dict, x: jax.Array, cfg: ModelConfig, axis: str | None = None,
+              num_ranks: int = 1) -> jax.Array:
+    """One rank's MoE MLP over its tokens x [T, D] -> [T, D]; with `axis`, inside a
+    shard_map over it, lp holding this rank's experts."""
+    w, ids = route(x, lp["router"], cfg)
+    send_x, send_e, where = dispatch(x, ids, num_ranks, lp["we_gate"].shape[0])
+    recv_x, recv_e = exchange(send_x, axis), exchange(send_e, axis)
+    out = combine(exchange(experts(recv_x, recv_e, lp), axis), where, w)
+    if "ws_gate" in lp:
+        shared = gated_mlp(x, lp["ws_gate"], lp["ws_up"], lp["ws_down"])  # [T, D]
+        out = out + jax.nn.sigmoid(x @ lp["ws_router"]) * shared
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeMlp:
+    """The MoE MLP as layers.Mlp (hashable: a static argument). With a mesh whose `ep`
+    axis is > 1, runs moe_block expert-parallel under shard_map."""
+
+    cfg: ModelConfig
+    mesh: Mesh | None = None
+
+    @property
+    def ep(self) -> int:
+        return 1 if self.mesh is None else self.mesh.shape.get(EP_AXIS, 1)
+
+    def __call__(self, lp: dict, x: jax.Array) -> jax.Array:
+        if self.ep == 1:
+            return moe_block(lp, x, self.cfg)
+        t = x.shape[0]
+        xp = jnp.pad(x, ((0, -t % self.ep), (0, 0)))  # [T', D], T' a multiple of ep
+        specs = {k: P(EP_AXIS) if k in EXPERT_KEYS else P() for k in lp}
+        body = functools.partial(moe_block, cfg=self.cfg, axis=EP_AXIS, num_ranks=self.ep)
+        f = shard_map(body, mesh=self.mesh, in_specs=(specs, P(EP_AXIS)),
+                      out_specs=P(EP_AXIS))
+        return f(lp, xp)[:t]
+
+
+def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
+               *, start: jax.Array | int = 0, num_layers: int | None = None,
+               attention_backend: str = "xla",
+               mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
+    """Decoder layers [start, start + num_layers) (see layers.run_decoder_layers)."""
+    return layers.run_decoder_layers(params, kv, h, batch, cfg, MoeMlp(cfg, mesh), start=start,
+                                     num_layers=num_layers,
+                                     attention_backend=attention_backend, mesh=mesh)
+
+
+def run_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
+                    cfg: ModelConfig, start: jax.Array, stop: jax.Array,
+                    attention_backend: str = "xla",
+                    mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
+    """Layers [start, stop), both traced (see layers.run_decoder_layer_range)."""
+    return layers.run_decoder_layer_range(params, kv, h, batch, cfg, MoeMlp(cfg, mesh), start, stop,
+                                          attention_backend, mesh)
+
+
+def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
+            attention_backend: str = "xla",
+            mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
+    """One full forward: logits [B, V] for each row's sampled token, and the updated pool."""
+    h = embed(params, batch.input_ids)
+    h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend,
+                       mesh=mesh)
+    return compute_logits(params, h, batch.logits_indices, cfg), kv

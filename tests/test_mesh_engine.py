@@ -1,0 +1,107 @@
+"""Serving on a device mesh (4 fake CPU devices): tensor-parallel dense Llama and
+expert-parallel MoE give the single-device greedy tokens, in strict no-recompile mode."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from models import llama, registry
+from runtime import checkpoint
+from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
+from runtime.engine import Engine
+from runtime.model_runner import ModelRunner
+from runtime.request import SamplingParams
+from runtime.sharding import serving_mesh
+from tests.engine_utils import engine_args, prompts, small_runner
+from tests.test_engine import _check_same
+from tests.test_parity import FIXTURES, _ckpt_cache, _comparable_prefix
+
+# 8 query / 4 KV heads: tp 2 and 4 divide both.
+DENSE = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
+                    num_heads=8, num_kv_heads=4, head_dim=8, max_position_embeddings=256)
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, top_logprobs=2)
+
+
+def _runner(cfg: ModelConfig, params: dict, tp: int = 1, ep: int = 1) -> ModelRunner:
+    return small_runner(cfg, params, serving_mesh(cfg, tp=tp, ep=ep))
+
+
+def _generate(runner: ModelRunner, **kw) -> list:
+    eng = Engine(engine_args(**kw), runner=runner)
+    out = eng.generate(prompts(runner.model_cfg.vocab_size), GREEDY)
+    runner.check_no_compiles()
+    return out
+
+
+@functools.cache
+def _dense_reference() -> list:
+    params = llama.init_params(DENSE, jax.random.key(3))
+    return _generate(_runner(DENSE, params), disable_prefix_cache=True,
+                     chunked_prefill_size=None)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_dense_matches_one_device(tp):
+    want = _dense_reference()  # first: a warm-up later would count as our compilation
+    runner = _runner(DENSE, llama.init_params(DENSE, jax.random.key(3)), tp=tp)
+    assert runner.kv.k.sharding.spec[1] == "tp"  # the pool is split over KV heads
+    assert runner.params["layer_list"][0]["wq"].sharding.spec[-1] == "tp"
+    # Attention runs on each device's own heads and pages: no step gathers the pool.
+    pool = "f32[" + ",".join(map(str, runner.kv.k.shape)) + "]"
+    for exe in runner._executables.values():
+        assert not re.search(re.escape(pool) + r"\S* all-gather", exe.as_text())
+    _check_same(_generate(runner, disable_prefix_cache=True, chunked_prefill_size=None), want)
+    # The invariance matrix on the mesh: chunked prefill and the prefix cache.
+    _check_same(_generate(runner, chunked_prefill_size=16), want)
+    assert runner.compiles_after_warmup == 0
+
+
+@pytest.mark.slow  # ~3 min: two tiny-moe runners (49152-token vocabulary) compile
+def test_expert_parallel_moe_matches_one_device():
+    cfg, params = registry.load_preset("tiny-moe")
+    want = _generate(_runner(cfg, params), disable_prefix_cache=True)
+    runner = _runner(cfg, params, tp=1, ep=4)
+    assert runner.params["layer_list"][0]["we_gate"].sharding.spec[0] == "ep"
+    _check_same(_generate(runner, disable_prefix_cache=True), want)
+    _check_same(_generate(runner, chunked_prefill_size=16), want)
+
+
+def test_uneven_tp_is_a_clear_error():
+    with pytest.raises(ValueError, match="tp=3 does not divide the model's num_heads=8 and "
+                                         "num_kv_heads=4"):
+        serving_mesh(DENSE, tp=3)
+    with pytest.raises(ValueError, match="num_kv_heads=2"):
+        serving_mesh(dataclasses.replace(DENSE, num_kv_heads=2), tp=4)
+    with pytest.raises(ValueError, match="ep=3"):
+        serving_mesh(registry.PRESETS["tiny-moe"], ep=3)
+    with pytest.raises(ValueError, match="single-device"):
+        ModelRunner(DENSE, llama.init_params(DENSE, jax.random.key(0)), CacheConfig(),
+                    RunnerConfig(attention_backend="cpu"), 4, mesh=serving_mesh(DENSE, tp=2))
+
+
+@pytest.mark.slow
+def test_smollm2_tp3_greedy_matches_transformers():
+    """SmolLM2 (9 query / 3 KV heads) on tp=3 through ServerArgs: the two fixture prompts'
+    32 greedy tokens equal transformers' up to the first near-tie."""
+    path = checkpoint.ensure_default_checkpoint(_ckpt_cache(), "float32")
+    cfg, params = checkpoint.restore_checkpoint(path)
+    ref = np.load(FIXTURES / "smollm2_reference.npz")
+    args = ServerArgs(tp=3, max_running_requests=2, decode_buckets=(2,),
+                      extend_token_buckets=(128,), kv_len_buckets=(128,), max_prefill_tokens=128,
+                      chunked_prefill_size=128, max_extend_seqs=2, max_total_tokens=1024,
+                      compilation_cache_dir=None, strict_compile=True, max_top_logprobs=0)
+    eng = Engine(args, model=(cfg, params))
+    assert (eng.runner.cfg.cpu_matmul, eng.runner.cfg.attention_backend) == ("xla", "xla")
+    assert dict(eng.runner.mesh.shape) == {"dp": 1, "tp": 3, "ep": 1}
+    outs = eng.generate([ref[f"p{i}_prompt_ids"].tolist() for i in range(2)],
+                        SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True))
+    for i, out in enumerate(outs):
+        n = _comparable_prefix(ref[f"p{i}_greedy_margins"])
+        assert out.output_ids[:n] == ref[f"p{i}_greedy_ids"].tolist()[:n], (i, n)
+    eng.runner.check_no_compiles()
