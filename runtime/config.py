@@ -255,3 +255,7 @@ class ServerArgs:
     checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"
     strict_compile: bool = False
     max_queued_requests: int = 1024
+    # Execution trace (runtime/exec_trace.py): steps and finished requests kept in its
+    # ring (0: off), and where the server writes Chrome trace / Perfetto JSON (None: not).
+    trace_buffer_steps: int = 4096
+    trace_dir: str | None = None

@@ -5,6 +5,8 @@
 
 `step()` is one scheduler iteration. With overlap scheduling (the default) it launches
 batch N+1 before reading back batch N, so host scheduling hides behind device work.
+`engine.trace` (runtime/exec_trace.py) records every step's path and timing, and each
+finished request's meta_info says which steps it took part in.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import jax
 
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
 from runtime.engine_setup import load_model, runner_config, size_kv_pool
+from runtime.exec_trace import ExecutionTrace, StepRecord, step_record
 from runtime.model_runner import ModelRunner, PendingStep
 from runtime.request import Req, SamplingParams
+from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -39,6 +43,14 @@ class RequestOutput:
     finished: bool
     delta: str = ""
     meta_info: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class _InFlight:
+    """A launched step and its trace record."""
+
+    pending: PendingStep
+    record: StepRecord
 
 
 class _Tracked:
@@ -110,7 +122,10 @@ class Engine:
             decode_fn=tokenizer.decode if tokenizer else None,
         )
         self._overlap = not args.disable_overlap_schedule
-        self._pending: PendingStep | None = None
+        self._pending: _InFlight | None = None
+        self.trace = ExecutionTrace(args.trace_buffer_steps)
+        self._profile_dir: str | None = None
+        self._profile_start = 0.0
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
@@ -134,13 +149,15 @@ class Engine:
         rid = rid or f"req-{next(self._ids)}"
         req = Req(rid=rid, prompt_ids=ids, sampling=sampling)
         self.scheduler.add(req)
-        self._tracked[rid] = _Tracked(req, self.tokenizer)
+        tracked = self._tracked[rid] = _Tracked(req, self.tokenizer)
+        self.trace.add_request(rid, tracked.created)
         return rid
 
     def abort(self, rid: str) -> None:
         """Abort a request wherever it is; its pages are freed at once."""
         self.scheduler.abort(rid)
-        self._tracked.pop(rid, None)
+        if self._tracked.pop(rid, None) is not None:
+            self.trace.finish_request(rid, time.perf_counter())
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -149,16 +166,32 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one batch; read back the previous one (overlap) or this one."""
+        t0 = time.perf_counter()
         batch = self.scheduler.next_batch()
-        launched = self.runner.launch(batch) if batch is not None else None
+        launched = self._launch(batch, t0) if batch is not None else None
         if self._overlap:
             done, self._pending = self._pending, launched
         else:
             done = launched
         if done is None:
             return []
-        events = self.scheduler.process_results(done.batch, done.result())
-        return [self._output(e) for e in events]
+        # Whether the host waits here tells a device-bound step from a host-bound one.
+        waited = not done.pending.is_ready()
+        result = done.pending.result()
+        self.trace.ready(done.record, time.perf_counter(), waited)
+        events = self.scheduler.process_results(done.pending.batch, result)
+        outputs = [self._output(e) for e in events]
+        self.trace.processed(done.record, time.perf_counter())
+        if not self.has_work():
+            self.trace.end_busy_period()
+        return outputs
+
+    def _launch(self, batch: ScheduleBatch, sched_start: float) -> _InFlight:
+        sched_end = time.perf_counter()
+        pending = self.runner.launch(batch)
+        rec = step_record(batch, self.runner.bucket_for(batch), sched_start, sched_end,
+                          time.perf_counter(), self.runner.compiles_after_warmup)
+        return _InFlight(pending, self.trace.record(rec))
 
     def _output(self, event: ReqEvent) -> RequestOutput:
         t = self._tracked[event.req.rid]
@@ -175,6 +208,11 @@ class Engine:
                                 "cached_tokens": req.cached_tokens}
         if event.finished:
             self._tracked.pop(req.rid, None)
+            meta["retracted"] = req.num_retractions > 0
+            meta["num_retractions"] = req.num_retractions
+            meta.update(self.trace.finish_request(
+                req.rid, now, first_token=t.first_token, num_retractions=req.num_retractions,
+                cached_tokens=req.cached_tokens))
             reason = req.finish_reason
             meta["finish_reason"] = reason.to_json() if reason else None
             meta["e2e_latency"] = now - t.created
@@ -185,6 +223,32 @@ class Engine:
                 meta["output_top_logprobs"] = list(req.output_top_logprobs)
         return RequestOutput(rid=req.rid, text=text, output_ids=list(req.output_ids),
                              finished=event.finished, delta=delta, meta_info=meta)
+
+    # ---- profiling -----------------------------------------------------------------------
+
+    def start_profile(self, output_dir: str) -> None:
+        """Start a jax.profiler trace into output_dir (opens in TensorBoard / Perfetto).
+        ValueError if one is already running or the profiler refuses."""
+        if self._profile_dir is not None:
+            raise ValueError(f"a profile is already running (into {self._profile_dir})")
+        os.makedirs(output_dir, exist_ok=True)
+        try:
+            jax.profiler.start_trace(output_dir)
+        except RuntimeError as e:  # e.g. another profile in this process
+            raise ValueError(f"cannot start the profiler: {e}") from e
+        self._profile_dir = output_dir
+        self._profile_start = time.perf_counter()
+
+    def stop_profile(self) -> tuple[str, float]:
+        """Stop the profile; returns its directory and start time (perf_counter)."""
+        if self._profile_dir is None:
+            raise ValueError("no profile is running: start one first")
+        out, self._profile_dir = self._profile_dir, None
+        try:
+            jax.profiler.stop_trace()
+        except RuntimeError as e:  # stopped behind our back (another user in this process)
+            raise ValueError(f"cannot stop the profiler: {e}") from e
+        return out, self._profile_start
 
     # ---- conveniences --------------------------------------------------------------------
 

@@ -68,6 +68,11 @@ flags.DEFINE_bool("per_layer_weights", None, "layer weights as per-layer buffers
 flags.DEFINE_enum("cpu_matmul", None, ["packed", "xla"], "CPU matmuls: our kernel over "
                   "weights packed at load, or XLA's dot (default: packed where it builds: "
                   "x86-64 with AVX-512 and a C++ compiler)")
+flags.DEFINE_string("trace_dir", None, "write the execution trace as Chrome trace / "
+                    "Perfetto JSON here (ui.perfetto.dev), a file each time the ring fills "
+                    "and one at shutdown; also the default /start_profile folder")
+flags.DEFINE_integer("trace_buffer_steps", _D.trace_buffer_steps, "forward steps (and "
+                     "finished requests) the execution trace keeps; 0 turns it off")
 
 FLAGS = flags.FLAGS
 
@@ -94,7 +99,8 @@ def server_args() -> ServerArgs:
         compilation_cache_dir=FLAGS.compilation_cache_dir or None,
         checkpoint_cache_dir=FLAGS.checkpoint_cache_dir, strict_compile=FLAGS.strict_compile,
         max_queued_requests=FLAGS.max_queued_requests,
-        per_layer_weights=FLAGS.per_layer_weights, cpu_matmul=FLAGS.cpu_matmul)
+        per_layer_weights=FLAGS.per_layer_weights, cpu_matmul=FLAGS.cpu_matmul,
+        trace_dir=FLAGS.trace_dir or None, trace_buffer_steps=FLAGS.trace_buffer_steps)
 
 
 def main(argv: list[str]) -> None:

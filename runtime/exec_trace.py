@@ -1,0 +1,314 @@
+"""Execution-path trace: which path every forward step and every request took, and when
+the device sat idle (host only, no jax).
+
+The Engine owns an `ExecutionTrace` (`engine.trace`): a bounded ring of `StepRecord`s, one
+per launched forward, plus per-request tallies and device bubble accounting. Offline
+users and tests read it directly; the server exports it (`GET /debug/execution_trace`,
+`/metrics`, `--trace_dir` Perfetto files written by runtime/perfetto.py).
+
+How a loop records (today's `Engine.step`; the multiplexing loop and TBO do the same):
+
+    t0 = time.perf_counter()
+    batch = scheduler.next_batch()                                  # host scheduling
+    t1 = time.perf_counter()
+    pending = runner.launch(batch)                                  # packing + dispatch
+    rec = trace.record(step_record(batch, shape, t0, t1, time.perf_counter(),
+                                   compiles_after_warmup))
+    ...
+    waited = not pending.is_ready()          # did the host have to wait for the device?
+    out = pending.result()
+    trace.ready(rec, time.perf_counter(), waited)   # call in launch order (one stream)
+    ... process results ...
+    trace.processed(rec, time.perf_counter())
+    if nothing is left to run: trace.end_busy_period()   # idle is not a bubble
+
+Paths that are not a plain bucketed batch build `StepRecord(...)` themselves:
+- a split-prefill layer interval: `mode="split_prefill"`, `split=SplitInterval(prefill_id,
+  interval, start_layer, num_layers, total_layers, decode_step=<step of the DECODE record
+  launched in the same iteration, from its `record()` return value>)`. A fused decode +
+  interval executable is one record with the decode mode and `split` set. The requests in
+  `rids` each count one split-prefill interval (meta_info.split_prefill_intervals).
+- a two-batch-overlap step: `tbo=TboSplit(tokens=(a, b), rows=(a, b), split_index,
+  two_chunk)`; the Perfetto file draws its micro-batches in their own lane.
+
+Times are `time.perf_counter()` seconds; exports are relative to the trace's creation.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from runtime.batch_builder import BucketShape
+from runtime.schedule_batch import ScheduleBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitInterval:
+    """One layer interval of a split prefill: layers [start_layer, start_layer + num_layers)
+    of `total_layers`, the `interval`-th call of prefill `prefill_id`."""
+
+    prefill_id: int | str
+    interval: int
+    start_layer: int
+    num_layers: int
+    total_layers: int
+    decode_step: int | None = None  # the decode step it was multiplexed with, if any
+
+
+@dataclasses.dataclass(frozen=True)
+class TboSplit:
+    """A two-batch-overlap step: tokens and rows of micro-batches A and B, the row index
+    where B starts, and whether one sequence was cut in two (the two-chunk fallback)."""
+
+    tokens: tuple[int, int]
+    rows: tuple[int, int]
+    split_index: int
+    two_chunk: bool = False
+
+
+@dataclasses.dataclass
+class StepRecord:
+    """One launched forward. The loop fills the first block; the trace fills the rest.
+
+    rows / tokens are real; padded_rows / padded_tokens are what the bucket computes, so
+    the padding waste is their difference. sched_start..sched_end is host scheduling,
+    sched_end..launch_end packing and dispatch.
+    """
+
+    mode: str
+    bucket: BucketShape | None
+    rids: tuple[str, ...]
+    extend_rows: int
+    decode_rows: int
+    extend_tokens: int
+    padded_rows: int
+    padded_tokens: int
+    sched_start: float
+    sched_end: float
+    launch_end: float
+    compiles_after_warmup: int = 0
+    split: SplitInterval | None = None
+    tbo: TboSplit | None = None
+    # Filled by ExecutionTrace.
+    step: int = -1
+    ready: float | None = None  # when the readback returned
+    # Whether the host blocked on the readback. False: the device had finished earlier,
+    # so `ready` (and this step's device time) is an upper bound.
+    waited: bool | None = None
+    device_start: float | None = None  # max(launch_end, previous step's ready)
+    idle_before: float = 0.0  # device bubble between the previous step and this one
+    process_end: float | None = None  # host done with this step's results
+
+    @property
+    def rows(self) -> int:
+        return self.extend_rows + self.decode_rows
+
+    @property
+    def tokens(self) -> int:
+        return self.extend_tokens + self.decode_rows
+
+    def to_json(self, t0: float) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("sched_start", "sched_end", "launch_end", "ready", "device_start",
+                  "process_end"):
+            if d[k] is not None:
+                d[k] -= t0
+        d["rids"] = list(self.rids)
+        d["rows"], d["tokens"] = self.rows, self.tokens
+        return d
+
+
+def step_record(batch: ScheduleBatch, shape: BucketShape, sched_start: float,
+                sched_end: float, launch_end: float, compiles_after_warmup: int) -> StepRecord:
+    """The record of a plain bucketed batch (EXTEND / DECODE / MIXED)."""
+    ext = batch.extend_rows
+    return StepRecord(
+        mode=batch.mode.value, bucket=shape, rids=tuple(r.req.rid for r in batch.rows),
+        extend_rows=len(ext), decode_rows=len(batch.decode_rows),
+        extend_tokens=sum(len(r.input_ids) for r in ext),
+        padded_rows=shape.num_extend_seqs + shape.num_decode_seqs,
+        padded_tokens=shape.num_extend_tokens + shape.num_decode_seqs,
+        sched_start=sched_start, sched_end=sched_end, launch_end=launch_end,
+        compiles_after_warmup=compiles_after_warmup)
+
+
+@dataclasses.dataclass
+class RequestSpan:
+    """One request's path: when it arrived, first ran, got its first token and ended, and
+    how many steps of each mode it took part in."""
+
+    rid: str
+    created: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+    finished: float | None = None
+    steps_by_mode: dict[str, int] = dataclasses.field(default_factory=dict)
+    split_prefill_intervals: int = 0
+    num_retractions: int = 0
+    cached_tokens: int = 0
+
+    def meta(self) -> dict[str, Any]:
+        """The request's meta_info fields."""
+        queued = None if self.first_scheduled is None else self.first_scheduled - self.created
+        return {"steps_by_mode": dict(self.steps_by_mode),
+                "split_prefill_intervals": self.split_prefill_intervals,
+                "queue_time": queued}
+
+    def to_json(self, t0: float) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for k in ("created", "first_scheduled", "first_token", "finished"):
+            if d[k] is not None:
+                d[k] -= t0
+        return d
+
+
+class _Bubbles:
+    """Device busy and idle seconds per mode; idle time is charged to the step the device
+    waited for. Gaps across an idle engine (nothing to run) are not bubbles."""
+
+    def __init__(self) -> None:
+        self.busy: collections.Counter[str] = collections.Counter()
+        self.idle: collections.Counter[str] = collections.Counter()
+        self.last_ready: float | None = None
+
+    def observe(self, rec: StepRecord) -> None:
+        assert rec.ready is not None
+        prev = self.last_ready
+        start = rec.launch_end if prev is None else max(rec.launch_end, prev)
+        rec.device_start = start
+        rec.idle_before = 0.0 if prev is None else max(0.0, rec.launch_end - prev)
+        self.busy[rec.mode] += max(0.0, rec.ready - start)
+        self.idle[rec.mode] += rec.idle_before
+        self.last_ready = rec.ready if prev is None else max(prev, rec.ready)
+
+    def summary(self) -> dict[str, dict[str, float]]:
+        out = {}
+        for mode in sorted(set(self.busy) | set(self.idle)):
+            out[mode] = _fraction(self.busy[mode], self.idle[mode])
+        out["all"] = _fraction(sum(self.busy.values()), sum(self.idle.values()))
+        return out
+
+
+def _fraction(busy: float, idle: float) -> dict[str, float]:
+    total = busy + idle
+    return {"busy_s": busy, "idle_s": idle, "fraction": idle / total if total else 0.0}
+
+
+class ExecutionTrace:
+    """The last `capacity` steps and finished requests, written by the engine thread and
+    read by others (HTTP, metrics). capacity 0 turns recording off; step counts by mode
+    are kept either way (they feed /metrics)."""
+
+    def __init__(self, capacity: int = 4096) -> None:
+        self.capacity = capacity
+        self.t0 = time.perf_counter()
+        self._steps: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
+        self._finished: collections.deque[RequestSpan] = collections.deque(maxlen=capacity)
+        self._live: dict[str, RequestSpan] = {}
+        self._bubbles = _Bubbles()
+        self._counts: collections.Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self.num_recorded = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.capacity > 0
+
+    # ---- the loop's side -----------------------------------------------------------------
+
+    def record(self, rec: StepRecord) -> StepRecord:
+        """Append a launched step; returns it with its step number set."""
+        with self._lock:
+            self._counts[rec.mode] += 1
+            if not self.enabled:
+                return rec
+            rec.step = self.num_recorded
+            self.num_recorded += 1
+            self._steps.append(rec)
+            for rid in rec.rids:
+                span = self._live.get(rid)
+                if span is None:
+                    continue
+                if span.first_scheduled is None:
+                    span.first_scheduled = rec.sched_end
+                span.steps_by_mode[rec.mode] = span.steps_by_mode.get(rec.mode, 0) + 1
+                span.split_prefill_intervals += rec.split is not None
+        return rec
+
+    def ready(self, rec: StepRecord, t: float, waited: bool | None = None) -> None:
+        """The step's results are back on the host (call in launch order)."""
+        if not self.enabled:
+            return
+        with self._lock:
+            rec.ready, rec.waited = t, waited
+            self._bubbles.observe(rec)
+
+    def processed(self, rec: StepRecord, t: float) -> None:
+        rec.process_end = t
+
+    def end_busy_period(self) -> None:
+        """Nothing is left to run: the gap until the next step is idleness, not a bubble."""
+        with self._lock:
+            self._bubbles.last_ready = None
+
+    def add_request(self, rid: str, t: float) -> None:
+        if self.enabled:
+            with self._lock:
+                self._live[rid] = RequestSpan(rid, t)
+
+    def finish_request(self, rid: str, t: float, *, first_token: float | None = None,
+                       num_retractions: int = 0, cached_tokens: int = 0) -> dict[str, Any]:
+        """End a request's span (finished or aborted); returns its meta_info fields."""
+        with self._lock:
+            span = self._live.pop(rid, None)
+            if span is None:
+                return {}
+            span.finished, span.first_token = t, first_token
+            span.num_retractions, span.cached_tokens = num_retractions, cached_tokens
+            self._finished.append(span)
+        return span.meta()
+
+    # ---- readers -------------------------------------------------------------------------
+
+    def steps(self, n: int | None = None, since: float | None = None) -> list[StepRecord]:
+        """The last n records (all when None), optionally only those launched after
+        `since` (a perf_counter time). Records may still be completing: copy to read."""
+        with self._lock:
+            steps = list(self._steps)
+        if since is not None:
+            steps = [s for s in steps if s.sched_start >= since]
+        return steps if n is None else steps[-n:] if n > 0 else []
+
+    def last(self, n: int) -> list[dict[str, Any]]:
+        with self._lock:
+            recs = list(self._steps)[-n:] if n > 0 else []
+            return [r.to_json(self.t0) for r in recs]
+
+    def requests(self, n: int | None = None, since: float | None = None) -> list[RequestSpan]:
+        with self._lock:
+            spans = list(self._finished)
+        if since is not None:
+            spans = [s for s in spans if s.finished is not None and s.finished >= since]
+        return spans if n is None else spans[-n:] if n > 0 else []
+
+    def step_counts(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._counts)
+
+    def bubbles(self) -> dict[str, dict[str, float]]:
+        """Per mode and "all": device busy seconds, idle seconds, idle fraction."""
+        with self._lock:
+            return self._bubbles.summary()
+
+
+def padding_waste(recs: Sequence[StepRecord]) -> dict[str, float]:
+    """Share of computed tokens and rows that were bucket padding over `recs`."""
+    tok = sum(r.padded_tokens for r in recs)
+    rows = sum(r.padded_rows for r in recs)
+    return {"tokens": 1 - sum(r.tokens for r in recs) / tok if tok else 0.0,
+            "rows": 1 - sum(r.rows for r in recs) / rows if rows else 0.0}
