@@ -21,29 +21,21 @@ from runtime.model_runner import ModelRunner
 from runtime.perfetto import TraceDirWriter, chrome_trace, write_chrome_trace
 from runtime.request import SamplingParams
 from tests.model_utils import TINY
-from tests.trace_schema import check_chrome_trace, lanes
+from tests.trace_utils import check_chrome_trace, lanes, make_record
 
 # ---- host side: records built by hand ---------------------------------------------------
 
 
-def _rec(mode: str, launch_end: float, rids: tuple[str, ...] = (), **kw) -> StepRecord:
-    base = dict(mode=mode, bucket=None, rids=rids, extend_rows=0, decode_rows=len(rids),
-                extend_tokens=0, padded_rows=4, padded_tokens=4,
-                sched_start=launch_end - 0.2, sched_end=launch_end - 0.1,
-                launch_end=launch_end)
-    return StepRecord(**base | kw)
-
-
 def test_bubbles_from_recorded_times():
     trace = ExecutionTrace()
-    a = trace.record(_rec("extend", 1.0))
+    a = trace.record(make_record("extend", 1.0))
     trace.ready(a, 2.0, waited=True)           # first step of a busy period: no bubble
-    b = trace.record(_rec("decode", 2.5))      # launched 0.5 s after a's result: a bubble
-    c = trace.record(_rec("decode", 2.7))      # launched while b runs (overlap): none
+    b = trace.record(make_record("decode", 2.5))      # launched 0.5 s after a's result: a bubble
+    c = trace.record(make_record("decode", 2.7))      # launched while b runs (overlap): none
     trace.ready(b, 3.5, waited=True)
     trace.ready(c, 4.5, waited=True)
     trace.end_busy_period()
-    d = trace.record(_rec("decode", 10.0))     # after an idle engine: not a bubble
+    d = trace.record(make_record("decode", 10.0))     # after an idle engine: not a bubble
     trace.ready(d, 11.0, waited=False)
     assert [r.step for r in (a, b, c, d)] == [0, 1, 2, 3]
     assert (b.device_start, b.idle_before) == (2.5, 0.5)
@@ -63,12 +55,12 @@ def test_split_prefill_and_tbo_records_reach_requests_and_perfetto():
     trace.add_request("short", 0.0)
     recs = []
     for i in range(3):  # one decode step and one 10-layer interval per iteration
-        dec = trace.record(_rec("decode", 1.0 + i, ("short",)))
+        dec = trace.record(make_record("decode", 1.0 + i, ("short",)))
         split = SplitInterval(prefill_id=7, interval=i, start_layer=10 * i, num_layers=10,
                               total_layers=30, decode_step=dec.step)
-        recs += [dec, trace.record(_rec("split_prefill", 1.5 + i, ("long",), extend_rows=1,
+        recs += [dec, trace.record(make_record("split_prefill", 1.5 + i, ("long",), extend_rows=1,
                                         extend_tokens=300, split=split))]
-    tbo = trace.record(_rec("decode", 5.0, ("short", "long"), decode_rows=2,
+    tbo = trace.record(make_record("decode", 5.0, ("short", "long"), decode_rows=2,
                             tbo=TboSplit(tokens=(1, 3), rows=(1, 1), split_index=1)))
     for r, t in zip([*recs, tbo], [1.4, 1.9, 2.4, 2.9, 3.4, 3.9, 7.0], strict=True):
         trace.ready(r, t, waited=True)
@@ -99,7 +91,7 @@ def test_split_prefill_and_tbo_records_reach_requests_and_perfetto():
 def test_disabled_trace_only_counts_modes():
     trace = ExecutionTrace(capacity=0)
     trace.add_request("r", 0.0)
-    rec = trace.record(_rec("decode", 1.0, ("r",)))
+    rec = trace.record(make_record("decode", 1.0, ("r",)))
     trace.ready(rec, 2.0)
     assert trace.steps() == [] and trace.last(5) == [] and trace.bubbles()["all"]["busy_s"] == 0
     assert trace.step_counts() == {"decode": 1}
@@ -110,7 +102,7 @@ def test_trace_dir_writer_loses_no_step(tmp_path):
     trace = ExecutionTrace(capacity=4)
     writer = TraceDirWriter(trace, str(tmp_path))
     for i in range(10):
-        rec = trace.record(_rec("decode", float(i)))
+        rec = trace.record(make_record("decode", float(i)))
         writer.maybe_write()  # the ring holds 4: a file every 4 new steps
         trace.ready(rec, i + 0.5)
     writer.write(final=True)

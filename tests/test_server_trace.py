@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from tests.test_server import LiveServer, error_of, metric, tiny_engine, wait_idle
-from tests.trace_schema import check_chrome_trace, lanes
+from tests.trace_utils import check_chrome_trace, lanes
 
 SP = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
 

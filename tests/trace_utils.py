@@ -1,8 +1,20 @@
-"""Chrome trace JSON schema check shared by the trace tests (engine and HTTP)."""
+"""Shared by the trace tests: hand-built step records and the Chrome trace schema check."""
 
 from __future__ import annotations
 
 from typing import Any
+
+from runtime.exec_trace import StepRecord
+
+
+def make_record(mode: str, launch_end: float, rids: tuple[str, ...] = (),
+                **kw: Any) -> StepRecord:
+    """A step launched at `launch_end` (scheduled over the 0.2 s before it)."""
+    base = dict(mode=mode, bucket=None, rids=rids, extend_rows=0, decode_rows=len(rids),
+                extend_tokens=0, padded_rows=4, padded_tokens=4,
+                sched_start=launch_end - 0.2, sched_end=launch_end - 0.1,
+                launch_end=launch_end)
+    return StepRecord(**base | kw)
 
 _PHASES = {"X", "M"}
 
