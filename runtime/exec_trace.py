@@ -169,11 +169,17 @@ class RequestSpan:
 
 class _Bubbles:
     """Device busy and idle seconds per mode; idle time is charged to the step the device
-    waited for. Gaps across an idle engine (nothing to run) are not bubbles."""
+    waited for. Gaps across an idle engine (nothing to run) are not bubbles.
+
+    Ready times are when the host read a result back. Where the host did not have to wait
+    (`waited` False: a host-bound step under overlap scheduling), the device finished
+    earlier by an unknown amount: that step's busy time is overstated and the bubble after
+    it missed, so the idle fraction is a lower bound; `host_bound_steps` counts them."""
 
     def __init__(self) -> None:
         self.busy: collections.Counter[str] = collections.Counter()
         self.idle: collections.Counter[str] = collections.Counter()
+        self.host_bound: collections.Counter[str] = collections.Counter()
         self.last_ready: float | None = None
 
     def observe(self, rec: StepRecord) -> None:
@@ -184,19 +190,22 @@ class _Bubbles:
         rec.idle_before = 0.0 if prev is None else max(0.0, rec.launch_end - prev)
         self.busy[rec.mode] += max(0.0, rec.ready - start)
         self.idle[rec.mode] += rec.idle_before
+        self.host_bound[rec.mode] += rec.waited is False
         self.last_ready = rec.ready if prev is None else max(prev, rec.ready)
 
     def summary(self) -> dict[str, dict[str, float]]:
         out = {}
         for mode in sorted(set(self.busy) | set(self.idle)):
-            out[mode] = _fraction(self.busy[mode], self.idle[mode])
-        out["all"] = _fraction(sum(self.busy.values()), sum(self.idle.values()))
+            out[mode] = _fraction(self.busy[mode], self.idle[mode], self.host_bound[mode])
+        out["all"] = _fraction(sum(self.busy.values()), sum(self.idle.values()),
+                               sum(self.host_bound.values()))
         return out
 
 
-def _fraction(busy: float, idle: float) -> dict[str, float]:
+def _fraction(busy: float, idle: float, host_bound: int) -> dict[str, float]:
     total = busy + idle
-    return {"busy_s": busy, "idle_s": idle, "fraction": idle / total if total else 0.0}
+    return {"busy_s": busy, "idle_s": idle, "fraction": idle / total if total else 0.0,
+            "host_bound_steps": host_bound}
 
 
 class ExecutionTrace:
@@ -301,7 +310,8 @@ class ExecutionTrace:
             return dict(self._counts)
 
     def bubbles(self) -> dict[str, dict[str, float]]:
-        """Per mode and "all": device busy seconds, idle seconds, idle fraction."""
+        """Per mode and "all": device busy seconds, idle seconds, idle fraction, and the
+        steps whose device time is an upper bound (see _Bubbles)."""
         with self._lock:
             return self._bubbles.summary()
 

@@ -108,8 +108,13 @@ def _trace_metrics(trace: ExecutionTrace) -> Iterator[Metric]:
                                "mode", labels=["mode"])
     frac = GaugeMetricFamily(f"{PREFIX}device_bubble_fraction", "idle / (busy + idle) by "
                              "mode; mode=\"all\" over every step", labels=["mode"])
+    host = CounterMetricFamily(f"{PREFIX}device_host_bound_steps", "Steps the device had "
+                               "finished before the host read them back: their bubbles are "
+                               "not measured, so the fraction is a lower bound",
+                               labels=["mode"])
     for mode, b in trace.bubbles().items():
         busy.add_metric([mode], b["busy_s"])
         idle.add_metric([mode], b["idle_s"])
         frac.add_metric([mode], b["fraction"])
-    yield from (busy, idle, frac)
+        host.add_metric([mode], b["host_bound_steps"])
+    yield from (busy, idle, frac, host)

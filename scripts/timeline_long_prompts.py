@@ -7,8 +7,8 @@
 --num_streams requests decode; once they have run --long_after_steps decode steps,
 --long_prompts prompts of --long_len tokens arrive. The timeline shows what the decode
 streams do while those prefill (plain path: they stall behind each prefill chunk).
-`--set` overrides any ServerArgs field (key=value), so the same scenario runs on another
-execution path once ServerArgs has its switch. Writes <label>.json (Chrome trace),
+`--set` overrides any ServerArgs field (key=value; tuples as 8:16), so the same scenario
+runs on another execution path once ServerArgs has its switch. Writes <label>.json (Chrome trace),
 <label>.png and <label>_summary.json (decode-stream stall, bubbles) to --out_dir.
 """
 
@@ -44,24 +44,25 @@ flags.DEFINE_list("set", [], "ServerArgs overrides, key=value")
 def server_args() -> ServerArgs:
     base = ServerArgs()
     if FLAGS.smoke:
-        base = dataclasses.replace(
-            base, max_running_requests=4, decode_buckets=(4,), extend_token_buckets=(64,),
-            kv_len_buckets=(128,), max_prefill_tokens=64, chunked_prefill_size=64,
-            max_extend_seqs=4, compilation_cache_dir=None)
-    fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
+        base = dataclasses.replace(bc.smoke_args(base, kv_len=128), compilation_cache_dir=None)
+    types = {f.name: str(f.type) for f in dataclasses.fields(ServerArgs)}
     overrides: dict[str, Any] = {}
     for item in FLAGS.set:
         key, _, value = item.partition("=")
-        if key not in fields:
+        if key not in types:
             raise app.UsageError(f"--set {key}: not a ServerArgs field")
-        default = getattr(base, key)
-        if isinstance(default, bool):
-            overrides[key] = value.lower() in ("1", "true", "yes")
-        elif isinstance(default, (int, float)):
-            overrides[key] = type(default)(value)
-        else:
-            overrides[key] = value
+        overrides[key] = _parse(types[key], value)
     return dataclasses.replace(base, **overrides)
+
+
+def _parse(annotation: str, value: str) -> Any:
+    """A --set value by its field's annotation; tuples are ':'-separated ("8:16")."""
+    kind = annotation.split("[")[0].split(" |")[0]
+    if kind == "tuple":
+        return tuple(int(v) for v in value.split(":"))
+    if kind == "bool":
+        return value.lower() in ("1", "true", "yes")
+    return {"int": int, "float": float}.get(kind, str)(value)
 
 
 def run(engine: Engine, streams: int, long_prompts: int, long_len: int,

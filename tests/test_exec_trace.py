@@ -42,7 +42,9 @@ def test_bubbles_from_recorded_times():
     assert (c.device_start, c.idle_before) == (3.5, 0.0)
     assert d.idle_before == 0.0
     got = trace.bubbles()
-    assert got["extend"] == {"busy_s": 1.0, "idle_s": 0.0, "fraction": 0.0}
+    assert got["extend"] == {"busy_s": 1.0, "idle_s": 0.0, "fraction": 0.0,
+                             "host_bound_steps": 0}
+    assert got["decode"]["host_bound_steps"] == 1  # d: the device was done before we looked
     assert got["decode"]["busy_s"] == pytest.approx(1.0 + 1.0 + 1.0)
     assert got["decode"]["idle_s"] == pytest.approx(0.5)
     assert got["all"]["fraction"] == pytest.approx(0.5 / 4.5)

@@ -61,3 +61,31 @@ def test_plot_writes_a_png(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     png = path.with_suffix(".png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def _smoke(script: str, tmp_path: Path, *extra: str) -> None:
+    cmd = [sys.executable, str(REPO / "scripts" / script), "--smoke", f"--out_dir={tmp_path}",
+           *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
+                    reason="the PNG needs matplotlib (the bench extra)")
+def test_timeline_long_prompts_smoke(tmp_path):
+    _smoke("timeline_long_prompts.py", tmp_path, "--label=mixed",
+           "--set=enable_mixed_chunk=true")
+    summary = json.loads((tmp_path / "mixed_summary.json").read_text())
+    assert summary["server_args"]["enable_mixed_chunk"] == "True"
+    assert summary["max_decode_gap_s"] >= summary["median_decode_gap_s"] > 0
+    assert summary["step_counts"]["mixed"] >= 1  # the long prompt ran beside the decodes
+    assert (tmp_path / "mixed.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_bench_trace_overhead_smoke(tmp_path):
+    _smoke("bench_trace_overhead.py", tmp_path, "--rounds=2", "--compilation_cache_dir=")
+    s = json.loads((tmp_path / "bench_trace_overhead.json").read_text())["summary"]
+    assert len(s["ratios"]) == 2 and s["median_ratio_on_off"] > 0
+    assert 0 < s["trace_cost_s_per_step"] < s["wall_s_per_step"]
