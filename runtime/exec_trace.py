@@ -22,12 +22,14 @@ How a loop records (today's `Engine.step`; the multiplexing loop and TBO do the 
     trace.processed(rec, time.perf_counter())
     if nothing is left to run: trace.end_busy_period()   # idle is not a bubble
 
-Paths that are not a plain bucketed batch build `StepRecord(...)` themselves:
+Paths that are not a plain batch pass `split=` / `tbo=` to `step_record`, or build a
+`StepRecord(...)` themselves where they have no ScheduleBatch:
 - a split-prefill layer interval: `mode="split_prefill"`, `split=SplitInterval(prefill_id,
   interval, start_layer, num_layers, total_layers, decode_step=<step of the DECODE record
-  launched in the same iteration, from its `record()` return value>)`. A fused decode +
-  interval executable is one record with the decode mode and `split` set. The requests in
-  `rids` each count one split-prefill interval (meta_info.split_prefill_intervals).
+  launched in the same iteration, from its `record()` return value>)`. The requests in
+  `rids` each count one split-prefill interval (meta_info.split_prefill_intervals). A
+  fused decode + interval executable is one record with the decode mode, all rows in
+  `rids`, and `split.rids` naming the prefill's requests (only they count an interval).
 - a two-batch-overlap step: `tbo=TboSplit(tokens=(a, b), rows=(a, b), split_index,
   two_chunk)`; the Perfetto file draws its micro-batches in their own lane.
 
@@ -58,6 +60,7 @@ class SplitInterval:
     num_layers: int
     total_layers: int
     decode_step: int | None = None  # the decode step it was multiplexed with, if any
+    rids: tuple[str, ...] | None = None  # the prefill's requests, if not all of the step's
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,8 +127,10 @@ class StepRecord:
 
 
 def step_record(batch: ScheduleBatch, shape: BucketShape, sched_start: float,
-                sched_end: float, launch_end: float, compiles_after_warmup: int) -> StepRecord:
-    """The record of a plain bucketed batch (EXTEND / DECODE / MIXED)."""
+                sched_end: float, launch_end: float, compiles_after_warmup: int, *,
+                split: SplitInterval | None = None, tbo: TboSplit | None = None) -> StepRecord:
+    """The record of a bucketed batch; a split-prefill interval or a TBO step passes its
+    `split` / `tbo` too."""
     ext = batch.extend_rows
     return StepRecord(
         mode=batch.mode.value, bucket=shape, rids=tuple(r.req.rid for r in batch.rows),
@@ -134,7 +139,7 @@ def step_record(batch: ScheduleBatch, shape: BucketShape, sched_start: float,
         padded_rows=shape.num_extend_seqs + shape.num_decode_seqs,
         padded_tokens=shape.num_extend_tokens + shape.num_decode_seqs,
         sched_start=sched_start, sched_end=sched_end, launch_end=launch_end,
-        compiles_after_warmup=compiles_after_warmup)
+        compiles_after_warmup=compiles_after_warmup, split=split, tbo=tbo)
 
 
 @dataclasses.dataclass
@@ -239,6 +244,8 @@ class ExecutionTrace:
             rec.step = self.num_recorded
             self.num_recorded += 1
             self._steps.append(rec)
+            split = rec.split
+            in_split = set(split.rids) if split and split.rids is not None else None
             for rid in rec.rids:
                 span = self._live.get(rid)
                 if span is None:
@@ -246,7 +253,8 @@ class ExecutionTrace:
                 if span.first_scheduled is None:
                     span.first_scheduled = rec.sched_end
                 span.steps_by_mode[rec.mode] = span.steps_by_mode.get(rec.mode, 0) + 1
-                span.split_prefill_intervals += rec.split is not None
+                span.split_prefill_intervals += split is not None and (
+                    in_split is None or rid in in_split)
         return rec
 
     def ready(self, rec: StepRecord, t: float, waited: bool | None = None) -> None:

@@ -66,12 +66,17 @@ def test_split_prefill_and_tbo_records_reach_requests_and_perfetto():
                             tbo=TboSplit(tokens=(1, 3), rows=(1, 1), split_index=1)))
     for r, t in zip([*recs, tbo], [1.4, 1.9, 2.4, 2.9, 3.4, 3.9, 7.0], strict=True):
         trace.ready(r, t, waited=True)
+    # A fused decode + interval executable: one step, only the prefill counts an interval.
+    fused = trace.record(make_record("decode", 7.5, ("short", "long"), split=SplitInterval(
+        prefill_id=7, interval=3, start_layer=30, num_layers=0, total_layers=30,
+        rids=("long",))))
+    trace.ready(fused, 7.6)
     meta = trace.finish_request("long", 8.0, first_token=7.0)
-    assert meta["split_prefill_intervals"] == 3
-    assert meta["steps_by_mode"] == {"split_prefill": 3, "decode": 1}
+    assert meta["split_prefill_intervals"] == 4
+    assert meta["steps_by_mode"] == {"split_prefill": 3, "decode": 2}
     assert meta["queue_time"] == pytest.approx(1.4)  # its first interval's sched_end
     assert trace.finish_request("short", 8.0)["split_prefill_intervals"] == 0
-    assert [s["split"]["decode_step"] for s in trace.last(7)[1:6:2]] == [0, 2, 4]
+    assert [s["split"]["decode_step"] for s in trace.last(8)[1:6:2]] == [0, 2, 4]
 
     doc = json.loads(json.dumps(chrome_trace(trace.steps(), trace.requests(), trace.t0)))
     slices = check_chrome_trace(doc)
@@ -82,7 +87,7 @@ def test_split_prefill_and_tbo_records_reach_requests_and_perfetto():
     assert [e["name"] for e in by_lane["device/split_prefill"]] == [
         "split_prefill L0-10", "split_prefill L10-20", "split_prefill L20-30"]
     assert [e["args"]["decode_step"] for e in by_lane["device/split_prefill"]] == [0, 2, 4]
-    assert len(by_lane["device/decode"]) == 4
+    assert len(by_lane["device/decode"]) == 5
     (a,), (b,) = by_lane["micro-batches (TBO)/micro-batch A"], by_lane[
         "micro-batches (TBO)/micro-batch B"]
     assert a["ts"] + a["dur"] == pytest.approx(b["ts"])
