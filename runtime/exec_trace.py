@@ -219,6 +219,8 @@ class ExecutionTrace:
     are kept either way (they feed /metrics)."""
 
     def __init__(self, capacity: int = 4096) -> None:
+        if capacity < 0:
+            raise ValueError(f"trace_buffer_steps={capacity} must be >= 0 (0: off)")
         self.capacity = capacity
         self.t0 = time.perf_counter()
         self._steps: collections.deque[StepRecord] = collections.deque(maxlen=capacity)
@@ -301,9 +303,12 @@ class ExecutionTrace:
             steps = [s for s in steps if s.sched_start >= since]
         return steps if n is None else steps[-n:] if n > 0 else []
 
-    def last(self, n: int) -> list[dict[str, Any]]:
+    def last(self, n: int, after: int = -1) -> list[dict[str, Any]]:
+        """The last n records numbered above `after` as JSON (a poller passes the last
+        step it saw)."""
         with self._lock:
-            recs = list(self._steps)[-n:] if n > 0 else []
+            recs = [r for r in self._steps if r.step > after] if after >= 0 else self._steps
+            recs = list(recs)[-n:] if n > 0 else []
             return [r.to_json(self.t0) for r in recs]
 
     def requests(self, n: int | None = None, since: float | None = None) -> list[RequestSpan]:

@@ -95,6 +95,11 @@ def test_split_prefill_and_tbo_records_reach_requests_and_perfetto():
     assert {e["args"]["rid"] for e in slices if e["pid"] == 4} == {"long", "short"}
 
 
+def test_negative_capacity_is_refused():
+    with pytest.raises(ValueError, match="trace_buffer_steps=-1"):
+        ExecutionTrace(capacity=-1)
+
+
 def test_disabled_trace_only_counts_modes():
     trace = ExecutionTrace(capacity=0)
     trace.add_request("r", 0.0)

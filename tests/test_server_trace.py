@@ -56,6 +56,9 @@ def test_execution_trace_endpoint_and_bubble_metrics(http):
     assert body["bubbles"]["decode"]["busy_s"] > 0
     assert 0 <= body["padding_waste"]["tokens"] < 1
     assert http.get("/debug/trace", params={"n": 4}).json()["steps"] == body["steps"]
+    first = body["steps"][0]["step"]
+    newer = http.get("/debug/execution_trace", params={"n": 10, "after": first}).json()
+    assert [s["step"] for s in newer["steps"]] == [s["step"] for s in body["steps"][1:]]
     assert metric(http, 'xlaserve_device_busy_seconds_total{mode="decode"}') > 0
     assert 0 <= metric(http, 'xlaserve_device_bubble_fraction{mode="all"}') < 1
     assert 'xlaserve_device_idle_seconds_total{mode="all"}' in http.get("/metrics").text

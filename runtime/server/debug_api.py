@@ -1,8 +1,9 @@
 """Execution-path observability over HTTP.
 
 GET  /debug/execution_trace?n=64   the last n steps (mode, bucket, padding, timings, split
-                                   and TBO fields), the last n finished requests, step
-                                   counts and device bubbles by mode, the scheduler state;
+                                   and TBO fields; `after=S`: only steps numbered above
+                                   S), the last n finished requests, step counts and
+                                   device bubbles by mode, the scheduler state;
                                    `format=perfetto` returns the Chrome trace JSON instead.
 GET  /debug/trace                  the same (its older name).
 POST /start_profile                {"output_dir": ...} (optional): start jax.profiler.
@@ -36,6 +37,7 @@ router = APIRouter()
 @router.get("/debug/execution_trace")
 @router.get("/debug/trace")
 async def execution_trace(request: Request, n: int = Query(64, ge=0, le=65536),
+                          after: int = Query(-1, ge=-1),
                           format: str = Query("json", pattern="^(json|perfetto)$"),
                           ) -> dict[str, Any]:
     ctx: ServerContext = request.app.state.ctx
@@ -49,7 +51,7 @@ async def execution_trace(request: Request, n: int = Query(64, ge=0, le=65536),
         return {"steps": [], "requests": [], "step_counts": {}, "bubbles": {},
                 "padding_waste": padding_waste([]), "tracing": False,
                 "scheduler": dataclasses.asdict(stats) if stats else None}
-    return {"steps": trace.last(n),
+    return {"steps": trace.last(n, after),
             "requests": [s.to_json(trace.t0) for s in trace.requests(n)],
             "step_counts": trace.step_counts(), "bubbles": trace.bubbles(),
             "padding_waste": padding_waste(trace.steps(n)), "tracing": trace.enabled,
