@@ -335,3 +335,15 @@ def padding_waste(recs: Sequence[StepRecord]) -> dict[str, float]:
     rows = sum(r.padded_rows for r in recs)
     return {"tokens": 1 - sum(r.tokens for r in recs) / tok if tok else 0.0,
             "rows": 1 - sum(r.rows for r in recs) / rows if rows else 0.0}
+
+
+def mode_runs(recs: Sequence[StepRecord]) -> list[tuple[str, int]]:
+    """The path as run lengths of modes in launch order, e.g. [("decode", 16),
+    ("extend", 6), ("decode", 80)]: multiplexing shows as alternating short runs."""
+    runs: list[tuple[str, int]] = []
+    for r in recs:
+        if runs and runs[-1][0] == r.mode:
+            runs[-1] = (r.mode, runs[-1][1] + 1)
+        else:
+            runs.append((r.mode, 1))
+    return runs

@@ -16,7 +16,7 @@ from models import llama
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
-from runtime.exec_trace import ExecutionTrace, SplitInterval, StepRecord, TboSplit
+from runtime.exec_trace import ExecutionTrace, SplitInterval, StepRecord, TboSplit, mode_runs
 from runtime.model_runner import ModelRunner
 from runtime.perfetto import TraceDirWriter, chrome_trace, write_chrome_trace
 from runtime.request import SamplingParams
@@ -77,6 +77,8 @@ def test_split_prefill_and_tbo_records_reach_requests_and_perfetto():
     assert meta["queue_time"] == pytest.approx(1.4)  # its first interval's sched_end
     assert trace.finish_request("short", 8.0)["split_prefill_intervals"] == 0
     assert [s["split"]["decode_step"] for s in trace.last(8)[1:6:2]] == [0, 2, 4]
+    assert mode_runs(trace.steps()) == [("decode", 1), ("split_prefill", 1)] * 3 + [
+        ("decode", 2)]
 
     doc = json.loads(json.dumps(chrome_trace(trace.steps(), trace.requests(), trace.t0)))
     slices = check_chrome_trace(doc)
@@ -157,7 +159,9 @@ def test_engine_records_modes_buckets_and_padding(runner):
     eng = _engine(runner, disable_prefix_cache=True)
     outs = eng.generate(PROMPTS, SP)
     steps = eng.trace.steps()
-    assert {s.mode for s in steps} == {"extend", "decode"}
+    # Prefill chunks first (5 prompts, 100 tokens, 64-token batches), then decode only.
+    runs = mode_runs(steps)
+    assert [m for m, _ in runs] == ["extend", "decode"] and runs[0][1] == 2
     assert eng.trace.step_counts() == {m: sum(s.mode == m for s in steps)
                                        for m in ("extend", "decode")}
     # Every prompt token is prefilled exactly once (no prefix cache); 100 of them go to

@@ -52,6 +52,9 @@ def test_execution_trace_endpoint_and_bubble_metrics(http):
     assert {r["rid"] for r in body["requests"][-2:]} == rids
     assert all(r["steps_by_mode"]["decode"] == 4 for r in body["requests"][-2:])
     assert body["step_counts"]["decode"] >= 4
+    assert body["path"] == [["decode", 4]]
+    five = http.get("/debug/execution_trace", params={"n": 5}).json()
+    assert five["path"] == [["extend", 1], ["decode", 4]]  # one prefill, then 4 decodes
     assert 0 <= body["bubbles"]["all"]["fraction"] < 1
     assert body["bubbles"]["decode"]["busy_s"] > 0
     assert 0 <= body["padding_waste"]["tokens"] < 1

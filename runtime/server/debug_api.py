@@ -2,7 +2,8 @@
 
 GET  /debug/execution_trace?n=64   the last n steps (mode, bucket, padding, timings, split
                                    and TBO fields; `after=S`: only steps numbered above
-                                   S), the last n finished requests, step counts and
+                                   S), their modes as run lengths (`path`), the last n
+                                   finished requests, step counts and
                                    device bubbles by mode, the scheduler state;
                                    `format=perfetto` returns the Chrome trace JSON instead.
 GET  /debug/trace                  the same (its older name).
@@ -24,7 +25,7 @@ import pydantic
 from fastapi import APIRouter, Query, Request
 
 from runtime.engine import Engine
-from runtime.exec_trace import padding_waste
+from runtime.exec_trace import mode_runs, padding_waste
 from runtime.perfetto import chrome_trace, write_chrome_trace
 from runtime.server.engine_loop import EngineUnavailable
 from runtime.server.errors import APIError, read_json, validation_error
@@ -48,10 +49,10 @@ async def execution_trace(request: Request, n: int = Query(64, ge=0, le=65536),
             raise unavailable(ctx.engine_loop.status())
         return chrome_trace(trace.steps(n), trace.requests(n), trace.t0)
     if trace is None:  # still loading: the scheduler state is all there is
-        return {"steps": [], "requests": [], "step_counts": {}, "bubbles": {},
+        return {"steps": [], "path": [], "requests": [], "step_counts": {}, "bubbles": {},
                 "padding_waste": padding_waste([]), "tracing": False,
                 "scheduler": dataclasses.asdict(stats) if stats else None}
-    return {"steps": trace.last(n, after),
+    return {"steps": trace.last(n, after), "path": mode_runs(trace.steps(n)),
             "requests": [s.to_json(trace.t0) for s in trace.requests(n)],
             "step_counts": trace.step_counts(), "bubbles": trace.bubbles(),
             "padding_waste": padding_waste(trace.steps(n)), "tracing": trace.enabled,
