@@ -226,6 +226,10 @@ class Engine:
 
     # ---- profiling -----------------------------------------------------------------------
 
+    @property
+    def profiling(self) -> bool:
+        return self._profile_dir is not None
+
     def start_profile(self, output_dir: str) -> None:
         """Start a jax.profiler trace into output_dir (opens in TensorBoard / Perfetto).
         ValueError if one is already running or the profiler refuses."""

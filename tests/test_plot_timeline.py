@@ -85,7 +85,8 @@ def test_timeline_long_prompts_smoke(tmp_path):
 
 @pytest.mark.slow
 def test_bench_trace_overhead_smoke(tmp_path):
-    _smoke("bench_trace_overhead.py", tmp_path, "--rounds=2", "--compilation_cache_dir=")
+    _smoke("bench_trace_overhead.py", tmp_path, "--rounds=2", "--compilation_cache_dir=",
+           "--num_prompts=4", "--input_len=16", "--output_len=8")
     s = json.loads((tmp_path / "bench_trace_overhead.json").read_text())["summary"]
     assert len(s["ratios"]) == 2 and s["median_ratio_on_off"] > 0
     assert 0 < s["trace_cost_s_per_step"] < s["wall_s_per_step"]

@@ -112,6 +112,9 @@ def test_trace_dir_files_open_as_chrome_traces(tmp_path):
         with s.client() as c:
             c.post("/generate", json={"text": ["one", "two"], "sampling_params": SP})
             c.post("/generate", json={"text": "three", "sampling_params": SP})
+            # A profile left running when the server stops is stopped, not leaked.
+            assert c.post("/start_profile").json()["output_dir"] == str(tmp_path)
+    assert not engine.profiling
     files = sorted(glob.glob(os.path.join(tmp_path, "execution_trace_*.json")))
     assert len(files) >= 2  # the ring filled at least once, plus the file at shutdown
     steps = []

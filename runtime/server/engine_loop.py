@@ -154,7 +154,10 @@ class EngineLoop:
         if self._loop is None or not self.ready.is_set():
             raise EngineUnavailable(self.status())
         future = self._loop.create_future()
-        self._commands.put(_Control(fn, future))
+        with self._lock:  # as in submit: the final drain sees this command or it is refused
+            if self._closed:
+                raise EngineUnavailable("the server is shutting down")
+            self._commands.put(_Control(fn, future))
         return await future
 
     def abort(self, group: RequestGroup) -> None:
@@ -210,9 +213,14 @@ class EngineLoop:
             self._finish_all("internal error: the engine failed")
         finally:
             self._close()
-            if self._trace_writer is not None:
-                path = self._trace_writer.write(final=True)
-                logger.info("execution trace written to %s", path)
+            self._flush_traces(engine)
+
+    def _flush_traces(self, engine: Engine) -> None:
+        """At shutdown: stop a profile left running, write the last --trace_dir file."""
+        if engine.profiling:
+            logger.info("stopped the profile left running (%s)", engine.stop_profile()[0])
+        if self._trace_writer is not None:
+            logger.info("execution trace written to %s", self._trace_writer.write(final=True))
 
     def _close(self) -> None:
         """Refuse further commands and answer the adds still queued."""
