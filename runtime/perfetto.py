@@ -9,6 +9,7 @@ microseconds) in four processes, each lane a thread:
                  so the step's device time is drawn split by token share (args say so).
   requests       per-request spans: queued, prefill (to the first token), decode; requests
                  share lanes when their spans do not overlap.
+A counter track ("batch": rows, tokens, padded tokens of each step) sits on the device.
 Split-prefill intervals are device steps named by their layer range, with the interval's
 prefill id and the decode step it was multiplexed with in args.
 """
@@ -67,6 +68,9 @@ def _step_events(r: StepRecord, t0: float) -> Iterable[dict[str, Any]]:
                     decode_step=r.split.decode_step)
     lane = _MODE_LANES.get(r.mode, 8)
     yield _slice(_step_name(r), DEVICE, lane, r.device_start, r.ready, t0, **args)
+    # Counter tracks: the batch over time, real and padded.
+    yield {"name": "batch", "ph": "C", "pid": DEVICE, "tid": 0, "ts": _us(r.device_start, t0),
+           "args": {"rows": r.rows, "tokens": r.tokens, "padded_tokens": r.padded_tokens}}
     if r.idle_before > 0:
         yield _slice("bubble", DEVICE, _BUBBLE_LANE, r.device_start - r.idle_before,
                      r.device_start, t0, step=r.step, mode=r.mode)

@@ -242,5 +242,7 @@ def test_perfetto_file_of_a_short_run(runner, tmp_path):
     assert lane_of.count("device/decode") == sum(s.mode == "decode" for s in steps)
     assert lane_of.count("device/extend") == sum(s.mode == "extend" for s in steps)
     assert lane_of.count("host/scheduling") == len(steps)
+    counters = [e for e in doc["traceEvents"] if e["ph"] == "C"]
+    assert [c["args"]["rows"] for c in counters] == [s.rows for s in steps]
     phases = [e["name"].split()[-1] for e in slices if e["pid"] == 4]
     assert sorted(phases) == sorted(["queued", "prefill", "decode"] * 3)

@@ -16,12 +16,12 @@ def make_record(mode: str, launch_end: float, rids: tuple[str, ...] = (),
                 launch_end=launch_end)
     return StepRecord(**base | kw)
 
-_PHASES = {"X", "M"}
+_PHASES = {"X", "M", "C"}
 
 
 def check_chrome_trace(doc: Any) -> list[dict[str, Any]]:
-    """Assert `doc` is a Chrome trace object as ui.perfetto.dev reads it; returns its
-    complete ("X") events."""
+    """Assert `doc` is a Chrome trace object as ui.perfetto.dev reads it (metadata "M",
+    complete "X" and counter "C" events); returns its complete events."""
     assert isinstance(doc, dict) and isinstance(doc.get("traceEvents"), list), type(doc)
     slices = []
     for ev in doc["traceEvents"]:
@@ -34,8 +34,11 @@ def check_chrome_trace(doc: Any) -> list[dict[str, Any]]:
             assert ev["name"] in ("process_name", "thread_name"), ev
             assert isinstance(ev["args"]["name"], str), ev
             continue
-        for key in ("ts", "dur"):
-            assert isinstance(ev.get(key), (int, float)) and not isinstance(ev[key], bool), ev
+        assert isinstance(ev.get("ts"), (int, float)) and not isinstance(ev["ts"], bool), ev
+        if ev["ph"] == "C":  # a counter: numeric series in args
+            assert ev["args"] and all(isinstance(v, (int, float)) for v in ev["args"].values())
+            continue
+        assert isinstance(ev.get("dur"), (int, float)) and not isinstance(ev["dur"], bool), ev
         assert ev["dur"] >= 0, ev
         slices.append(ev)
     return slices
