@@ -200,6 +200,10 @@ class RunnerConfig:
     # "packed": matmuls through cpu_kernels (weights packed at load; float32, CPU only);
     # "xla": XLA's own dot.
     cpu_matmul: str = "xla"
+    # Compile SPLIT_PREFILL executables (runtime/split_prefill.py) for every extend bucket.
+    enable_split_prefill: bool = False
+    # An interval size compiled besides the powers of two and the depth (fixed k).
+    split_prefill_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -255,6 +259,11 @@ class ServerArgs:
     checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"
     strict_compile: bool = False
     max_queued_requests: int = 1024
+    # Split prefill (runtime/split_prefill.py) and multiplexing (runtime/multiplexing.py).
+    enable_split_prefill: bool = False
+    enable_multiplexing: bool = False  # implies split prefill
+    split_prefill_layers: int | None = None  # None: chosen per iteration (IntervalPolicy)
+    multiplex_itl_target_ms: float = 0.0  # 0: twice the running batch's decode step
     # Execution trace (runtime/exec_trace.py): steps and finished requests kept in its
     # ring (0: off), and where the server writes Chrome trace / Perfetto JSON (None: not).
     trace_buffer_steps: int = 4096

@@ -23,12 +23,13 @@ import jax
 
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
 from runtime.engine_setup import load_model, runner_config, size_kv_pool
-from runtime.exec_trace import ExecutionTrace, StepRecord, step_record
-from runtime.model_runner import ModelRunner, PendingStep
+from runtime.exec_trace import ExecutionTrace
+from runtime.model_runner import ModelRunner
+from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.request import Req, SamplingParams
-from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.traced_launch import TracedStep, launch_traced, read_back
 
 logger = logging.getLogger(__name__)
 
@@ -43,14 +44,6 @@ class RequestOutput:
     finished: bool
     delta: str = ""
     meta_info: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass
-class _InFlight:
-    """A launched step and its trace record."""
-
-    pending: PendingStep
-    record: StepRecord
 
 
 class _Tracked:
@@ -76,8 +69,42 @@ class _Tracked:
         return text[:len(text) - hold] if hold else text
 
 
+class StepLoop:
+    """The plain engine loop: one scheduler batch per iteration. With overlap it launches
+    batch N+1 before it reads back batch N, so host scheduling hides behind device work.
+    Every step goes into `trace`."""
+
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool,
+                 trace: ExecutionTrace) -> None:
+        self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
+        self.trace = trace
+        self._pending: TracedStep | None = None
+
+    @property
+    def has_pending(self) -> bool:
+        return self._pending is not None
+
+    def step(self) -> list[ReqEvent]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.next_batch()
+        launched = (launch_traced(self.trace, self.runner, batch, t0)
+                    if batch is not None else None)
+        if self.overlap:
+            done, self._pending = self._pending, launched
+        else:
+            done = launched
+        if done is None:
+            return []
+        events = self.scheduler.process_results(done.pending.batch, read_back(self.trace, done))
+        self.trace.processed(done.record, time.perf_counter())
+        return events
+
+
 class Engine:
-    """Continuous-batching generation engine (offline API; the HTTP server wraps it)."""
+    """Continuous-batching generation engine (offline API; the HTTP server wraps it).
+
+    Its loop is one object chosen at start-up: StepLoop, or with --enable_split_prefill /
+    --enable_multiplexing the MultiplexLoop of runtime/multiplexing.py."""
 
     def __init__(self, args: ServerArgs, *, model: tuple[ModelConfig, dict] | None = None,
                  tokenizer: Tokenizer | None = None, runner: ModelRunner | None = None) -> None:
@@ -121,11 +148,21 @@ class Engine:
             eos_token_ids=eos,
             decode_fn=tokenizer.decode if tokenizer else None,
         )
-        self._overlap = not args.disable_overlap_schedule
-        self._pending: _InFlight | None = None
         self.trace = ExecutionTrace(args.trace_buffer_steps)
         self._profile_dir: str | None = None
         self._profile_start = 0.0
+        overlap = not args.disable_overlap_schedule
+        if args.enable_multiplexing or args.enable_split_prefill:
+            if runner.split is None:
+                raise ValueError("split prefill / multiplexing need a runner compiled with "
+                                 "RunnerConfig.enable_split_prefill")
+            policy = IntervalPolicy(args.split_prefill_layers,
+                                    args.multiplex_itl_target_ms / 1000)
+            self.loop: StepLoop | MultiplexLoop = MultiplexLoop(
+                self.scheduler, runner, policy, overlap, interleave=args.enable_multiplexing,
+                trace=self.trace)
+        else:
+            self.loop = StepLoop(self.scheduler, runner, overlap, self.trace)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
@@ -162,36 +199,15 @@ class Engine:
     # ---- the loop ------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return not self.scheduler.is_idle() or self._pending is not None
+        return not self.scheduler.is_idle() or self.loop.has_pending
 
     def step(self) -> list[RequestOutput]:
-        """Schedule and launch one batch; read back the previous one (overlap) or this one."""
-        t0 = time.perf_counter()
-        batch = self.scheduler.next_batch()
-        launched = self._launch(batch, t0) if batch is not None else None
-        if self._overlap:
-            done, self._pending = self._pending, launched
-        else:
-            done = launched
-        if done is None:
-            return []
-        # Whether the host waits here tells a device-bound step from a host-bound one.
-        waited = not done.pending.is_ready()
-        result = done.pending.result()
-        self.trace.ready(done.record, time.perf_counter(), waited)
-        events = self.scheduler.process_results(done.pending.batch, result)
-        outputs = [self._output(e) for e in events]
-        self.trace.processed(done.record, time.perf_counter())
+        """One loop iteration: launch its work, read back the previous one (overlap) or
+        this one, and turn the events into outputs."""
+        outputs = [self._output(e) for e in self.loop.step()]
         if not self.has_work():
             self.trace.end_busy_period()
         return outputs
-
-    def _launch(self, batch: ScheduleBatch, sched_start: float) -> _InFlight:
-        sched_end = time.perf_counter()
-        pending = self.runner.launch(batch)
-        rec = step_record(batch, self.runner.bucket_for(batch), sched_start, sched_end,
-                          time.perf_counter(), self.runner.compiles_after_warmup)
-        return _InFlight(pending, self.trace.record(rec))
 
     def _output(self, event: ReqEvent) -> RequestOutput:
         t = self._tracked[event.req.rid]
@@ -205,7 +221,8 @@ class Engine:
         delta, t.emitted = text[len(t.emitted):], text
         meta: dict[str, Any] = {"prompt_tokens": len(req.prompt_ids),
                                 "completion_tokens": len(req.output_ids),
-                                "cached_tokens": req.cached_tokens}
+                                "cached_tokens": req.cached_tokens,
+                                "prefill_intervals": req.prefill_intervals}
         if event.finished:
             self._tracked.pop(req.rid, None)
             meta["retracted"] = req.num_retractions > 0

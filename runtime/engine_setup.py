@@ -129,6 +129,8 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         per_layer_weights=(not on_gpu() if args.per_layer_weights is None
                            else args.per_layer_weights),
         cpu_matmul=default_cpu_matmul(args),
+        enable_split_prefill=args.enable_split_prefill or args.enable_multiplexing,
+        split_prefill_layers=args.split_prefill_layers,
     )
 
 

@@ -6,30 +6,28 @@ per launched forward, plus per-request tallies and device bubble accounting. Off
 users and tests read it directly; the server exports it (`GET /debug/execution_trace`,
 `/metrics`, `--trace_dir` Perfetto files written by runtime/perfetto.py).
 
-How a loop records (today's `Engine.step`; the multiplexing loop and TBO do the same):
+How a loop records (StepLoop in runtime/engine.py, MultiplexLoop in runtime/multiplexing.py):
 
     t0 = time.perf_counter()
-    batch = scheduler.next_batch()                                  # host scheduling
-    t1 = time.perf_counter()
-    pending = runner.launch(batch)                                  # packing + dispatch
-    rec = trace.record(step_record(batch, shape, t0, t1, time.perf_counter(),
-                                   compiles_after_warmup))
+    batch = scheduler.next_batch()                       # host scheduling
+    step = launch_traced(trace, runner, batch, t0)       # runtime/traced_launch.py
     ...
-    waited = not pending.is_ready()          # did the host have to wait for the device?
-    out = pending.result()
-    trace.ready(rec, time.perf_counter(), waited)   # call in launch order (one stream)
+    out = read_back(trace, step)     # result(); ready() with whether the host had to wait
     ... process results ...
-    trace.processed(rec, time.perf_counter())
+    trace.processed(step.record, time.perf_counter())
     if nothing is left to run: trace.end_busy_period()   # idle is not a bubble
 
-Paths that are not a plain batch pass `split=` / `tbo=` to `step_record`, or build a
-`StepRecord(...)` themselves where they have no ScheduleBatch:
+`ready()` must come in launch order (the device runs launches in order). A launch that is
+never read back (a split-prefill interval: its hidden state stays on the device) is
+recorded with `est_device_s` (the runner's measured cost); the next readback completes it.
+
+Other paths pass `split=` / `tbo=` to `step_record`, or build a `StepRecord(...)`:
 - a split-prefill layer interval: `mode="split_prefill"`, `split=SplitInterval(prefill_id,
-  interval, start_layer, num_layers, total_layers, decode_step=<step of the DECODE record
-  launched in the same iteration, from its `record()` return value>)`. The requests in
-  `rids` each count one split-prefill interval (meta_info.split_prefill_intervals). A
-  fused decode + interval executable is one record with the decode mode, all rows in
-  `rids`, and `split.rids` naming the prefill's requests (only they count an interval).
+  interval, start_layer, num_layers, total_layers, decode_step=<step number of the DECODE
+  record launched in the same iteration>)`. The prefill's last launch (logits and
+  sampling, read back) is a `split_prefill` record without `split`. A fused decode +
+  interval executable would be one record with the decode mode, all rows in `rids`, and
+  `split.rids` naming the prefill's requests.
 - a two-batch-overlap step: `tbo=TboSplit(tokens=(a, b), rows=(a, b), split_index,
   two_chunk)`; the Perfetto file draws its micro-batches in their own lane.
 
@@ -97,11 +95,15 @@ class StepRecord:
     compiles_after_warmup: int = 0
     split: SplitInterval | None = None
     tbo: TboSplit | None = None
+    # For a launch nobody reads back (a split-prefill interval): the loop's estimate of its
+    # device seconds. Its end is then placed by it, and never after the next readback.
+    est_device_s: float | None = None
     # Filled by ExecutionTrace.
     step: int = -1
     ready: float | None = None  # when the readback returned
     # Whether the host blocked on the readback. False: the device had finished earlier,
-    # so `ready` (and this step's device time) is an upper bound.
+    # so `ready` (and this step's device time) is an upper bound. None: never read back
+    # (ready estimated from est_device_s).
     waited: bool | None = None
     device_start: float | None = None  # max(launch_end, previous step's ready)
     idle_before: float = 0.0  # device bubble between the previous step and this one
@@ -126,20 +128,26 @@ class StepRecord:
         return d
 
 
-def step_record(batch: ScheduleBatch, shape: BucketShape, sched_start: float,
+def step_record(batch: ScheduleBatch, shape: BucketShape | None, sched_start: float,
                 sched_end: float, launch_end: float, compiles_after_warmup: int, *,
-                split: SplitInterval | None = None, tbo: TboSplit | None = None) -> StepRecord:
-    """The record of a bucketed batch; a split-prefill interval or a TBO step passes its
-    `split` / `tbo` too."""
+                split: SplitInterval | None = None, tbo: TboSplit | None = None,
+                est_device_s: float | None = None) -> StepRecord:
+    """The record of a batch padded to `shape` (None: unpadded, e.g. a fake runner); a
+    split-prefill interval or a TBO step passes its `split` / `tbo` too."""
     ext = batch.extend_rows
+    n_ext = sum(len(r.input_ids) for r in ext)
+    n_dec = len(batch.decode_rows)
+    rows, tokens = len(ext) + n_dec, n_ext + n_dec
+    if shape is not None:
+        rows = shape.num_extend_seqs + shape.num_decode_seqs
+        tokens = shape.num_extend_tokens + shape.num_decode_seqs
     return StepRecord(
         mode=batch.mode.value, bucket=shape, rids=tuple(r.req.rid for r in batch.rows),
-        extend_rows=len(ext), decode_rows=len(batch.decode_rows),
-        extend_tokens=sum(len(r.input_ids) for r in ext),
-        padded_rows=shape.num_extend_seqs + shape.num_decode_seqs,
-        padded_tokens=shape.num_extend_tokens + shape.num_decode_seqs,
+        extend_rows=len(ext), decode_rows=n_dec, extend_tokens=n_ext,
+        padded_rows=rows, padded_tokens=tokens,
         sched_start=sched_start, sched_end=sched_end, launch_end=launch_end,
-        compiles_after_warmup=compiles_after_warmup, split=split, tbo=tbo)
+        compiles_after_warmup=compiles_after_warmup, split=split, tbo=tbo,
+        est_device_s=est_device_s)
 
 
 @dataclasses.dataclass
@@ -158,11 +166,10 @@ class RequestSpan:
     cached_tokens: int = 0
 
     def meta(self) -> dict[str, Any]:
-        """The request's meta_info fields."""
+        """The request's meta_info fields (its split-prefill intervals are there already,
+        as prefill_intervals, counted by the request itself)."""
         queued = None if self.first_scheduled is None else self.first_scheduled - self.created
-        return {"steps_by_mode": dict(self.steps_by_mode),
-                "split_prefill_intervals": self.split_prefill_intervals,
-                "queue_time": queued}
+        return {"steps_by_mode": dict(self.steps_by_mode), "queue_time": queued}
 
     def to_json(self, t0: float) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -187,13 +194,18 @@ class _Bubbles:
         self.host_bound: collections.Counter[str] = collections.Counter()
         self.last_ready: float | None = None
 
-    def observe(self, rec: StepRecord) -> None:
-        assert rec.ready is not None
+    def observe(self, rec: StepRecord, implicit_by: float | None = None) -> None:
+        """Account a finished step. implicit_by: rec was never read back but a later
+        launch was, at this time (the device runs launches in order), so rec's end is
+        its start plus its estimate, capped there."""
         prev = self.last_ready
         start = rec.launch_end if prev is None else max(rec.launch_end, prev)
-        rec.device_start = start
+        if implicit_by is not None:
+            rec.ready = min(implicit_by, start + (rec.est_device_s or 0.0))
+        assert rec.ready is not None
+        rec.device_start = min(start, rec.ready)
         rec.idle_before = 0.0 if prev is None else max(0.0, rec.launch_end - prev)
-        self.busy[rec.mode] += max(0.0, rec.ready - start)
+        self.busy[rec.mode] += max(0.0, rec.ready - rec.device_start)
         self.idle[rec.mode] += rec.idle_before
         self.host_bound[rec.mode] += rec.waited is False
         self.last_ready = rec.ready if prev is None else max(prev, rec.ready)
@@ -227,6 +239,7 @@ class ExecutionTrace:
         self._finished: collections.deque[RequestSpan] = collections.deque(maxlen=capacity)
         self._live: dict[str, RequestSpan] = {}
         self._bubbles = _Bubbles()
+        self._unready: collections.deque[StepRecord] = collections.deque()  # launch order
         self._counts: collections.Counter[str] = collections.Counter()
         self._lock = threading.Lock()
         self.num_recorded = 0
@@ -246,6 +259,7 @@ class ExecutionTrace:
             rec.step = self.num_recorded
             self.num_recorded += 1
             self._steps.append(rec)
+            self._unready.append(rec)
             split = rec.split
             in_split = set(split.rids) if split and split.rids is not None else None
             for rid in rec.rids:
@@ -264,6 +278,10 @@ class ExecutionTrace:
         if not self.enabled:
             return
         with self._lock:
+            while self._unready and self._unready[0] is not rec:  # launched before rec
+                self._bubbles.observe(self._unready.popleft(), implicit_by=t)
+            if self._unready:
+                self._unready.popleft()
             rec.ready, rec.waited = t, waited
             self._bubbles.observe(rec)
 
@@ -273,6 +291,9 @@ class ExecutionTrace:
     def end_busy_period(self) -> None:
         """Nothing is left to run: the gap until the next step is idleness, not a bubble."""
         with self._lock:
+            while self._unready:  # launches nobody read back: over before we went idle
+                self._bubbles.observe(self._unready.popleft(),
+                                      implicit_by=time.perf_counter())
             self._bubbles.last_ready = None
 
     def add_request(self, rid: str, t: float) -> None:

@@ -18,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from runtime.compile_counter import compile_counter
 from runtime.exec_trace import ExecutionTrace
+from runtime.executable_budget import footprint
 from runtime.scheduler import SchedulerStats
 
 PREFIX = "xlaserve_"
@@ -51,6 +52,7 @@ class ServerMetrics:
         self.stats: SchedulerStats | None = None
         self.trace: ExecutionTrace | None = None  # the engine's, once it is up
         self.compiles_after_warmup = 0
+        self.executables = 0  # compiled by the model runner's warm-up
         r.register(_SchedulerCollector(self))
 
     def render(self) -> bytes:
@@ -75,6 +77,18 @@ class _SchedulerCollector(Collector):
         yield late
         if self._metrics.trace is not None:
             yield from _trace_metrics(self._metrics.trace)
+        # What the executables cost: each one maps memory and the kernel caps the count
+        # (runtime/executable_budget.py), so the headroom is worth watching.
+        fp = footprint()
+        for name, doc, value in (
+            ("executables", "Executables compiled at warm-up", self._metrics.executables),
+            ("process_memory_mappings", "Memory mappings of the server process", fp.maps),
+            ("process_max_memory_mappings", "The kernel's limit (vm.max_map_count)",
+             fp.max_maps),
+            ("process_resident_memory_bytes", "Resident memory of the server process",
+             fp.resident_mb * 2**20),
+        ):
+            yield GaugeMetricFamily(f"{PREFIX}{name}", doc, value=value)
         s = self._metrics.stats
         if s is None:
             return

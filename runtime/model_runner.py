@@ -1,8 +1,16 @@
 """ModelRunner: owns weights, the KV pool and per-request device state; one AOT-compiled
-executable per (mode, bucket); launches steps asynchronously.
+forward executable per (mode, bucket) and one sampler executable per batch-row count;
+launches steps asynchronously.
 
-Every executable is compiled in `warmup()`; `launch()` only ever calls those, so a
-batch that fits no bucket is an error, never a silent recompile.
+A step is two launches: the forward (tokens -> logits [B, V], KV written) and the
+sampler (logits -> tokens, slot state updated). They are separate executables because
+the sampler is most of a step's compiled kernels (~255 of ~350 memory mappings on XLA
+CPU) and depends only on B: shared by every mode and bucket with the same row count, it
+is compiled a handful of times instead of once per bucket (runtime/executable_budget.py).
+
+Every executable is compiled in `warmup()`, after the plan is checked against the
+process's mapping and memory budget; `launch()` only ever calls those, so a batch that
+fits no bucket is an error, never a silent recompile.
 """
 
 from __future__ import annotations
@@ -12,48 +20,34 @@ import dataclasses
 import functools
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import struct
 from tqdm import tqdm
 
 from models import llama
 from runtime import sampling
 from runtime.batch_builder import BucketShape, pack_rows
+from runtime.bucket_plan import BucketPlan, StepKey, smallest_fitting
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig
+from runtime.executable_budget import (
+    PlanPart,
+    check_budget,
+    footprint,
+    release_freed_heap,
+)
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.kv_pool import KVPool, init_kv_pool
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
+from runtime.slot_state import SlotState, init_slot, sampling_columns
+from runtime.split_prefill import SplitExecutables, SplitPrefill
+from runtime.step_costs import DeviceCosts
 
 logger = logging.getLogger(__name__)
-
-
-@struct.dataclass
-class SlotState:
-    """Per-request device state, indexed by req_slot; the last slot absorbs padding rows."""
-
-    last_tokens: jax.Array   # [S + 1] int32: token each slot sampled last (overlap inputs)
-    token_counts: jax.Array  # [S + 1, V] int32: output-token counts (all three penalties)
-    prompt_mask: jax.Array   # [S + 1, V] bool: prompt tokens (repetition penalty)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepKey:
-    """Static identity of one executable."""
-
-    mode: ForwardMode
-    shape: BucketShape
-
-
-def _smallest_fitting(buckets: Sequence[int], need: int, what: str) -> int:
-    for b in buckets:
-        if b >= need:
-            return b
-    raise ValueError(f"{what}={need} exceeds the largest bucket {buckets[-1]}")
 
 
 class PendingStep:
@@ -62,18 +56,28 @@ class PendingStep:
     def __init__(self, batch: ScheduleBatch, out: sampling.SampleOutput, order: np.ndarray,
                  top_n: int) -> None:
         # order: padded-row index of each real row (extend rows, then decode rows).
-        self.batch, self._out, self._order, self._top_n = batch, out, order, top_n
+        self.batch, self.out, self._order, self._top_n = batch, out, order, top_n
 
     def is_ready(self) -> bool:
         """Whether the device has finished this step (readback would not block)."""
-        return self._out.next_tokens.is_ready()
+        return self.out.next_tokens.is_ready()
 
     def result(self) -> StepOutput:
-        out = jax.device_get(self._out)
+        out = jax.device_get(self.out)
         o = self._order
         top = (out.top_ids[o], out.top_logprobs[o]) if self._top_n else None
         return StepOutput(next_token_ids=out.next_tokens[o], logprobs=out.logprobs[o],
                           top_logprobs=top)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutableStat:
+    """What compiling one executable cost, measured around its compilation."""
+
+    name: str
+    compile_s: float
+    maps: int
+    resident_mb: float
 
 
 class ModelRunner:
@@ -93,76 +97,66 @@ class ModelRunner:
         self.state = SlotState(last_tokens=jnp.zeros(s, jnp.int32),
                                token_counts=jnp.zeros((s, v), jnp.int32),
                                prompt_mask=jnp.zeros((s, v), bool))
+        self.buckets = BucketPlan(runner_cfg, cache_cfg.page_size)
         self._executables: dict[StepKey, Callable] = {}
+        self.split = (SplitExecutables(model_cfg, runner_cfg.attention_backend, [
+            k.shape for k in self.step_keys() if k.mode is ForwardMode.EXTEND],
+            runner_cfg.split_prefill_layers) if runner_cfg.enable_split_prefill else None)
+        self._samplers: dict[int, Callable] = {}
+        self.exec_stats: list[ExecutableStat] = []
         self._warm_compiles: int | None = None
         self._init_slot_exec: dict[int, Callable] = {}
         self.step_counts: dict[ForwardMode, int] = {m: 0 for m in ForwardMode}
+        self.costs = DeviceCosts()
 
-    # ---- buckets -------------------------------------------------------------------------
-
-    def _pages(self, kv_len: int) -> int:
-        return kv_len // self.cache_cfg.page_size
+    # ---- buckets (runtime/bucket_plan.py) -----------------------------------------------
 
     def step_keys(self) -> list[StepKey]:
-        """Every executable the runner may call, fixed at start-up."""
-        c = self.cfg
-        nps = [self._pages(n) for n in c.kv_len_buckets]
-        keys = [StepKey(ForwardMode.DECODE, BucketShape(0, 0, bd, n))
-                for bd in c.decode_buckets for n in nps]
-        for te in c.extend_token_buckets:
-            for be in (b for b in c.extend_seq_buckets if b <= te):
-                ext_nps = [0, *nps] if self._prefixless_extend else nps
-                keys += [StepKey(ForwardMode.EXTEND, BucketShape(te, be, 0, n)) for n in ext_nps]
-                if c.enable_mixed:
-                    keys += [StepKey(ForwardMode.MIXED, BucketShape(te, be, bd, n))
-                             for bd in c.decode_buckets for n in nps]
-        return keys
+        """Every forward executable the runner may call, fixed at start-up."""
+        return self.buckets.step_keys()
 
-    @property
-    def _prefixless_extend(self) -> bool:
-        """Whether EXTEND batches of fresh prompts (no cached prefix: the common case) get
-        executables with a page table of width 0. The jnp attention scores every token
-        against every row's page-table slots, masked or not (4 x 128-token prefill: the
-        prefix columns were 2/3 of its attention work; "cpu" extends with it too); the
-        Pallas kernels skip empty prefixes by themselves and index at least one page."""
-        return self.cfg.attention_backend in ("xla", "cpu")
+    def sampler_sizes(self) -> list[int]:
+        """Row counts B of the step keys: one sampler executable each."""
+        return sorted({k.shape.num_extend_seqs + k.shape.num_decode_seqs
+                       for k in self.step_keys()})
+
+    def plan(self) -> list[PlanPart]:
+        """The executables warm-up compiles, grouped with the flags that multiply them."""
+        keys = self.step_keys()
+        n = {m: sum(k.mode is m for k in keys) for m in ForwardMode}
+        return self.buckets.plan_parts(n, len(self.split.names) if self.split else 0,
+                                       len(self.sampler_sizes()))
 
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
-        c = self.cfg
-        ext, dec = batch.extend_rows, batch.decode_rows
-        ext_tokens = sum(len(r.input_ids) for r in ext)
-        # The page table lists earlier context only (this step's K/V reach attention
-        # directly), so a fresh prefill takes the smallest bucket whatever its length.
-        max_ctx = max(r.start_pos for r in (*ext, *dec))
-        kv_len = _smallest_fitting(c.kv_len_buckets, max_ctx, "sequence length")
-        if max_ctx == 0 and not dec and self._prefixless_extend:
-            kv_len = 0
-        te = _smallest_fitting(c.extend_token_buckets, ext_tokens, "extend tokens") if ext else 0
-        be = _smallest_fitting(c.extend_seq_buckets, len(ext), "extend rows") if ext else 0
-        bd = _smallest_fitting(c.decode_buckets, len(dec), "decode rows") if dec else 0
-        return BucketShape(te, be, bd, self._pages(kv_len))
+        return self.buckets.bucket_for(batch)
 
     @property
     def max_seq_len(self) -> int:
-        return self.cfg.kv_len_buckets[-1]
+        return self.buckets.max_seq_len
 
     # ---- compilation ---------------------------------------------------------------------
 
-    def _step_fn(self, key: StepKey) -> Callable:
+    def _forward_fn(self, key: StepKey) -> Callable:
         shape = key.shape
         te, be = shape.num_extend_tokens, shape.num_extend_seqs
-        cfg, backend, top_n = self.model_cfg, self.cfg.attention_backend, self.cfg.max_top_logprobs
-        dummy = self.max_running
+        cfg, backend, dummy = self.model_cfg, self.cfg.attention_backend, self.max_running
 
-        def step(params, kv, state, arrays, row_slots, sample_mask, sp):
+        def forward(params, kv, last_tokens, arrays, row_slots):
             # Decode inputs of -1 are the tokens this slot sampled in the previous step,
             # which the host has not read back yet (overlap scheduling).
             tok_slot = jnp.concatenate([jnp.full(te, dummy, jnp.int32), row_slots[be:]])  # [T]
-            ids = jnp.where(arrays["input_ids"] < 0, state.last_tokens[tok_slot],
+            ids = jnp.where(arrays["input_ids"] < 0, last_tokens[tok_slot],
                             arrays["input_ids"])
             batch = ForwardBatch(**{**arrays, "input_ids": ids}, mode=key.mode,
                                  num_extend_tokens=te, num_extend_seqs=be)
-            logits, kv = llama.forward(params, kv, batch, cfg, backend)  # [B, V]
+            return llama.forward(params, kv, batch, cfg, backend)  # [B, V], pool
+
+        return jax.jit(forward, donate_argnums=(1,))
+
+    def _sample_fn(self) -> Callable:
+        top_n, dummy = self.cfg.max_top_logprobs, self.max_running
+
+        def sample(state, logits, row_slots, sample_mask, sp):
             out = sampling.sample(logits, sp, state.token_counts[row_slots],
                                   state.prompt_mask[row_slots], num_top_logprobs=top_n)
             tgt = jnp.where(sample_mask, row_slots, dummy)  # [B]
@@ -171,23 +165,61 @@ class ModelRunner:
                 token_counts=sampling.update_token_counts(state.token_counts, tgt,
                                                           out.next_tokens),
                 prompt_mask=state.prompt_mask)
-            return out, kv, state
+            return out, state
 
-        return jax.jit(step, donate_argnums=(1, 2))
+        return jax.jit(sample, donate_argnums=(0,))
 
-    def _abstract_inputs(self, shape: BucketShape):
+    def _abstract_inputs(self, shape: BucketShape) -> tuple[dict, jax.ShapeDtypeStruct]:
         t = shape.num_extend_tokens + shape.num_decode_seqs
         b = shape.num_extend_seqs + shape.num_decode_seqs
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
         arrays = dict(input_ids=i32(t), positions=i32(t), out_cache_loc=i32(t),
                       page_table=i32(b, shape.num_pages_per_seq), seq_lens=i32(b),
                       query_start=i32(b + 1), logits_indices=i32(b))
+        return arrays, i32(b)
+
+    def _abstract_sample_inputs(self, b: int) -> tuple:
         sp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                           sampling.SamplingBatch.create(b))
-        return arrays, i32(b), jax.ShapeDtypeStruct((b,), bool), sp
+        return (jax.ShapeDtypeStruct((b, self.model_cfg.vocab_size), jnp.float32),
+                jax.ShapeDtypeStruct((b,), jnp.int32), jax.ShapeDtypeStruct((b,), bool), sp)
+
+    def _lowerings(self) -> Iterator[tuple[str, Callable[[], Any]]]:
+        """(name, lower) for every executable of the plan, in compile order."""
+        abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=getattr(a, "sharding", None)))
+        params, kv, state = abstract(self.params), abstract(self.kv), abstract(self.state)
+        for key in self.step_keys():
+            yield _key_name(key), functools.partial(
+                self._forward_fn(key).lower, params, kv, state.last_tokens,
+                *self._abstract_inputs(key.shape))
+        if self.split is not None:
+            yield from self.split.lowerings(params, kv, lambda s: self._abstract_inputs(s)[0],
+                                            self.dtype)
+        sample = self._sample_fn()
+        for b in self.sampler_sizes():
+            yield f"sample/B{b}", functools.partial(sample.lower, state,
+                                                    *self._abstract_sample_inputs(b))
+        init = jax.jit(init_slot, donate_argnums=(0,))
+        for n in self.cfg.kv_len_buckets:
+            i32 = jax.ShapeDtypeStruct((n,), jnp.int32)
+            yield f"init_slot/N{n}", functools.partial(
+                init.lower, state, jax.ShapeDtypeStruct((), jnp.int32), i32, i32)
+
+    def _compile(self, name: str, lowered: Any) -> Callable:
+        """Compile one lowered program and record what it cost the process."""
+        before, t0 = footprint(), time.perf_counter()
+        exe = lowered.compile()
+        secs = time.perf_counter() - t0
+        release_freed_heap()  # the compiler's freed heap would otherwise stay resident
+        after = footprint()
+        self.exec_stats.append(ExecutableStat(name, secs, after.maps - before.maps,
+                                              after.resident_mb - before.resident_mb))
+        return exe
 
     def warmup(self, progress: bool = True) -> float:
-        """Compile every executable (persistent cache makes repeats fast); returns seconds.
+        """Check the plan against the budget, then compile every executable (persistent
+        cache makes repeats fast); returns seconds.
 
         Tracing and lowering hold the GIL while XLA's compilation (or loading from the
         persistent cache) releases it, so a worker thread compiles executable i while
@@ -195,30 +227,38 @@ class ModelRunner:
         instead of their sum (warm cache, 72 executables, 2 cores: 47 -> 33 s).
         """
         t0 = time.perf_counter()
-        keys = self.step_keys()
-        abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(
-            a.shape, a.dtype, sharding=getattr(a, "sharding", None)))
-        bar = tqdm(total=len(keys), desc="compiling buckets", disable=not progress,
-                   unit="trace")
+        plan = self.plan()
+        est = check_budget(plan, footprint())
+        total = sum(p.count for p in plan) + len(self.cfg.kv_len_buckets)
+        logger.info("executable plan: %s, %d init_slot; estimated %d mappings, %.0f MB",
+                    ", ".join(f"{p.count} {p.name}" for p in plan),
+                    len(self.cfg.kv_len_buckets), est.maps, est.resident_mb)
+        bar = tqdm(total=total, desc="compiling buckets", disable=not progress, unit="exe")
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             futures = {}
-            for key in keys:
-                lowered = self._step_fn(key).lower(abstract(self.params), abstract(self.kv),
-                                                   abstract(self.state),
-                                                   *self._abstract_inputs(key.shape))
-                futures[key] = pool.submit(lowered.compile)
-                futures[key].add_done_callback(lambda _: bar.update())
-            self._executables = {key: f.result() for key, f in futures.items()}
+            for name, lower in self._lowerings():
+                futures[name] = pool.submit(self._compile, name, lower())
+                futures[name].add_done_callback(lambda _: bar.update())
+            compiled = {name: f.result() for name, f in futures.items()}
         bar.close()
-        for n in self.cfg.kv_len_buckets:
-            self._init_slot_exec[n] = jax.jit(_init_slot, donate_argnums=(0,)).lower(
-                abstract(self.state), jax.ShapeDtypeStruct((), jnp.int32),
-                jax.ShapeDtypeStruct((n,), jnp.int32), jax.ShapeDtypeStruct((n,), jnp.int32),
-            ).compile()
+        self._executables = {k: compiled[_key_name(k)] for k in self.step_keys()}
+        self._samplers = {b: compiled[f"sample/B{b}"] for b in self.sampler_sizes()}
+        if self.split is not None:
+            self.split.install(compiled)
+        self._init_slot_exec = {n: compiled[f"init_slot/N{n}"]
+                                for n in self.cfg.kv_len_buckets}
         self._warm_compiles = compile_counter().count
         secs = time.perf_counter() - t0
-        logger.info("compiled %d executables in %.1f s", len(keys), secs)
+        fp = footprint()
+        logger.info("compiled %d executables in %.1f s; process: %d memory mappings "
+                    "(%.0f%% of vm.max_map_count=%d), %.0f MB resident", total, secs, fp.maps,
+                    100 * fp.maps / fp.max_maps, fp.max_maps, fp.resident_mb)
         return secs
+
+    @property
+    def num_executables(self) -> int:
+        split = len(self.split.names) if self.split and self._executables else 0
+        return len(self._executables) + len(self._samplers) + len(self._init_slot_exec) + split
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -244,7 +284,7 @@ class ModelRunner:
             if not row.new_slot or (sp.frequency_penalty == 0 and sp.presence_penalty == 0
                                     and sp.repetition_penalty == 1):
                 continue
-            n = _smallest_fitting(self.cfg.kv_len_buckets, req.num_known, "sequence length")
+            n = smallest_fitting(self.cfg.kv_len_buckets, req.num_known, "sequence length")
             ids = np.full(n, -1, np.int32)
             ids[:req.num_known] = req.all_ids
             is_out = np.zeros(n, np.int32)
@@ -258,22 +298,79 @@ class ModelRunner:
         exe = self._executables[StepKey(batch.mode, shape)]
         self.init_slots(batch.extend_rows)
         arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape, self.cache_cfg.page_size)
+        row_slots = self._row_slots(batch, shape)[0]
+        logits, self.kv = exe(self.params, self.kv, self.state.last_tokens, arrays, row_slots)
+        self.step_counts[batch.mode] += 1
+        pending = self._sample(batch, shape, logits)
+        self.costs.watch(_cost_key(batch.mode, shape), pending.out.next_tokens)
+        return pending
+
+    def step_cost(self, batch: ScheduleBatch) -> float | None:
+        """Measured device seconds of a step like `batch` (None until one has run)."""
+        return self.costs.get(_cost_key(batch.mode, self.bucket_for(batch)))
+
+    @property
+    def interval_sizes(self) -> list[int]:
+        """Layer counts a split-prefill interval may run (compiled at warm-up)."""
+        return self.split.sizes if self.split is not None else []
+
+    def layer_cost(self, split: SplitPrefill) -> float | None:
+        """Measured device seconds per layer of split's intervals (None until one ran)."""
+        return self.costs.get(_cost_key(ForwardMode.SPLIT_PREFILL, split.shape))
+
+    # ---- split prefill (runtime/split_prefill.py) ----------------------------------------
+
+    def start_split(self, batch: ScheduleBatch) -> SplitPrefill:
+        """Embed an EXTEND batch's tokens; its layers then run interval by interval."""
+        if self.split is None:
+            raise RuntimeError("split prefill is off (RunnerConfig.enable_split_prefill)")
+        shape = self.bucket_for(batch)
+        self.init_slots(batch.extend_rows)
+        arrays = pack_rows(batch.extend_rows, [], shape, self.cache_cfg.page_size)
+        return SplitPrefill(batch, shape, arrays, self.split.embed(self.params, shape, arrays),
+                            self.model_cfg.num_layers)
+
+    def run_interval(self, split: SplitPrefill, k: int) -> None:
+        """Launch the next k layers of `split` (k one of split.sizes, <= its remaining)."""
+        split.drop_finished_rows()
+        split.hidden, self.kv = self.split.interval(self.params, self.kv, split, k)
+        self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, split.shape), split.hidden, per=k)
+        split.advance(k)
+        self.step_counts[ForwardMode.SPLIT_PREFILL] += 1
+        self.check_no_compiles()
+
+    def finish_split(self, split: SplitPrefill) -> PendingStep:
+        """Logits and sampling after the last interval."""
+        if not split.done:
+            raise RuntimeError(f"split prefill at layer {split.next_layer} of "
+                               f"{split.num_layers} is not done")
+        return self._sample(split.batch, split.shape, self.split.logits(self.params, split))
+
+    # ---- sampling ------------------------------------------------------------------------
+
+    def _row_slots(self, batch: ScheduleBatch, shape: BucketShape
+                   ) -> tuple[np.ndarray, np.ndarray, list[BatchRow | None]]:
+        """Each padded row's slot (padding: the spare last slot), whether it samples, and
+        the rows in padded order (extend rows, then decode rows from num_extend_seqs)."""
         b = shape.num_extend_seqs + shape.num_decode_seqs
-        row_slots = np.full(b, self.max_running, np.int32)
-        sample_mask = np.zeros(b, bool)
         padded: list[BatchRow | None] = [None] * b
         for i, r in enumerate(batch.extend_rows):
             padded[i] = r
         for i, r in enumerate(batch.decode_rows):
             padded[shape.num_extend_seqs + i] = r
+        row_slots = np.full(b, self.max_running, np.int32)
+        sample_mask = np.zeros(b, bool)
         for i, r in enumerate(padded):
             if r is not None:
-                row_slots[i] = r.req.req_slot
-                sample_mask[i] = r.sample
-        sp = sampling.SamplingBatch.create(b, **_sampling_columns(padded))
-        out, self.kv, self.state = exe(self.params, self.kv, self.state, arrays,
-                                       row_slots, sample_mask, sp)
-        self.step_counts[batch.mode] += 1
+                row_slots[i], sample_mask[i] = r.req.req_slot, r.sample
+        return row_slots, sample_mask, padded
+
+    def _sample(self, batch: ScheduleBatch, shape: BucketShape, logits: jax.Array
+                ) -> PendingStep:
+        row_slots, sample_mask, padded = self._row_slots(batch, shape)
+        sp = sampling.SamplingBatch.create(len(padded), **sampling_columns(padded))
+        out, self.state = self._samplers[len(padded)](self.state, logits, row_slots,
+                                                      sample_mask, sp)
         self.check_no_compiles()
         # Rows come back in padded order; compact them to extend rows then decode rows.
         order = np.r_[np.arange(len(batch.extend_rows)),
@@ -281,35 +378,15 @@ class ModelRunner:
         return PendingStep(batch, out, order, self.cfg.max_top_logprobs)
 
 
-def _sampling_columns(rows: Sequence[BatchRow | None]) -> dict[str, np.ndarray]:
-    """Per-row sampling parameters; padding rows (None) are greedy and unpenalized."""
-    cols: dict[str, list] = {k: [] for k in (
-        "temperature", "top_k", "top_p", "min_p", "frequency_penalty", "presence_penalty",
-        "repetition_penalty", "seed", "step", "logprobs")}
-    for r in rows:
-        sp = r.req.sampling if r is not None else None
-        cols["temperature"].append(sp.temperature if sp else 0.0)
-        cols["top_k"].append(sp.top_k if sp else -1)
-        cols["top_p"].append(sp.top_p if sp else 1.0)
-        cols["min_p"].append(sp.min_p if sp else 0.0)
-        cols["frequency_penalty"].append(sp.frequency_penalty if sp else 0.0)
-        cols["presence_penalty"].append(sp.presence_penalty if sp else 0.0)
-        cols["repetition_penalty"].append(sp.repetition_penalty if sp else 1.0)
-        cols["seed"].append(r.req.rng_seed if r is not None else 0)
-        # The sampled token's position keys the row's randomness: the same request draws
-        # the same token whatever its batch, bucket or overlap setting.
-        cols["step"].append(r.end_pos if r is not None else 0)
-        cols["logprobs"].append(bool(sp and (sp.logprobs or sp.top_logprobs)))
-    return {k: np.asarray(v) for k, v in cols.items()}
+def _cost_key(mode: ForwardMode, shape: BucketShape) -> str:
+    """Cost-table key: decode steps by row bucket (their cost follows the context, not the
+    page-table width); other steps by their whole shape."""
+    if mode is ForwardMode.DECODE:
+        return f"decode/bd{shape.num_decode_seqs}"
+    return _key_name(StepKey(mode, shape))
 
 
-def _init_slot(state: SlotState, slot: jax.Array, ids: jax.Array, is_out: jax.Array) -> SlotState:
-    """ids [N] (-1 = padding), is_out [N] 1 for output tokens: rebuild one slot's state."""
-    v = state.token_counts.shape[1]
-    valid = ids >= 0
-    safe = jnp.where(valid, ids, 0)
-    counts = jnp.zeros(v, jnp.int32).at[safe].add(jnp.where(valid, is_out, 0))
-    prompt = jnp.zeros(v, bool).at[safe].max(valid & (is_out == 0))
-    return SlotState(last_tokens=state.last_tokens,
-                     token_counts=state.token_counts.at[slot].set(counts),
-                     prompt_mask=state.prompt_mask.at[slot].set(prompt))
+def _key_name(key: StepKey) -> str:
+    s = key.shape
+    return (f"{key.mode.value}/te{s.num_extend_tokens}_be{s.num_extend_seqs}"
+            f"_bd{s.num_decode_seqs}_np{s.num_pages_per_seq}")

@@ -154,6 +154,8 @@ class Req:
     prefix_node: Node | None = None
     # Seed of the request's sampling randomness: the caller's seed, else a random one.
     rng_seed: int = -1
+    # Split-prefill intervals its prefill (all chunks, all admissions) ran in.
+    prefill_intervals: int = 0
 
     def __post_init__(self) -> None:
         if self.rng_seed < 0:

@@ -85,6 +85,11 @@ class Scheduler:
         self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
         self._chunked: Req | None = None  # the one request that is mid chunked prefill
         self._inflight = 0  # batches handed out whose results are not processed yet
+        # Requests of the split prefill in flight (next_prefill .. release_prefill), each
+        # with the tokens whose KV was complete before it: they decode only once its last
+        # interval has sampled, are never retracted, and if aborted mid-way cache only
+        # those tokens' pages (the later intervals skip an aborted row).
+        self._held: dict[Req, int] = {}
         self._prompt_tokens = 0
         self._prefix_hit_tokens = 0
         self._num_retractions = 0
@@ -129,11 +134,7 @@ class Scheduler:
 
     def next_batch(self) -> ScheduleBatch | None:
         """The next batch to run, or None when nothing can run until results arrive."""
-        limit = 1 if self.config.overlap else 0
-        if self._inflight > limit:
-            raise RuntimeError(
-                f"{self._inflight} batches await process_results (overlap={self.config.overlap})"
-            )
+        self._check_inflight()
         if self.config.enable_mixed_chunk:
             decode = self._schedule_decode()
             extend = self._schedule_extend(len(decode))
@@ -149,13 +150,42 @@ class Scheduler:
         self._inflight += 1
         return ScheduleBatch(mode, extend, decode)
 
+    # ---- split prefill (runtime/multiplexing.py) ----
+
+    def next_prefill(self) -> ScheduleBatch | None:
+        """An extend batch to run as a split prefill (mode SPLIT_PREFILL), or None. Its
+        requests are held out of decode batches and retraction until release_prefill().
+        Only one is in flight at a time; it is not counted against the overlap limit."""
+        if self._held:
+            raise RuntimeError("a split prefill is already in flight")
+        rows = self._schedule_extend(0)
+        if not rows:
+            return None
+        self._held = {r.req: r.start_pos for r in rows}
+        return ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, [])
+
+    def release_prefill(self) -> None:
+        """The held batch's last interval and its sampling are launched: its requests may
+        decode from the next batch on (their first token is the slot's PREV_TOKEN)."""
+        self._held = {}
+
+    def next_decode(self) -> ScheduleBatch | None:
+        """A DECODE batch of the running requests that are not held, or None."""
+        self._check_inflight()
+        rows = self._schedule_decode()
+        if not rows:
+            return None
+        self._inflight += 1
+        return ScheduleBatch(ForwardMode.DECODE, [], rows)
+
     def process_results(self, batch: ScheduleBatch, output: StepOutput) -> list[ReqEvent]:
         """Apply a batch's sampled tokens; returns one event per sampled, still-live row."""
         rows = batch.rows
         tokens = output.next_token_ids.tolist()
         if len(tokens) != len(rows):
             raise ValueError(f"{len(tokens)} tokens for {len(rows)} rows")
-        self._inflight -= 1
+        if batch.mode is not ForwardMode.SPLIT_PREFILL:
+            self._inflight -= 1
         events = []
         for i, row in enumerate(rows):
             req = row.req
@@ -168,6 +198,13 @@ class Scheduler:
                 continue
             events.append(self._accept(req, tokens[i], output, i))
         return events
+
+    def _check_inflight(self) -> None:
+        limit = 1 if self.config.overlap else 0
+        if self._inflight > limit:
+            raise RuntimeError(
+                f"{self._inflight} batches await process_results (overlap={self.config.overlap})"
+            )
 
     # ---- results ----
 
@@ -300,7 +337,7 @@ class Scheduler:
         rows: list[BatchRow] = []
         scheduled: set[Req] = set()
         for req in list(self.running):  # oldest first: the newest get retracted
-            if req.status is not ReqStatus.RUNNING or req.is_prefilling:
+            if req.status is not ReqStatus.RUNNING or req.is_prefilling or req in self._held:
                 continue
             if req.num_generated >= req.sampling.max_new_tokens:  # last token in flight
                 continue
@@ -316,7 +353,8 @@ class Scheduler:
         if req.kv_len < len(req.pages) * self.page_size:
             return True
         while not self._can_get(1):
-            victim = next(r for r in reversed(self.running) if r not in scheduled)
+            victim = next(r for r in reversed(self.running)
+                          if r not in scheduled and r not in self._held)
             self._retract(victim)
             if victim is req:
                 return False
@@ -366,7 +404,7 @@ class Scheduler:
     def _release(self, req: Req) -> None:
         """Return a running request's pages and slot; whole pages of known tokens whose KV is
         written (or in flight) go into the prefix cache first."""
-        cached = min(req.kv_len, req.num_known) // self.page_size
+        cached = min(req.kv_len, req.num_known, self._held.get(req, req.kv_len)) // self.page_size
         self.prefix_cache.insert(req.all_ids[: cached * self.page_size], req.pages[:cached])
         self.prefix_cache.unlock(req.prefix_node)
         self.allocator.decref(req.pages[:cached])

@@ -40,6 +40,15 @@ flags.DEFINE_integer("chunked_prefill_size", _D.chunked_prefill_size, "prefill c
 flags.DEFINE_integer("max_extend_seqs", _D.max_extend_seqs, "prompts per prefill batch")
 flags.DEFINE_bool("enable_mixed_chunk", _D.enable_mixed_chunk, "run prefill chunks and "
                   "decodes in one batch")
+flags.DEFINE_bool("enable_split_prefill", _D.enable_split_prefill, "run prefills a few "
+                  "layers per call (SPLIT_PREFILL executables)")
+flags.DEFINE_integer("split_prefill_layers", None, "layers per split-prefill interval "
+                     "(default: chosen each iteration to meet --multiplex_itl_target_ms)")
+flags.DEFINE_bool("enable_multiplexing", _D.enable_multiplexing, "interleave decode steps "
+                  "with split-prefill intervals, so a long prompt never freezes running "
+                  "streams (implies --enable_split_prefill)")
+flags.DEFINE_float("multiplex_itl_target_ms", _D.multiplex_itl_target_ms, "inter-token "
+                   "latency one multiplexed iteration aims for (0: twice the decode step)")
 flags.DEFINE_enum("schedule_policy", _D.schedule_policy, ["fcfs", "lpm"], "admission order")
 flags.DEFINE_bool("disable_prefix_cache", _D.disable_prefix_cache, "no radix prefix cache")
 flags.DEFINE_bool("disable_overlap_schedule", _D.disable_overlap_schedule, "schedule step "
@@ -100,6 +109,10 @@ def server_args() -> ServerArgs:
         checkpoint_cache_dir=FLAGS.checkpoint_cache_dir, strict_compile=FLAGS.strict_compile,
         max_queued_requests=FLAGS.max_queued_requests,
         per_layer_weights=FLAGS.per_layer_weights, cpu_matmul=FLAGS.cpu_matmul,
+        enable_split_prefill=FLAGS.enable_split_prefill,
+        split_prefill_layers=FLAGS.split_prefill_layers,
+        enable_multiplexing=FLAGS.enable_multiplexing,
+        multiplex_itl_target_ms=FLAGS.multiplex_itl_target_ms,
         trace_dir=FLAGS.trace_dir or None, trace_buffer_steps=FLAGS.trace_buffer_steps)
 
 

@@ -16,6 +16,7 @@ import pytest
 from models import llama
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
+from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from tests.model_utils import TINY
@@ -36,7 +37,8 @@ def runner(request) -> ModelRunner:
     rcfg = RunnerConfig(decode_buckets=(4, 16), extend_token_buckets=(64, 256),
                         extend_seq_buckets=(1, 4), kv_len_buckets=(256,), enable_mixed=True,
                         max_top_logprobs=2, strict_compile=True, per_layer_weights=True,
-                        cpu_matmul=matmul, attention_backend=attention)
+                        cpu_matmul=matmul, attention_backend=attention,
+                        enable_split_prefill=True)
     r = ModelRunner(CFG, params, CacheConfig(page_size=PAGE, num_pages=400), rcfg,
                     max_running_requests=16)
     r.warmup(progress=False)
@@ -162,3 +164,84 @@ def test_bad_input_is_rejected(runner):
     with pytest.raises(ValueError, match="empty prompt"):
         eng.add_request([])
     assert eng.scheduler.is_idle()
+
+
+def _generate_in_waves(eng: Engine, prompts: list[list[int]], sp: SamplingParams,
+                       every: int = 3, abort: dict[int, int] | None = None) -> list:
+    """Add prompts four at a time, `every` steps apart, so prefills arrive while earlier
+    requests decode; `abort` maps a step to the index of a request to abort then."""
+    rids, done, step = [], {}, 0
+    while len(done) < len(prompts) - len(abort or {}):
+        assert step < 10_000, "engine stuck"
+        if step % every == 0 and len(rids) < len(prompts):
+            rids += [eng.add_request(p, sp) for p in prompts[len(rids):len(rids) + 4]]
+        if abort and step in abort:
+            eng.abort(rids[abort[step]])
+        done.update({o.rid: o for o in eng.step() if o.finished})
+        step += 1
+    return [done.get(r) for r in rids]
+
+
+@pytest.mark.parametrize("layers", [None, 1, 2])
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_multiplexing_matches_alone(runner, reference, layers, overlap, prefix_cache):
+    eng = Engine(_args(enable_multiplexing=True, split_prefill_layers=layers,
+                       disable_overlap_schedule=not overlap,
+                       disable_prefix_cache=not prefix_cache), runner=runner)
+    before = runner.step_counts[ForwardMode.SPLIT_PREFILL]
+    outs = _generate_in_waves(eng, _prompts(16), GREEDY)
+    _check_same(outs, reference)
+    assert runner.step_counts[ForwardMode.SPLIT_PREFILL] > before
+    intervals = [o.meta_info["prefill_intervals"] for o in outs]
+    assert min(intervals) >= (CFG.num_layers if layers == 1 else 1)
+    runner.check_no_compiles()
+
+
+@pytest.mark.parametrize("chunk", [16, None])
+def test_split_prefill_alone_matches(runner, reference, chunk):
+    eng = Engine(_args(enable_split_prefill=True, split_prefill_layers=1,
+                       chunked_prefill_size=chunk, max_prefill_tokens=chunk or 256),
+                 runner=runner)
+    outs = eng.generate(_prompts(16), GREEDY)
+    _check_same(outs, reference)
+    # Every chunk of every prompt ran one interval per layer.
+    assert all(o.meta_info["prefill_intervals"] >= CFG.num_layers for o in outs)
+
+
+def test_multiplexing_under_a_small_pool_and_aborts(runner, reference):
+    eng = Engine(_args(enable_multiplexing=True, split_prefill_layers=1,
+                       max_total_tokens=48 * PAGE), runner=runner)
+    outs = _generate_in_waves(eng, _prompts(16), GREEDY, abort={4: 5, 7: 9})
+    assert eng.scheduler.stats().num_retractions > 0
+    kept = [(o, w) for o, w in zip(outs, reference, strict=True) if o is not None]
+    assert len(kept) == 14
+    _check_same(*zip(*kept, strict=True))
+    stats = eng.scheduler.stats()
+    assert stats.num_running == stats.num_waiting == 0
+    assert stats.num_used_pages == stats.num_cached_pages
+
+
+def test_abort_mid_split_frees_its_pages_at_once(runner):
+    eng = Engine(_args(enable_multiplexing=True, split_prefill_layers=1), runner=runner)
+    eng.add_request(_prompts(1, seed=2)[0], GREEDY)
+    for _ in range(2):
+        eng.step()
+    rid = eng.add_request(list(range(1, 60)), GREEDY)
+    eng.step()
+    assert eng.loop.split is not None  # mid-split: one of its layers has run
+    used = eng.scheduler.stats().num_used_pages
+    eng.abort(rid)
+    assert eng.scheduler.stats().num_used_pages < used
+    eng.run_until_idle()
+    stats = eng.scheduler.stats()
+    assert stats.num_used_pages == stats.num_cached_pages
+
+
+def test_seeded_sampling_is_the_same_multiplexed(runner):
+    sp = SamplingParams(temperature=0.9, top_p=0.9, seed=4, max_new_tokens=10, ignore_eos=True)
+    prompts = _prompts(6, seed=5)
+    plain = Engine(_args(), runner=runner).generate(prompts, sp)
+    mux = Engine(_args(enable_multiplexing=True), runner=runner)
+    assert [o.output_ids for o in _generate_in_waves(mux, prompts, sp)] == \
+        [o.output_ids for o in plain]

@@ -72,10 +72,11 @@ def test_split_prefill_and_tbo_records_reach_requests_and_perfetto():
         rids=("long",))))
     trace.ready(fused, 7.6)
     meta = trace.finish_request("long", 8.0, first_token=7.0)
-    assert meta["split_prefill_intervals"] == 4
+    assert trace.requests()[-1].split_prefill_intervals == 4
     assert meta["steps_by_mode"] == {"split_prefill": 3, "decode": 2}
     assert meta["queue_time"] == pytest.approx(1.4)  # its first interval's sched_end
-    assert trace.finish_request("short", 8.0)["split_prefill_intervals"] == 0
+    trace.finish_request("short", 8.0)
+    assert trace.requests()[-1].split_prefill_intervals == 0
     assert [s["split"]["decode_step"] for s in trace.last(8)[1:6:2]] == [0, 2, 4]
     assert mode_runs(trace.steps()) == [("decode", 1), ("split_prefill", 1)] * 3 + [
         ("decode", 2)]
@@ -188,7 +189,7 @@ def test_meta_info_says_which_path_each_request_took(runner):
         m = o.meta_info
         # The first token comes from the last prefill chunk; each later one from a decode.
         assert m["steps_by_mode"]["decode"] == SP.max_new_tokens - 1
-        assert m["split_prefill_intervals"] == 0 and m["retracted"] is False
+        assert m["prefill_intervals"] == 0 and m["retracted"] is False
         assert m["queue_time"] >= 0
     assert outs[1].meta_info["steps_by_mode"]["extend"] == 2  # 70 tokens, 64-token chunks
     assert first.meta_info["cached_tokens"] == 0

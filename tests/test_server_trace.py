@@ -81,7 +81,7 @@ def test_generate_meta_info_says_which_path(http):
     meta = http.post("/generate", json={"text": "which path did I take",
                                         "sampling_params": SP}).json()["meta_info"]
     assert meta["steps_by_mode"] == {"extend": 1, "decode": SP["max_new_tokens"] - 1}
-    assert meta["split_prefill_intervals"] == 0
+    assert meta["prefill_intervals"] == 0
     assert meta["retracted"] is False and meta["num_retractions"] == 0
     assert meta["queue_time"] >= 0 and meta["cached_tokens"] >= 0
 

@@ -142,7 +142,7 @@ def log_ready(args: ServerArgs, engine: Engine) -> None:
                 engine.model_cfg.num_layers, engine.model_cfg.vocab_size, runner.max_seq_len,
                 cfg.dtype, cfg.attention_backend, cfg.cpu_matmul)
     logger.info("compiled %d executables: decode buckets %s, extend token buckets %s, "
-                "extend seq buckets %s, kv_len buckets %s%s", len(runner.step_keys()),
+                "extend seq buckets %s, kv_len buckets %s%s", runner.num_executables,
                 cfg.decode_buckets, cfg.extend_token_buckets, cfg.extend_seq_buckets,
                 cfg.kv_len_buckets, " (+ mixed)" if cfg.enable_mixed else "")
     logger.info("KV pool: %d pages x %d tokens = %d tokens", pool.num_pages, pool.page_size,

@@ -202,6 +202,7 @@ class EngineLoop:
         if engine.args.trace_dir:
             self._trace_writer = TraceDirWriter(engine.trace, engine.args.trace_dir)
         self.metrics.compiles_after_warmup = engine.runner.compiles_after_warmup
+        self.metrics.executables = engine.runner.num_executables
         self.ready.set()
         if self._on_ready is not None:
             self._on_ready(engine)

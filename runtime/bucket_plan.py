@@ -1,0 +1,128 @@
+"""The static shape buckets: which forward executables exist (one per mode and bucket)
+and which one a batch runs. Plain Python (no jax), fixed at start-up from RunnerConfig.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from runtime.batch_builder import BucketShape
+from runtime.config import RunnerConfig
+from runtime.executable_budget import FORWARD_COST, SAMPLER_COST, PlanPart
+from runtime.forward_mode import ForwardMode
+from runtime.schedule_batch import ScheduleBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class StepKey:
+    """Static identity of one executable."""
+
+    mode: ForwardMode
+    shape: BucketShape
+
+
+def smallest_fitting(buckets: Sequence[int], need: int, what: str) -> int:
+    for b in buckets:
+        if b >= need:
+            return b
+    raise ValueError(f"{what}={need} exceeds the largest bucket {buckets[-1]}")
+
+
+class BucketPlan:
+    """Bucket rules of one runner: page size and RunnerConfig in, step keys out."""
+
+    def __init__(self, cfg: RunnerConfig, page_size: int) -> None:
+        self.cfg, self.page_size = cfg, page_size
+
+    def _pages(self, kv_len: int) -> int:
+        return kv_len // self.page_size
+
+    def _pages(self, kv_len: int) -> int:
+        return kv_len // self.page_size
+
+    def step_keys(self) -> list[StepKey]:
+        """Every forward executable the runner may call, fixed at start-up."""
+        c = self.cfg
+        dec_nps, ext_nps = self._decode_widths(), self._extend_widths()
+        keys = [StepKey(ForwardMode.DECODE, BucketShape(0, 0, bd, n))
+                for bd in c.decode_buckets for n in dec_nps]
+        for te in c.extend_token_buckets:
+            for be in (b for b in c.extend_seq_buckets if b <= te):
+                fresh = [0] if self._prefixless_extend else []
+                keys += [StepKey(ForwardMode.EXTEND, BucketShape(te, be, 0, n))
+                         for n in fresh + ext_nps]
+                if c.enable_mixed:
+                    keys += [StepKey(ForwardMode.MIXED, BucketShape(te, be, bd, n))
+                             for bd in c.decode_buckets for n in ext_nps]
+        return keys
+
+    def _decode_widths(self) -> list[int]:
+        """Page-table widths of DECODE executables. Every backend's decode attention walks
+        each batch's actual context (the jnp path in 128-token blocks with a dynamic trip
+        count, the CPU and Pallas kernels page by page up to seq_lens), so a wider table
+        costs only its host packing: one width, the longest context, serves all."""
+        return [self._pages(self.cfg.kv_len_buckets[-1])]
+
+    def _extend_widths(self) -> list[int]:
+        """Page-table widths of EXTEND / MIXED executables over a cached prefix. The jnp
+        extend scores every token against every page-table slot in one pass, so its cost
+        follows the width and it keeps one width per kv_len bucket; the CPU and Pallas
+        kernels read each row's prefix pages up to seq_lens and take one width."""
+        if self.cfg.attention_backend == "xla":
+            return [self._pages(n) for n in self.cfg.kv_len_buckets]
+        return self._decode_widths()
+
+    @property
+    def _prefixless_extend(self) -> bool:
+        """Whether EXTEND batches of fresh prompts (no cached prefix: the common case) get
+        executables with a page table of width 0. The jnp attention scores every token
+        against every row's page-table slots, masked or not (4 x 128-token prefill: the
+        prefix columns were 2/3 of its attention work; "cpu" extends with it too); the
+        Pallas kernels skip empty prefixes by themselves and index at least one page."""
+        return self.cfg.attention_backend in ("xla", "cpu")
+
+    def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
+        c = self.cfg
+        ext, dec = batch.extend_rows, batch.decode_rows
+        ext_tokens = sum(len(r.input_ids) for r in ext)
+        # The page table lists earlier context only (this step's K/V reach attention
+        # directly), so a fresh prefill takes the smallest bucket whatever its length.
+        max_ctx = max(r.start_pos for r in (*ext, *dec))
+        widths = self._extend_widths() if ext else self._decode_widths()
+        np_ = widths[-1] if len(widths) == 1 else self._pages(
+            smallest_fitting(c.kv_len_buckets, max_ctx, "sequence length"))
+        if max_ctx > self.max_seq_len:
+            raise ValueError(f"sequence length={max_ctx} exceeds the largest bucket "
+                             f"{self.max_seq_len}")
+        if max_ctx == 0 and not dec and self._prefixless_extend:
+            np_ = 0
+        te = smallest_fitting(c.extend_token_buckets, ext_tokens, "extend tokens") if ext else 0
+        be = smallest_fitting(c.extend_seq_buckets, len(ext), "extend rows") if ext else 0
+        bd = smallest_fitting(c.decode_buckets, len(dec), "decode rows") if dec else 0
+        return BucketShape(te, be, bd, np_)
+
+    @property
+    def max_seq_len(self) -> int:
+        return self.cfg.kv_len_buckets[-1]
+
+    def plan_parts(self, counts: dict[ForwardMode, int], split: int,
+                   samplers: int) -> list[PlanPart]:
+        """The plan's groups with the flags that multiply each (for the budget check)."""
+        c = self.cfg
+        kv = f"{len(c.kv_len_buckets)} kv_len_buckets"
+        ext = (f"extend_token_buckets {list(c.extend_token_buckets)} x extend_seq_buckets "
+               f"{list(c.extend_seq_buckets)} (--max_extend_seqs) x page-table widths")
+        return [
+            PlanPart("DECODE", counts[ForwardMode.DECODE], FORWARD_COST,
+                     f"{len(c.decode_buckets)} decode_buckets (--max_running_requests)"),
+            PlanPart("EXTEND", counts[ForwardMode.EXTEND], FORWARD_COST, ext),
+            PlanPart("MIXED", counts[ForwardMode.MIXED], FORWARD_COST,
+                     "--enable_mixed_chunk: extend buckets x "
+                     f"{len(c.decode_buckets)} decode_buckets x {kv}"),
+            PlanPart("SPLIT_PREFILL", split, FORWARD_COST,
+                     "--enable_split_prefill / --enable_multiplexing: extend buckets x "
+                     "interval sizes (powers of two to the depth) + embed and head"),
+            PlanPart("sampler", samplers, SAMPLER_COST,
+                     "one per distinct batch-row count of the buckets above"),
+        ]

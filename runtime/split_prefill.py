@@ -1,0 +1,177 @@
+"""Split prefill (ForwardMode.SPLIT_PREFILL): an extend batch advanced a few decoder
+layers per call, so decode steps can run between its calls (runtime/multiplexing.py).
+
+One split prefill is three kinds of executable, all compiled at warm-up per extend
+bucket: `embed` (ids -> hidden [T, D]), `interval` (layers [s, s + k) over the carried
+hidden state, s traced and k static, writing those layers' K/V as it goes) and `head`
+(final norm + logits of the sampled rows; the runner's shared sampler follows). The
+interval sizes k are the powers of two below the depth, the depth and an optional fixed
+size, so any remaining run of layers is a sum of compiled sizes and no remainder needs a
+trace of its own.
+
+`SplitPrefill` is the carried state of one batch in flight: the host's packed inputs,
+the device handle of the hidden state, and where it stands. It belongs to the loop that
+runs it, never to the runner or a global.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from models import llama
+from runtime.batch_builder import BucketShape
+from runtime.config import ModelConfig
+from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.schedule_batch import ScheduleBatch
+
+
+def interval_sizes(num_layers: int, fixed: int | None = None) -> list[int]:
+    """Compiled interval sizes: the powers of two below the depth (any remainder is a sum
+    of them), the depth itself (a prefill with nothing to interleave runs in one call),
+    and a fixed size if one is asked for (--split_prefill_layers)."""
+    sizes, k = {num_layers}, 1
+    while k < num_layers:
+        sizes.add(k)
+        k *= 2
+    if fixed is not None:
+        if not 1 <= fixed <= num_layers:
+            raise ValueError(f"split_prefill_layers={fixed} must be in [1, {num_layers}]")
+        sizes.add(fixed)
+    return sorted(sizes)
+
+
+def next_interval(remaining: int, want: int, sizes: list[int]) -> int:
+    """The compiled size to run next: the largest one <= min(want, remaining), at least 1
+    (sizes holds 1), so repeated calls cover `remaining` exactly."""
+    cap = max(1, min(want, remaining))
+    return max(k for k in sizes if k <= cap)
+
+
+@dataclasses.dataclass
+class SplitPrefill:
+    """One extend batch in flight through its layers.
+
+    arrays: the packed ForwardBatch inputs (host numpy; re-sent with every call, so a row
+      aborted mid-way can be redirected to the padding page before the next interval).
+    hidden: device handle of the hidden state [T, D] between calls.
+    intervals: (start layer, layers) of every interval launched so far.
+    """
+
+    batch: ScheduleBatch
+    shape: BucketShape
+    arrays: dict[str, np.ndarray]
+    hidden: Any
+    num_layers: int
+    next_layer: int = 0
+    intervals: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+    @property
+    def remaining(self) -> int:
+        return self.num_layers - self.next_layer
+
+    @property
+    def done(self) -> bool:
+        return self.next_layer >= self.num_layers
+
+    def advance(self, k: int) -> None:
+        self.intervals.append((self.next_layer, k))
+        self.next_layer += k
+
+    def drop_finished_rows(self) -> None:
+        """Send the K/V writes of rows whose request finished (aborted) mid-split to page 0
+        (the padding sink): their pages went back to the pool at once and may already
+        belong to another request, which later intervals must not overwrite."""
+        q = self.arrays["query_start"]
+        for i, row in enumerate(self.batch.extend_rows):
+            if row.req.finished:
+                self.arrays["out_cache_loc"][q[i]:q[i + 1]] = 0
+
+
+class SplitExecutables:
+    """The compiled embed / interval / head programs of split prefill, for every extend
+    bucket the runner plans, and the calls that run them on a SplitPrefill."""
+
+    def __init__(self, cfg: ModelConfig, attention_backend: str, shapes: list[BucketShape],
+                 fixed_layers: int | None = None) -> None:
+        self.cfg, self.backend, self.shapes = cfg, attention_backend, shapes
+        self.sizes = interval_sizes(cfg.num_layers, fixed_layers)
+        self._exe: dict[str, Callable] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return [name for name, _ in self._programs()]
+
+    def _programs(self) -> list[tuple[str, tuple]]:
+        """(name, (kind, shape, k)) of every program, embeds and heads once per size."""
+        out: dict[str, tuple] = {}
+        for s in self.shapes:
+            te, be = s.num_extend_tokens, s.num_extend_seqs
+            out[f"split_embed/te{te}"] = ("embed", s, 0)
+            out[f"split_head/te{te}_be{be}"] = ("head", s, 0)
+            for k in self.sizes:
+                out[_interval_name(s, k)] = ("interval", s, k)
+        return list(out.items())
+
+    def lowerings(self, params: Any, kv: Any, arrays_for: Callable[[BucketShape], dict],
+                  dtype: Any) -> list[tuple[str, Callable[[], Any]]]:
+        """(name, lower) for every program; abstract params / pool / packed inputs in."""
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        out = []
+        for name, (kind, s, k) in self._programs():
+            hidden = jax.ShapeDtypeStruct((s.num_extend_tokens, self.cfg.hidden_size), dtype)
+            if kind == "embed":
+                args: tuple = (params, i32(s.num_extend_tokens))
+                fn = jax.jit(llama.embed)  # (params, ids [T]) -> [T, D]
+            elif kind == "head":
+                args, fn = (params, hidden, i32(s.num_extend_seqs)), self._head()
+            else:
+                args = (params, kv, hidden, arrays_for(s), i32())
+                fn = self._interval(s, k)
+            out.append((name, functools.partial(fn.lower, *args)))
+        return out
+
+    def install(self, compiled: dict[str, Callable]) -> None:
+        self._exe = {name: compiled[name] for name in self.names}
+
+    def _interval(self, shape: BucketShape, k: int) -> Callable:
+        cfg, backend = self.cfg, self.backend
+        te, be = shape.num_extend_tokens, shape.num_extend_seqs
+
+        def interval(params, kv, hidden, arrays, start):
+            batch = ForwardBatch(**arrays, mode=ForwardMode.EXTEND, num_extend_tokens=te,
+                                 num_extend_seqs=be)
+            return llama.run_layers(params, kv, hidden, batch, cfg, start=start, num_layers=k,
+                                    attention_backend=backend)  # [T, D], pool
+
+        return jax.jit(interval, donate_argnums=(1,))
+
+    def _head(self) -> Callable:
+        cfg = self.cfg
+        return jax.jit(lambda params, hidden, idx: llama.compute_logits(params, hidden, idx, cfg))
+
+    # ---- running ----
+
+    def embed(self, params: Any, shape: BucketShape, arrays: dict[str, np.ndarray]) -> Any:
+        return self._exe[f"split_embed/te{shape.num_extend_tokens}"](params, arrays["input_ids"])
+
+    def interval(self, params: Any, kv: Any, split: SplitPrefill, k: int) -> tuple[Any, Any]:
+        """Launch layers [next_layer, next_layer + k) of split: (hidden, pool)."""
+        exe = self._exe[_interval_name(split.shape, k)]
+        return exe(params, kv, split.hidden, split.arrays, np.int32(split.next_layer))
+
+    def logits(self, params: Any, split: SplitPrefill) -> Any:
+        s = split.shape
+        exe = self._exe[f"split_head/te{s.num_extend_tokens}_be{s.num_extend_seqs}"]
+        return exe(params, split.hidden, split.arrays["logits_indices"])  # [B, V]
+
+
+def _interval_name(s: BucketShape, k: int) -> str:
+    return (f"split_prefill/te{s.num_extend_tokens}_be{s.num_extend_seqs}"
+            f"_np{s.num_pages_per_seq}_k{k}")

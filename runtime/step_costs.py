@@ -1,0 +1,64 @@
+"""Device time of each launched executable, measured while serving (no jax import).
+
+Launches are asynchronous and the device runs them one after another in launch order
+(each step reads the KV pool the previous one wrote). A watcher thread waits on each
+launch's output in that order and charges it the time from when the device could start
+it (its launch, or the previous launch finishing, whichever is later) to when its output
+is ready. Per key (an executable's name) it keeps an exponential moving average, which
+the multiplexing loop's interval policy reads.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Any, Protocol
+
+
+class _Awaitable(Protocol):
+    def block_until_ready(self) -> Any: ...
+
+
+class DeviceCosts:
+    """Moving-average device seconds per key, fed by a daemon watcher thread."""
+
+    def __init__(self, smoothing: float = 0.3) -> None:
+        self._alpha = smoothing
+        self._cost: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue[tuple[str, float, _Awaitable, int]] = queue.SimpleQueue()
+        self._last_ready = 0.0
+        self._thread: threading.Thread | None = None
+
+    def record(self, key: str, seconds: float) -> None:
+        with self._lock:
+            old = self._cost.get(key)
+            self._cost[key] = seconds if old is None else old + self._alpha * (seconds - old)
+
+    def get(self, key: str) -> float | None:
+        with self._lock:
+            return self._cost.get(key)
+
+    def snapshot(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._cost)
+
+    def watch(self, key: str, output: _Awaitable, per: int = 1) -> None:
+        """Charge `key` for the device work that produces `output`, launched just now,
+        divided by `per` (an interval of k layers records its cost per layer)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="device-costs", daemon=True)
+            self._thread.start()
+        self._queue.put((key, time.perf_counter(), output, per))
+
+    def _run(self) -> None:
+        while True:
+            key, launched, output, per = self._queue.get()
+            try:
+                output.block_until_ready()
+            except Exception:  # a failed step is reported by its reader, not here
+                continue
+            ready = time.perf_counter()
+            self.record(key, (ready - max(launched, self._last_ready)) / per)
+            self._last_ready = ready

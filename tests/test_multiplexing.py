@@ -1,0 +1,221 @@
+"""The multiplexing loop and its interval policy on the host alone, with a fake runner.
+
+The fake's split prefill writes its rows' tokens into the fake KV pool at every interval
+(as each layer of a real one writes its K/V) and samples after the last, so a request
+decoded before its prefill sampled, a page written after it was freed, or a held request
+retracted all change tokens or trip an assertion.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import numpy as np
+import pytest
+
+from runtime.config import CacheConfig, SchedulerConfig
+from runtime.kv_cache import cache_slots
+from runtime.multiplexing import IntervalPolicy, MultiplexLoop
+from runtime.request import Req, SamplingParams
+from runtime.schedule_batch import ScheduleBatch, StepOutput
+from runtime.scheduler import Scheduler
+from runtime.split_prefill import SplitPrefill, interval_sizes
+from tests.fake_runner import EOS, FakeRunner, check_invariants, next_token, reference_output
+
+LAYERS = 6
+
+
+class _Done:
+    def __init__(self, batch: ScheduleBatch, out: StepOutput) -> None:
+        self.batch, self._out = batch, out
+
+    def result(self) -> StepOutput:
+        return self._out
+
+    def is_ready(self) -> bool:
+        return True
+
+
+class FakeSplitRunner(FakeRunner):
+    """FakeRunner plus the split-prefill launches; `log` records every launch in order."""
+
+    def __init__(self, sched: Scheduler, *args, decode_cost: float = 0.05,
+                 layer_cost: float = 0.02) -> None:
+        super().__init__(*args)
+        self.sched, self.log = sched, []
+        self.costs = (decode_cost, layer_cost)
+        self.interval_sizes = interval_sizes(LAYERS)
+        self.compiles_after_warmup = 0
+
+    def bucket_for(self, batch: ScheduleBatch) -> None:
+        return None  # the fake pads nothing
+
+    def launch(self, batch: ScheduleBatch) -> _Done:
+        self.log.append(("decode", len(batch.decode_rows)))
+        return _Done(batch, self.forward(batch))
+
+    def start_split(self, batch: ScheduleBatch) -> SplitPrefill:
+        return SplitPrefill(batch, shape=None, arrays={}, hidden=None, num_layers=LAYERS)
+
+    def run_interval(self, split: SplitPrefill, k: int) -> None:
+        """Each interval writes the live rows' tokens, only into pages they still own."""
+        owned = {p for r in self.sched.running for p in r.pages}
+        for row in split.batch.extend_rows:
+            if row.req.finished:  # aborted: its pages may belong to someone else now
+                continue
+            assert owned.issuperset(row.pages), "split writes a page its request lost"
+            self.kv[cache_slots(row.pages, row.start_pos, row.end_pos, self.page_size)] = \
+                row.input_ids
+        split.advance(k)
+        self.log.append(("interval", k))
+
+    def finish_split(self, split: SplitPrefill) -> _Done:
+        assert split.done
+        tokens = []
+        for row in split.batch.extend_rows:
+            seq = self.kv[cache_slots(row.pages, 0, row.end_pos, self.page_size)]
+            tok = next_token(seq) if row.req.finished or (seq >= 0).all() else -1
+            assert tok >= 0, "read a slot nothing wrote"
+            if row.sample:
+                self.last[row.req.req_slot] = tok
+            tokens.append(tok)
+        self.log.append(("sample", len(tokens)))
+        return _Done(split.batch, StepOutput(np.asarray(tokens, np.int64)))
+
+    def step_cost(self, batch: ScheduleBatch) -> float:
+        return self.costs[0]
+
+    def layer_cost(self, split: SplitPrefill) -> float:
+        return self.costs[1]
+
+
+def _setup(num_pages=200, chunk=None, overlap=True, prefix=True, policy=None,
+           interleave=True, max_running=8):
+    cfg = SchedulerConfig(cache=CacheConfig(page_size=4, num_pages=num_pages),
+                          max_running_requests=max_running, max_prefill_tokens=64,
+                          chunked_prefill_size=chunk, max_extend_seqs=4, overlap=overlap,
+                          disable_prefix_cache=not prefix)
+    sched = Scheduler(cfg, eos_token_ids=[EOS])
+    runner = FakeSplitRunner(sched, num_pages, 4, max_running + 1)
+    loop = MultiplexLoop(sched, runner, policy or IntervalPolicy(None, 0.0), overlap, interleave)
+    return sched, runner, loop
+
+
+def _run(sched, loop, arrivals: dict[int, list[Req]], on_step=None, max_steps=5000):
+    streamed = defaultdict(list)
+    for step in range(max_steps):
+        for req in arrivals.pop(step, []):
+            sched.add(req)
+        if on_step is not None:
+            on_step(step)
+        for ev in loop.step():
+            streamed[ev.req.rid] += ev.new_token_ids
+        check_invariants(sched)
+        if not arrivals and sched.is_idle() and not loop.has_pending:
+            return streamed
+    raise RuntimeError("not idle")
+
+
+def _workload(seed=0):
+    """Short prompts decoding first, then long ones arriving while they run; some share
+    a prefix."""
+    rng = np.random.default_rng(seed)
+    system = [int(t) for t in rng.integers(3, 1000, 20)]
+    reqs = {}
+    for i in range(10):
+        n = int(rng.integers(40, 120)) if i >= 4 else int(rng.integers(2, 12))
+        body = [int(t) for t in rng.integers(3, 1000, n)]
+        prompt = system + body if i % 3 == 0 else body
+        reqs[i] = Req(rid=f"r{i}", prompt_ids=prompt,
+                      sampling=SamplingParams(max_new_tokens=int(rng.integers(4, 20))))
+    arrivals = {0: [reqs[i] for i in range(4)], 3: [reqs[4], reqs[5]], 6: [reqs[6]],
+                9: [reqs[7], reqs[8], reqs[9]]}
+    want = {r.rid: reference_output(r.prompt_ids, r.sampling.max_new_tokens)
+            for r in reqs.values()}
+    return arrivals, want
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("prefix", [True, False])
+@pytest.mark.parametrize("chunk", [None, 16])
+def test_multiplexed_tokens_equal_reference(overlap, prefix, chunk):
+    sched, runner, loop = _setup(chunk=chunk, overlap=overlap, prefix=prefix)
+    arrivals, want = _workload()
+    assert _run(sched, loop, arrivals) == want
+    assert runner.kv is not None and sched.allocator.num_used == sched.prefix_cache.num_pages
+
+
+def test_decode_runs_between_intervals_of_a_long_prefill():
+    sched, runner, loop = _setup(policy=IntervalPolicy(1, 0.0))
+    rng = np.random.default_rng(1)
+    stream = Req(rid="s", prompt_ids=[5, 6, 7],
+                 sampling=SamplingParams(max_new_tokens=300, ignore_eos=True))
+    longs = [Req(rid=f"l{i}", prompt_ids=[int(t) for t in rng.integers(3, 1000, 50)],
+                 sampling=SamplingParams(max_new_tokens=3, ignore_eos=True)) for i in range(4)]
+    got = _run(sched, loop, {0: [stream], 2: longs[:2], 5: longs[2:]})
+    assert got["s"] == reference_output(stream.prompt_ids, 300, ignore_eos=True)
+    # While `s` decodes, every iteration is one decode step and one interval: never two
+    # intervals back to back, and every prefill took LAYERS intervals of one layer.
+    kinds = [k for k, _ in runner.log]
+    span = kinds[kinds.index("decode"):len(kinds) - kinds[::-1].index("sample")]
+    assert ("interval", "interval") not in list(zip(span, span[1:], strict=False))
+    assert span.count("interval") == LAYERS * span.count("sample") == LAYERS * len(longs)
+
+
+def test_without_interleave_a_prefill_runs_whole_before_decode():
+    sched, runner, loop = _setup(interleave=False)
+    arrivals, want = _workload()
+    assert _run(sched, loop, arrivals) == want
+    kinds = [k for k, _ in runner.log]
+    for i, k in enumerate(kinds):
+        if k == "interval" and kinds[i + 1] != "sample":
+            assert kinds[i + 1] == "interval"
+
+
+def test_interval_policy():
+    fixed = IntervalPolicy(4, 0.0)
+    assert fixed.layers(30, 0.05, 0.01) == 4 and fixed.layers(3, 0.05, 0.01) == 3
+    auto = IntervalPolicy(None, 0.0)
+    assert auto.layers(30, None, 0.01) == 1 and auto.layers(30, 0.05, None) == 1
+    # target = 2 x 50 ms: 50 ms left for layers of 10 ms.
+    assert auto.layers(30, 0.05, 0.01) == 5
+    assert auto.layers(30, 0.05, 0.2) == 1  # always progress
+    target = IntervalPolicy(None, 0.2)
+    assert target.layers(30, 0.05, 0.01) == 15 and target.layers(7, 0.05, 0.01) == 7
+
+
+def test_abort_mid_split_frees_pages_at_once():
+    sched, runner, loop = _setup(policy=IntervalPolicy(1, 0.0))
+    short = Req(rid="s", prompt_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=40,
+                                                                        ignore_eos=True))
+    long_ = Req(rid="l", prompt_ids=list(range(3, 60)), sampling=SamplingParams(max_new_tokens=4))
+    sched.add(short)
+    for _ in range(3):
+        loop.step()
+    sched.add(long_)
+    loop.step()  # starts the split of `long_`, runs its first interval
+    assert loop.split is not None and long_ in {r.req for r in loop.split.batch.extend_rows}
+    used = sched.allocator.num_used
+    sched.abort("l")
+    assert sched.allocator.num_used < used  # freed at once, mid-split
+    streamed = _run(sched, loop, {})
+    assert "l" not in streamed and long_.finished
+    assert sched.allocator.num_used == sched.prefix_cache.num_pages
+
+
+def test_pool_pressure_during_a_split_retracts_others_never_the_held():
+    # 24 pages of 4 tokens: decode growth forces retractions while prefills split.
+    sched, runner, loop = _setup(num_pages=25, policy=IntervalPolicy(1, 0.0), max_running=6)
+    rng = np.random.default_rng(5)
+    reqs = [Req(rid=f"p{i}", prompt_ids=[int(t) for t in rng.integers(3, 1000, 10 + 3 * i)],
+                sampling=SamplingParams(max_new_tokens=20, ignore_eos=True)) for i in range(6)]
+    retract = sched._retract
+
+    def checked_retract(req: Req) -> None:
+        assert req not in sched._held, "retracted a request whose split prefill is in flight"
+        retract(req)
+
+    sched._retract = checked_retract
+    got = _run(sched, loop, {0: reqs[:3], 2: reqs[3:]})
+    assert sched.stats().num_retractions > 0
+    assert got == {r.rid: reference_output(r.prompt_ids, 20, ignore_eos=True) for r in reqs}
