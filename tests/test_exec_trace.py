@@ -139,7 +139,8 @@ PAGE = 4
 @pytest.fixture(scope="module")
 def runner() -> ModelRunner:
     rcfg = RunnerConfig(decode_buckets=(4, 8), extend_token_buckets=(64,),
-                        extend_seq_buckets=(1, 4), kv_len_buckets=(128,), strict_compile=True)
+                        extend_seq_buckets=(1, 4), kv_len_buckets=(128,), strict_compile=True,
+                        enable_split_prefill=True)
     r = ModelRunner(CFG, llama.init_params(CFG, jax.random.key(3)),
                     CacheConfig(page_size=PAGE, num_pages=200), rcfg, max_running_requests=8)
     r.warmup(progress=False)
@@ -247,3 +248,37 @@ def test_perfetto_file_of_a_short_run(runner, tmp_path):
     assert [c["args"]["rows"] for c in counters] == [s.rows for s in steps]
     phases = [e["name"].split()[-1] for e in slices if e["pid"] == 4]
     assert sorted(phases) == sorted(["queued", "prefill", "decode"] * 3)
+
+
+def test_multiplexing_interleaves_intervals_with_decode_steps(runner):
+    """A long prompt arrives while three streams decode: its split-prefill intervals
+    alternate with decode steps, each naming the decode step of its iteration."""
+    eng = _engine(runner, enable_multiplexing=True, split_prefill_layers=1)
+    long_sp = dataclasses.replace(SP, max_new_tokens=12)
+    for p in PROMPTS[:3]:
+        eng.add_request(p, long_sp)
+    while eng.trace.step_counts().get("decode", 0) < 3:
+        eng.step()
+    rid = eng.add_request([7] * 60, SP)
+    outs = {}
+    while eng.has_work():
+        outs.update({o.rid: o for o in eng.step() if o.finished})
+    steps = eng.trace.steps()
+    by_step = {s.step: s for s in steps}
+    mine = [s for s in steps if s.split is not None and s.split.prefill_id == rid]
+    assert [(s.split.start_layer, s.split.num_layers) for s in mine] == [
+        (i, 1) for i in range(CFG.num_layers)]
+    for s in mine:  # launched right after the decode step it shares the iteration with
+        dec = by_step[s.split.decode_step]
+        assert dec.mode == "decode" and dec.step == s.step - 1 and rid not in dec.rids
+    first, last = mine[0].step, mine[-1].step
+    span = [s.mode for s in steps if first - 1 <= s.step <= last]
+    assert span == ["decode", "split_prefill"] * CFG.num_layers
+    assert any(("split_prefill", 1) == r for r in mode_runs(steps))
+    # Intervals are never read back: the next readback bounds their estimated end.
+    for s in mine:
+        assert s.waited is None and s.device_start <= s.ready <= by_step[s.step + 1].ready
+    meta = outs[rid].meta_info
+    assert meta["prefill_intervals"] == CFG.num_layers
+    assert meta["steps_by_mode"]["split_prefill"] == CFG.num_layers + 1  # + its sampling
+    assert meta["steps_by_mode"]["decode"] == SP.max_new_tokens - 1
