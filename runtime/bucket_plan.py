@@ -44,7 +44,7 @@ class BucketPlan:
     def step_keys(self) -> list[StepKey]:
         """Every forward executable the runner may call, fixed at start-up."""
         c = self.cfg
-        dec_nps, ext_nps = self._decode_widths(), self._extend_widths()
+        dec_nps, ext_nps = self.decode_widths(), self._extend_widths()
         keys = [StepKey(ForwardMode.DECODE, BucketShape(0, 0, bd, n))
                 for bd in c.decode_buckets for n in dec_nps]
         for te in c.extend_token_buckets:
@@ -57,7 +57,7 @@ class BucketPlan:
                              for bd in c.decode_buckets for n in ext_nps]
         return keys
 
-    def _decode_widths(self) -> list[int]:
+    def decode_widths(self) -> list[int]:
         """Page-table widths of DECODE executables. Every backend's decode attention walks
         each batch's actual context (the jnp path in 128-token blocks with a dynamic trip
         count, the CPU and Pallas kernels page by page up to seq_lens), so a wider table
@@ -71,7 +71,7 @@ class BucketPlan:
         kernels read each row's prefix pages up to seq_lens and take one width."""
         if self.cfg.attention_backend == "xla":
             return [self._pages(n) for n in self.cfg.kv_len_buckets]
-        return self._decode_widths()
+        return self.decode_widths()
 
     @property
     def _prefixless_extend(self) -> bool:
@@ -89,7 +89,7 @@ class BucketPlan:
         # The page table lists earlier context only (this step's K/V reach attention
         # directly), so a fresh prefill takes the smallest bucket whatever its length.
         max_ctx = max(r.start_pos for r in (*ext, *dec))
-        widths = self._extend_widths() if ext else self._decode_widths()
+        widths = self._extend_widths() if ext else self.decode_widths()
         np_ = widths[-1] if len(widths) == 1 else self._pages(
             smallest_fitting(c.kv_len_buckets, max_ctx, "sequence length"))
         if max_ctx > self.max_seq_len:
@@ -106,7 +106,7 @@ class BucketPlan:
     def max_seq_len(self) -> int:
         return self.cfg.kv_len_buckets[-1]
 
-    def plan_parts(self, counts: dict[ForwardMode, int], split: int,
+    def plan_parts(self, counts: dict[ForwardMode, int], split: int, fused: int,
                    samplers: int) -> list[PlanPart]:
         """The plan's groups with the flags that multiply each (for the budget check)."""
         c = self.cfg
@@ -123,6 +123,8 @@ class BucketPlan:
             PlanPart("SPLIT_PREFILL", split, FORWARD_COST,
                      "--enable_split_prefill / --enable_multiplexing: extend buckets x "
                      "interval sizes (powers of two to the depth) + embed and head"),
+            PlanPart("FUSED", fused, FORWARD_COST,
+                     "--multiplex_fused: extend buckets x decode_buckets x interval sizes"),
             PlanPart("sampler", samplers, SAMPLER_COST,
                      "one per distinct batch-row count of the buckets above"),
         ]

@@ -204,6 +204,10 @@ class RunnerConfig:
     enable_split_prefill: bool = False
     # An interval size compiled besides the powers of two and the depth (fixed k).
     split_prefill_layers: int | None = None
+    # Compile the fused decode + interval programs (runtime/fused_step.py).
+    multiplex_fused: bool = False
+    # Extend buckets with fewer tokens get no split programs (they prefill whole).
+    split_min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -263,7 +267,9 @@ class ServerArgs:
     enable_split_prefill: bool = False
     enable_multiplexing: bool = False  # implies split prefill
     split_prefill_layers: int | None = None  # None: chosen per iteration (IntervalPolicy)
+    split_prefill_min_tokens: int = 256  # smaller prefill buckets run whole, unsplit
     multiplex_itl_target_ms: float = 0.0  # 0: twice the running batch's decode step
+    multiplex_fused: bool = False  # one fused executable per iteration, not two calls
     # Execution trace (runtime/exec_trace.py): steps and finished requests kept in its
     # ring (0: off), and where the server writes Chrome trace / Perfetto JSON (None: not).
     trace_buffer_steps: int = 4096

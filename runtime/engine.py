@@ -160,7 +160,7 @@ class Engine:
                                     args.multiplex_itl_target_ms / 1000)
             self.loop: StepLoop | MultiplexLoop = MultiplexLoop(
                 self.scheduler, runner, policy, overlap, interleave=args.enable_multiplexing,
-                trace=self.trace)
+                fused=args.multiplex_fused, trace=self.trace)
         else:
             self.loop = StepLoop(self.scheduler, runner, overlap, self.trace)
         self._tracked: dict[str, _Tracked] = {}

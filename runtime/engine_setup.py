@@ -131,6 +131,8 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         cpu_matmul=default_cpu_matmul(args),
         enable_split_prefill=args.enable_split_prefill or args.enable_multiplexing,
         split_prefill_layers=args.split_prefill_layers,
+        multiplex_fused=args.multiplex_fused,
+        split_min_tokens=args.split_prefill_min_tokens,
     )
 
 

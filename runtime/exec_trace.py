@@ -260,18 +260,25 @@ class ExecutionTrace:
             self.num_recorded += 1
             self._steps.append(rec)
             self._unready.append(rec)
-            split = rec.split
-            in_split = set(split.rids) if split and split.rids is not None else None
             for rid in rec.rids:
-                span = self._live.get(rid)
-                if span is None:
-                    continue
-                if span.first_scheduled is None:
-                    span.first_scheduled = rec.sched_end
-                span.steps_by_mode[rec.mode] = span.steps_by_mode.get(rec.mode, 0) + 1
-                span.split_prefill_intervals += split is not None and (
-                    in_split is None or rid in in_split)
+                self._tally(rid, rec.mode, rec)
+            split = rec.split
+            if split is not None and split.rids is not None:
+                for rid in split.rids:  # a fused step's prefill rows: their own mode
+                    if rid not in rec.rids:
+                        self._tally(rid, "split_prefill", rec)
         return rec
+
+    def _tally(self, rid: str, mode: str, rec: StepRecord) -> None:
+        span = self._live.get(rid)
+        if span is None:
+            return
+        if span.first_scheduled is None:
+            span.first_scheduled = rec.sched_end
+        span.steps_by_mode[mode] = span.steps_by_mode.get(mode, 0) + 1
+        split = rec.split
+        span.split_prefill_intervals += split is not None and (
+            split.rids is None or rid in split.rids)
 
     def ready(self, rec: StepRecord, t: float, waited: bool | None = None) -> None:
         """The step's results are back on the host (call in launch order)."""

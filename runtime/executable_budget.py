@@ -16,12 +16,17 @@ the runner also measures each executable as it compiles and reports the real fig
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import ctypes.util
 import dataclasses
 import os
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import psutil
+from tqdm import tqdm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,48 @@ def release_freed_heap() -> None:
     libc = ctypes.CDLL(name)
     if hasattr(libc, "malloc_trim"):
         libc.malloc_trim(0)
+
+
+@dataclasses.dataclass(frozen=True)
+class ExecutableStat:
+    """What compiling one executable cost, measured around its compilation."""
+
+    name: str
+    compile_s: float
+    maps: int
+    resident_mb: float
+
+
+def compile_all(lowerings: Iterable[tuple[str, Callable[[], Any]]], total: int,
+                stats: list[ExecutableStat], progress: bool) -> dict[str, Any]:
+    """Lower and compile every (name, lower) of a plan, recording each one's cost.
+
+    Tracing and lowering hold the GIL while XLA's compilation (or loading from the
+    persistent cache) releases it, so a worker thread compiles executable i while the
+    main thread lowers i + 1: start-up costs about max(lowering, compiling) instead of
+    their sum (warm cache, 72 executables, 2 cores: 47 -> 33 s). One worker, so the
+    mappings and memory measured around a compilation are its own.
+    """
+
+    def compile_one(name: str, lowered: Any) -> Any:
+        before, t0 = footprint(), time.perf_counter()
+        exe = lowered.compile()
+        secs = time.perf_counter() - t0
+        release_freed_heap()  # the compiler's freed heap would otherwise stay resident
+        after = footprint()
+        stats.append(ExecutableStat(name, secs, after.maps - before.maps,
+                                    after.resident_mb - before.resident_mb))
+        return exe
+
+    bar = tqdm(total=total, desc="compiling buckets", disable=not progress, unit="exe")
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        futures = {}
+        for name, lower in lowerings:
+            futures[name] = pool.submit(compile_one, name, lower())
+            futures[name].add_done_callback(lambda _: bar.update())
+        compiled = {name: f.result() for name, f in futures.items()}
+    bar.close()
+    return compiled
 
 
 class ExecutableBudgetError(RuntimeError):

@@ -15,8 +15,6 @@ fits no bucket is an error, never a silent recompile.
 
 from __future__ import annotations
 
-import concurrent.futures
-import dataclasses
 import functools
 import logging
 import time
@@ -26,7 +24,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from tqdm import tqdm
 
 from models import llama
 from runtime import sampling
@@ -35,16 +32,18 @@ from runtime.bucket_plan import BucketPlan, StepKey, smallest_fitting
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig
 from runtime.executable_budget import (
+    ExecutableStat,
     PlanPart,
     check_budget,
+    compile_all,
     footprint,
-    release_freed_heap,
 )
 from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.fused_step import FusedExecutables
 from runtime.kv_pool import KVPool, init_kv_pool
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
 from runtime.slot_state import SlotState, init_slot, sampling_columns
-from runtime.split_prefill import SplitExecutables, SplitPrefill
+from runtime.split_prefill import SplitExecutables, SplitPrefill, redirect_finished
 from runtime.step_costs import DeviceCosts
 
 logger = logging.getLogger(__name__)
@@ -70,16 +69,6 @@ class PendingStep:
                           top_logprobs=top)
 
 
-@dataclasses.dataclass(frozen=True)
-class ExecutableStat:
-    """What compiling one executable cost, measured around its compilation."""
-
-    name: str
-    compile_s: float
-    maps: int
-    resident_mb: float
-
-
 class ModelRunner:
     def __init__(self, model_cfg: ModelConfig, params: dict, cache_cfg: CacheConfig,
                  runner_cfg: RunnerConfig, max_running_requests: int) -> None:
@@ -100,8 +89,10 @@ class ModelRunner:
         self.buckets = BucketPlan(runner_cfg, cache_cfg.page_size)
         self._executables: dict[StepKey, Callable] = {}
         self.split = (SplitExecutables(model_cfg, runner_cfg.attention_backend, [
-            k.shape for k in self.step_keys() if k.mode is ForwardMode.EXTEND],
+            k.shape for k in self.step_keys() if k.mode is ForwardMode.EXTEND
+            and k.shape.num_extend_tokens >= runner_cfg.split_min_tokens],
             runner_cfg.split_prefill_layers) if runner_cfg.enable_split_prefill else None)
+        self.fused = self._fused_executables() if runner_cfg.multiplex_fused else None
         self._samplers: dict[int, Callable] = {}
         self.exec_stats: list[ExecutableStat] = []
         self._warm_compiles: int | None = None
@@ -125,7 +116,18 @@ class ModelRunner:
         keys = self.step_keys()
         n = {m: sum(k.mode is m for k in keys) for m in ForwardMode}
         return self.buckets.plan_parts(n, len(self.split.names) if self.split else 0,
+                                       len(self.fused.names) if self.fused else 0,
                                        len(self.sampler_sizes()))
+
+    def _fused_executables(self) -> FusedExecutables:
+        if self.split is None:
+            raise ValueError("multiplex_fused needs enable_split_prefill")
+        width = self.buckets.decode_widths()[-1]
+        pairs = sorted({(s.num_extend_tokens, s.num_extend_seqs) for s in self.split.shapes})
+        shapes = [BucketShape(te, be, bd, width) for te, be in pairs
+                  for bd in self.cfg.decode_buckets]
+        return FusedExecutables(self.model_cfg, self.cfg.attention_backend, shapes,
+                                self.split.sizes)
 
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
         return self.buckets.bucket_for(batch)
@@ -196,6 +198,9 @@ class ModelRunner:
         if self.split is not None:
             yield from self.split.lowerings(params, kv, lambda s: self._abstract_inputs(s)[0],
                                             self.dtype)
+        if self.fused is not None:
+            yield from self.fused.lowerings(params, kv, state.last_tokens,
+                                            lambda s: self._abstract_inputs(s)[0], self.dtype)
         sample = self._sample_fn()
         for b in self.sampler_sizes():
             yield f"sample/B{b}", functools.partial(sample.lower, state,
@@ -206,25 +211,11 @@ class ModelRunner:
             yield f"init_slot/N{n}", functools.partial(
                 init.lower, state, jax.ShapeDtypeStruct((), jnp.int32), i32, i32)
 
-    def _compile(self, name: str, lowered: Any) -> Callable:
-        """Compile one lowered program and record what it cost the process."""
-        before, t0 = footprint(), time.perf_counter()
-        exe = lowered.compile()
-        secs = time.perf_counter() - t0
-        release_freed_heap()  # the compiler's freed heap would otherwise stay resident
-        after = footprint()
-        self.exec_stats.append(ExecutableStat(name, secs, after.maps - before.maps,
-                                              after.resident_mb - before.resident_mb))
-        return exe
-
     def warmup(self, progress: bool = True) -> float:
         """Check the plan against the budget, then compile every executable (persistent
         cache makes repeats fast); returns seconds.
 
-        Tracing and lowering hold the GIL while XLA's compilation (or loading from the
-        persistent cache) releases it, so a worker thread compiles executable i while
-        the main thread lowers i + 1: start-up costs about max(lowering, compiling)
-        instead of their sum (warm cache, 72 executables, 2 cores: 47 -> 33 s).
+        Lowering and compiling overlap (executable_budget.compile_all).
         """
         t0 = time.perf_counter()
         plan = self.plan()
@@ -233,21 +224,17 @@ class ModelRunner:
         logger.info("executable plan: %s, %d init_slot; estimated %d mappings, %.0f MB",
                     ", ".join(f"{p.count} {p.name}" for p in plan),
                     len(self.cfg.kv_len_buckets), est.maps, est.resident_mb)
-        bar = tqdm(total=total, desc="compiling buckets", disable=not progress, unit="exe")
-        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
-            futures = {}
-            for name, lower in self._lowerings():
-                futures[name] = pool.submit(self._compile, name, lower())
-                futures[name].add_done_callback(lambda _: bar.update())
-            compiled = {name: f.result() for name, f in futures.items()}
-        bar.close()
+        compiled = compile_all(self._lowerings(), total, self.exec_stats, progress)
         self._executables = {k: compiled[_key_name(k)] for k in self.step_keys()}
         self._samplers = {b: compiled[f"sample/B{b}"] for b in self.sampler_sizes()}
-        if self.split is not None:
-            self.split.install(compiled)
+        for group in (self.split, self.fused):
+            if group is not None:
+                group.install(compiled)
         self._init_slot_exec = {n: compiled[f"init_slot/N{n}"]
                                 for n in self.cfg.kv_len_buckets}
         self._warm_compiles = compile_counter().count
+        if self.split is not None:
+            self._seed_costs()
         secs = time.perf_counter() - t0
         fp = footprint()
         logger.info("compiled %d executables in %.1f s; process: %d memory mappings "
@@ -255,10 +242,33 @@ class ModelRunner:
                     100 * fp.maps / fp.max_maps, fp.max_maps, fp.resident_mb)
         return secs
 
+    def _seed_costs(self) -> None:
+        """Time every DECODE bucket and one layer of every split shape once, on padding
+        inputs (they write only the padding page), so the multiplexing policy has costs
+        from its first iteration on; serving keeps them current."""
+        for key in self.step_keys():
+            if key.mode is ForwardMode.DECODE:
+                arrays, slots = self._padding_inputs(key.shape)
+                logits, self.kv = self._executables[key](self.params, self.kv,
+                                                         self.state.last_tokens, arrays, slots)
+                self.costs.watch(_cost_key(key.mode, key.shape), logits)
+        for shape in self.split.shapes:
+            arrays, _ = self._padding_inputs(shape)
+            split = SplitPrefill(ScheduleBatch(ForwardMode.SPLIT_PREFILL, [], []), shape, arrays,
+                                 self.split.embed(self.params, shape, arrays), 1)
+            split.hidden, self.kv = self.split.interval(self.params, self.kv, split, 1)
+            self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, shape), split.hidden)
+        jax.block_until_ready(self.kv)
+
+    def _padding_inputs(self, shape: BucketShape) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        b = shape.num_extend_seqs + shape.num_decode_seqs
+        return (pack_rows([], [], shape, self.cache_cfg.page_size),
+                np.full(b, self.max_running, np.int32))
+
     @property
     def num_executables(self) -> int:
-        split = len(self.split.names) if self.split and self._executables else 0
-        return len(self._executables) + len(self._samplers) + len(self._init_slot_exec) + split
+        extra = sum(len(g.names) for g in (self.split, self.fused) if g and self._executables)
+        return len(self._executables) + len(self._samplers) + len(self._init_slot_exec) + extra
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -293,16 +303,18 @@ class ModelRunner:
                                                  is_out)
 
     def launch(self, batch: ScheduleBatch) -> PendingStep:
-        """Dispatch one step asynchronously; the returned PendingStep reads it back."""
+        """Dispatch one step asynchronously; the returned PendingStep reads it back. A
+        SPLIT_PREFILL batch too small to split (can_split) runs whole as an EXTEND step."""
         shape = self.bucket_for(batch)
-        exe = self._executables[StepKey(batch.mode, shape)]
+        mode = ForwardMode.EXTEND if batch.mode is ForwardMode.SPLIT_PREFILL else batch.mode
+        exe = self._executables[StepKey(mode, shape)]
         self.init_slots(batch.extend_rows)
         arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape, self.cache_cfg.page_size)
         row_slots = self._row_slots(batch, shape)[0]
         logits, self.kv = exe(self.params, self.kv, self.state.last_tokens, arrays, row_slots)
-        self.step_counts[batch.mode] += 1
+        self.step_counts[mode] += 1
         pending = self._sample(batch, shape, logits)
-        self.costs.watch(_cost_key(batch.mode, shape), pending.out.next_tokens)
+        self.costs.watch(_cost_key(mode, shape), pending.out.next_tokens)
         return pending
 
     def step_cost(self, batch: ScheduleBatch) -> float | None:
@@ -319,6 +331,10 @@ class ModelRunner:
         return self.costs.get(_cost_key(ForwardMode.SPLIT_PREFILL, split.shape))
 
     # ---- split prefill (runtime/split_prefill.py) ----------------------------------------
+
+    def can_split(self, batch: ScheduleBatch) -> bool:
+        """Whether batch's extend bucket has split programs (see split_min_tokens)."""
+        return self.split is not None and self.bucket_for(batch) in self.split.shapes
 
     def start_split(self, batch: ScheduleBatch) -> SplitPrefill:
         """Embed an EXTEND batch's tokens; its layers then run interval by interval."""
@@ -345,6 +361,32 @@ class ModelRunner:
             raise RuntimeError(f"split prefill at layer {split.next_layer} of "
                                f"{split.num_layers} is not done")
         return self._sample(split.batch, split.shape, self.split.logits(self.params, split))
+
+    def launch_fused(self, decode: ScheduleBatch, split: SplitPrefill, k: int
+                     ) -> PendingStep | None:
+        """One fused executable: decode's rows through every layer, split's next k layers
+        in the same loop (runtime/fused_step.py). None when no program fits (the caller
+        runs the two calls instead)."""
+        dec_shape = self.bucket_for(decode)
+        ext = split.shape
+        shape = BucketShape(ext.num_extend_tokens, ext.num_extend_seqs,
+                            dec_shape.num_decode_seqs, dec_shape.num_pages_per_seq)
+        if self.fused is None or not self.fused.has(shape, k):
+            return None
+        mixed = ScheduleBatch(ForwardMode.MIXED, split.batch.extend_rows, decode.decode_rows)
+        arrays = pack_rows(mixed.extend_rows, mixed.decode_rows, shape, self.cache_cfg.page_size)
+        redirect_finished(arrays, mixed.extend_rows)
+        slots = self._row_slots(mixed, shape)[0]
+        logits, split.hidden, self.kv = self.fused(
+            shape, k, self.params, self.kv, self.state.last_tokens, split.hidden, arrays,
+            slots, np.int32(split.next_layer))
+        split.advance(k)
+        self.step_counts[ForwardMode.SPLIT_PREFILL] += 1
+        self.step_counts[ForwardMode.DECODE] += 1
+        pending = self._sample(decode, dec_shape, logits)
+        self.costs.watch(_key_name(StepKey(ForwardMode.MIXED, shape)) + f"_k{k}",
+                         pending.out.next_tokens)
+        return pending
 
     # ---- sampling ------------------------------------------------------------------------
 

@@ -5,9 +5,10 @@ One split prefill is three kinds of executable, all compiled at warm-up per exte
 bucket: `embed` (ids -> hidden [T, D]), `interval` (layers [s, s + k) over the carried
 hidden state, s traced and k static, writing those layers' K/V as it goes) and `head`
 (final norm + logits of the sampled rows; the runner's shared sampler follows). The
-interval sizes k are the powers of two below the depth, the depth and an optional fixed
-size, so any remaining run of layers is a sum of compiled sizes and no remainder needs a
-trace of its own.
+interval sizes k are the powers of two up to 8 below the depth, the depth and an optional
+fixed size, so any remaining run of layers is a sum of compiled sizes and no remainder
+needs a trace of its own. Extend buckets below RunnerConfig.split_min_tokens get no split
+programs: such a prefill is cheap enough to run whole (ModelRunner.launch).
 
 `SplitPrefill` is the carried state of one batch in flight: the host's packed inputs,
 the device handle of the hidden state, and where it stands. It belongs to the loop that
@@ -31,13 +32,18 @@ from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.schedule_batch import ScheduleBatch
 
+# Largest power-of-two interval compiled (besides the depth): while streams decode, an
+# interval is sized to fit beside a decode step, which on SmolLM2 at 256-512 prefill
+# tokens per chunk is 1-8 layers; bigger remainders run as several intervals.
+_MAX_POW2 = 8
+
 
 def interval_sizes(num_layers: int, fixed: int | None = None) -> list[int]:
-    """Compiled interval sizes: the powers of two below the depth (any remainder is a sum
-    of them), the depth itself (a prefill with nothing to interleave runs in one call),
-    and a fixed size if one is asked for (--split_prefill_layers)."""
+    """Compiled interval sizes: the powers of two up to _MAX_POW2 below the depth (any
+    remainder is a sum of them), the depth itself (a prefill with nothing to interleave
+    runs in one call), and a fixed size if one is asked for (--split_prefill_layers)."""
     sizes, k = {num_layers}, 1
-    while k < num_layers:
+    while k < num_layers and k <= _MAX_POW2:
         sizes.add(k)
         k *= 2
     if fixed is not None:
@@ -85,13 +91,18 @@ class SplitPrefill:
         self.next_layer += k
 
     def drop_finished_rows(self) -> None:
-        """Send the K/V writes of rows whose request finished (aborted) mid-split to page 0
-        (the padding sink): their pages went back to the pool at once and may already
-        belong to another request, which later intervals must not overwrite."""
-        q = self.arrays["query_start"]
-        for i, row in enumerate(self.batch.extend_rows):
-            if row.req.finished:
-                self.arrays["out_cache_loc"][q[i]:q[i + 1]] = 0
+        """Redirect the rest of an aborted row's K/V writes (redirect_finished)."""
+        redirect_finished(self.arrays, self.batch.extend_rows)
+
+
+def redirect_finished(arrays: dict[str, np.ndarray], rows: list) -> None:
+    """Point the K/V writes of finished (aborted) extend rows at page 0, the padding sink:
+    their pages went back to the pool at once and may already belong to another request,
+    which later intervals must not overwrite."""
+    q = arrays["query_start"]
+    for i, row in enumerate(rows):
+        if row.req.finished:
+            arrays["out_cache_loc"][q[i]:q[i + 1]] = 0
 
 
 class SplitExecutables:

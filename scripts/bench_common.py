@@ -19,6 +19,7 @@ import json
 import math
 import os
 import platform
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -84,6 +85,16 @@ def time_calls(fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:
         fn()
         out.append(time.perf_counter() - t0)
     return out
+
+
+def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """Leading items two sequences share (how far two greedy outputs agree)."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def median(xs: Sequence[float]) -> float:
@@ -256,6 +267,15 @@ def save_figure(fig: Any, out_dir: str | Path, name: str) -> Path:
     fig.savefig(path, dpi=110)
     log(f"wrote {path}")
     return path
+
+
+def git_revision() -> str:
+    """HEAD, with '+dirty' when the working tree differs from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True,
+                              check=False).stdout.strip()
+    rev = git("rev-parse", "HEAD") or "unknown"
+    return rev + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def command_line() -> str:

@@ -26,10 +26,15 @@ import dataclasses
 import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import bench_common as bc
+import llama_peer
 import numpy as np
+import offline_peers
+import offline_plots as op
+import offline_summary as osum
 from absl import app, flags
 
 from runtime.config import ModelConfig, ServerArgs
@@ -46,6 +51,8 @@ flags.DEFINE_integer("seed", 0, "seed of the random prompts (round r uses seed +
 flags.DEFINE_integer("repeats", 2, "rounds; each runs every contender once (A B A B)")
 flags.DEFINE_string("single_prompt", "What is the capital of France?", "single-stream prompt")
 flags.DEFINE_integer("single_new_tokens", 128, "new tokens of the single stream")
+flags.DEFINE_integer("prefill_len", 512, "tokens of the prefill measurement (one random "
+                     "prompt, one new token; prefill tok/s = tokens / TTFT)")
 flags.DEFINE_enum("reference", "auto", ["auto", "on", "off"],
                   "transformers side by side: auto = when torch and transformers import")
 flags.DEFINE_list("hf_batch_sizes", ["8", "32"], "transformers generate batch sizes")
@@ -55,11 +62,14 @@ flags.DEFINE_integer("max_running_requests", 32, "see ServerArgs")
 flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
-
-# What the lead compares against (reported, never enforced).
-TARGETS = {"single_stream_vs_hf": 2.5, "throughput_vs_hf_batch_8": 3.0,
-           "throughput_vs_hf_batch_32": 1.5, "throughput_frac_compute": 0.5}
-
+flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "concurrent requests of the "
+                  "side-by-side sweep (xlaserve and llama-server)")
+flags.DEFINE_enum("llama_server", "auto", ["auto", "on", "off"], "llama-server side by "
+                  "side: auto = when `make peers` has built it")
+flags.DEFINE_list("llama_variants", ["f32", "q4_1"], "llama-server model files: f32 (from "
+                  "xlaserve's weights), q4_1 (the shipped GGUF)")
+flags.DEFINE_string("llama_server_cmd", "{llama_server}", "llama-server launch command")
+flags.DEFINE_integer("llama_threads", 2, "llama-server --threads / --threads-batch")
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -68,19 +78,22 @@ class Workload:
     output_len: int
     single_new_tokens: int
     hf_batch_sizes: tuple[int, ...]
+    concurrency: tuple[int, ...] = ()
+    prefill_len: int = 512
 
-    def prompts(self, seed: int, vocab: int) -> list[list[int]]:
+    def prompts(self, seed: int, vocab: int, n: int | None = None) -> list[list[int]]:
         # ids from 3 up: 0-2 are unk / bos / eos-pad in SmolLM2's vocabulary.
         rng = np.random.default_rng(seed)
-        return rng.integers(3, vocab, (self.num_prompts, self.input_len)).tolist()
+        return rng.integers(3, vocab, (n or self.num_prompts, self.input_len)).tolist()
 
 
 def _workload() -> Workload:
     if FLAGS.smoke:
         return Workload(num_prompts=4, input_len=16, output_len=8, single_new_tokens=8,
-                        hf_batch_sizes=(2, 4))
+                        hf_batch_sizes=(2, 4), concurrency=(1, 4), prefill_len=32)
     return Workload(FLAGS.num_prompts, FLAGS.input_len, FLAGS.output_len,
-                    FLAGS.single_new_tokens, tuple(int(b) for b in FLAGS.hf_batch_sizes))
+                    FLAGS.single_new_tokens, tuple(int(b) for b in FLAGS.hf_batch_sizes),
+                    tuple(int(c) for c in FLAGS.concurrency), FLAGS.prefill_len)
 
 
 # ---------------------------------------------------------------- xlaserve
@@ -91,7 +104,7 @@ def _server_args(w: Workload) -> ServerArgs:
     these requests fit (no batch here could use a longer one; fewer executables to compile
     at start-up), and no top-logprobs (no request asks for them)."""
     # The chat template makes the single-stream prompt 37 tokens; 64 leaves room.
-    longest = max(w.input_len + w.output_len, 64 + w.single_new_tokens)
+    longest = max(w.input_len + w.output_len, 64 + w.single_new_tokens, w.prefill_len + 1)
     kv = tuple(b for b in (256, 1024, 4096, 8192) if b >= longest)[:1] or (8192,)
     base = ServerArgs(dtype=FLAGS.dtype, max_running_requests=FLAGS.max_running_requests,
                       kv_len_buckets=kv, max_top_logprobs=0,
@@ -225,6 +238,11 @@ class HFReference:
         return {"batch_size": batch,
                 **_throughput(time.perf_counter() - t0, sum(map(len, prompts)), made)}
 
+    def ttft(self, ids: list[int]) -> float:
+        t0 = time.perf_counter()
+        _, stamps = self.generate([ids], 1)
+        return stamps[0] - t0
+
     def single(self, ids: list[int], n: int) -> dict[str, Any]:
         t0 = time.perf_counter()
         out, stamps = self.generate([ids], n)
@@ -248,7 +266,7 @@ def throughput_flops(cfg: ModelConfig, w: Workload) -> float:
 
 
 def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
-              single_ids: list[int]) -> dict[str, Any]:
+              single_ids: list[int], llama: offline_peers.LlamaPeers | None) -> dict[str, Any]:
     cfg = engine.model_cfg
     rec: dict[str, Any] = {"round": r, "load_average": bc.load_average()}
     roof = bc.measure_roofline(small=FLAGS.smoke)
@@ -266,10 +284,64 @@ def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
     s = xla_single(engine, single_ids, w.single_new_tokens)
     bc.log(f"round {r}: xlaserve single stream: {s['decode_tok_s']:.1f} decode tok/s, "
            f"ttft {s['ttft_s'] * 1e3:.0f} ms")
-    rec["xlaserve"] = {"throughput": x, "single": s}
+    pre_ids = np.random.default_rng(FLAGS.seed + 5000 + r).integers(
+        3, cfg.vocab_size, w.prefill_len).tolist()
+    p = _prefill(cfg, roof, engine.generate([pre_ids], _greedy(1))[0].meta_info["ttft"],
+                 w.prefill_len)
+    bc.log(f"round {r}: xlaserve {w.prefill_len}-token prefill: {p['prefill_tok_s']:.1f} "
+           f"tok/s ({p['frac_compute']:.1%} of compute roofline)")
+    rec["xlaserve"] = {"throughput": x, "single": s, "prefill": p}
+    sweep = {c: w.prompts(FLAGS.seed + 1000 * (r + 1) + c, cfg.vocab_size, c)
+             for c in w.concurrency}
+    for c, ps in sweep.items():
+        t = xla_throughput(engine, ps, w.output_len)
+        rec["xlaserve"][f"c{c}"] = t
+        bc.log(f"round {r}: xlaserve {c} concurrent: {t['output_tok_s']:.1f} output tok/s")
     if hf is not None:
         rec["transformers"] = _hf_round(r, hf, prompts, w, single_ids)
+        rec["transformers"]["prefill"] = _prefill(cfg, roof, hf.ttft(pre_ids), w.prefill_len)
+    if llama is not None:
+        rec["llama_server"] = _llama_round(r, llama, sweep, w, single_ids)
+        for v, lr in rec["llama_server"].items():
+            lr["prefill"] = _prefill(cfg, roof, llama.ttft(v, pre_ids), w.prefill_len)
+    _sweep_fractions(rec, cfg, w, roof)
     return rec
+
+
+def _prefill(cfg: ModelConfig, roof: bc.Roofline, ttft: float, n: int) -> dict[str, Any]:
+    """A fresh n-token prefill's rate (first token's logits included) and its share of the
+    matmul probe."""
+    flops = bc.step_flops(cfg, [bc.RowWork(0, n)])
+    return {"tokens": n, "ttft_s": ttft, "prefill_tok_s": n / ttft,
+            "frac_compute": flops / ttft / 1e9 / roof.matmul_gflops}
+
+
+def _sweep_fractions(rec: dict[str, Any], cfg: ModelConfig, w: Workload,
+                     roof: bc.Roofline) -> None:
+    """Each sweep point's useful GFLOP/s as a fraction of this round's matmul probe (the
+    same FLOPs for every contender: the same model and tokens)."""
+    points = [rec["xlaserve"]] + list(rec.get("llama_server", {}).values())
+    for p in points:
+        for c in w.concurrency:
+            t = p[f"c{c}"]
+            flops = throughput_flops(cfg, dataclasses.replace(w, num_prompts=c))
+            t["frac_compute"] = flops / t["wall_s"] / 1e9 / roof.matmul_gflops
+
+
+def _llama_round(r: int, llama: offline_peers.LlamaPeers, sweep: dict[int, list[list[int]]],
+                 w: Workload, single_ids: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for v in llama.servers:
+        rec: dict[str, Any] = {}
+        for c, ps in sweep.items():
+            rec[f"c{c}"] = t = llama.throughput(v, ps, w.output_len)
+            bc.log(f"round {r}: llama-server {v} {c} concurrent: {t['output_tok_s']:.1f} "
+                   "output tok/s")
+        rec["single"] = s = llama.single(v, single_ids, w.single_new_tokens)
+        bc.log(f"round {r}: llama-server {v} single stream: {s['decode_tok_s']:.1f} decode "
+               "tok/s")
+        out[v] = rec
+    return out
 
 
 def _hf_round(r: int, hf: HFReference, prompts: list[list[int]], w: Workload,
@@ -287,138 +359,39 @@ def _hf_round(r: int, hf: HFReference, prompts: list[list[int]], w: Workload,
     return out
 
 
-def warm_up(engine: Engine, hf: HFReference | None, single_ids: list[int]) -> None:
+def warm_up(engine: Engine, hf: HFReference | None, single_ids: list[int],
+            llama: offline_peers.LlamaPeers | None) -> None:
     """First calls pay one-time costs (page faults on fresh buffers, lazy init in torch);
     keep them out of round 0."""
     engine.generate([single_ids, single_ids[::-1]], _greedy(4))
     if hf is not None:
         hf.generate([single_ids, single_ids[::-1]], 4)
+    for v in llama.servers if llama is not None else ():
+        llama.throughput(v, [single_ids, single_ids[::-1]], 4)
 
 
-# ---------------------------------------------------------------- summary
+def want_llama() -> bool:
+    """Whether llama-server runs side by side: asked for, or (auto) built by `make peers`;
+    a smoke run compares it only when asked (--llama_server=on). Checked before anything
+    slow starts, so a missing peer fails at once."""
+    if FLAGS.llama_server == "off" or (FLAGS.llama_server == "auto" and FLAGS.smoke):
+        return False
+    try:
+        if "{llama_server}" in FLAGS.llama_server_cmd:
+            llama_peer.find_llama_server()
+    except llama_peer.PeerMissing as e:
+        if FLAGS.llama_server == "on":
+            raise
+        bc.log(f"llama-server not compared: {e}")
+        return False
+    return True
 
 
-def _get(rounds: list[dict[str, Any]], *path: str) -> list[float]:
-    vals = []
-    for rec in rounds:
-        v: Any = rec
-        for k in path:
-            v = v.get(k) if isinstance(v, dict) else None
-        if v is not None:
-            vals.append(float(v))
-    return vals
-
-
-def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
-            den: tuple[str, ...]) -> float | None:
-    """Median over rounds of the within-round ratio (neighbours in time share the load)."""
-    ratios = [a / b for a, b in zip(_get(rounds, *num), _get(rounds, *den), strict=False)]
-    return bc.median(ratios) if ratios else None
-
-
-def _rate_paths(w: Workload, with_hf: bool) -> dict[str, tuple[str, ...]]:
-    """Summary name -> where each round records that rate (tokens/s)."""
-    paths = {"xlaserve_output_tok_s": ("xlaserve", "throughput", "output_tok_s"),
-             "xlaserve_total_tok_s": ("xlaserve", "throughput", "total_tok_s"),
-             "xlaserve_single_decode_tok_s": ("xlaserve", "single", "decode_tok_s")}
-    if with_hf:
-        paths["hf_single_decode_tok_s"] = ("transformers", "single", "decode_tok_s")
-        for b in w.hf_batch_sizes:
-            for kind in ("output", "total"):
-                paths[f"hf_batch_{b}_{kind}_tok_s"] = ("transformers", f"batch_{b}",
-                                                       f"{kind}_tok_s")
-    return paths
-
-
-def _ratio_names(w: Workload) -> dict[str, tuple[str, str]]:
-    """Ratio name -> (xlaserve rate, transformers rate)."""
-    out = {"single_stream_vs_hf": ("xlaserve_single_decode_tok_s", "hf_single_decode_tok_s")}
-    for b in w.hf_batch_sizes:
-        out[f"throughput_vs_hf_batch_{b}"] = ("xlaserve_output_tok_s",
-                                              f"hf_batch_{b}_output_tok_s")
-    return out
-
-
-def summarize(rounds: list[dict[str, Any]], w: Workload) -> dict[str, Any]:
-    """Medians over rounds (and ratios paired within rounds), plus the best round of each
-    rate: a neighbour can only slow a run down, so the best is the least disturbed one."""
-    with_hf = any("transformers" in rec for rec in rounds)
-    paths = _rate_paths(w, with_hf)
-    s: dict[str, Any] = {k: bc.median(_get(rounds, *p)) for k, p in paths.items()}
-    s["xlaserve_single_ttft_s"] = bc.median(_get(rounds, "xlaserve", "single", "ttft_s"))
-    s["throughput_gflops"] = bc.median(_get(rounds, "xlaserve", "throughput", "gflops"))
-    # The best probe is the machine's capability; a probe slowed by a neighbour would
-    # flatter the fraction.
-    s["matmul_gflops"] = max(_get(rounds, "roofline", "matmul_gflops"))
-    s["mem_read_gbps"] = max(_get(rounds, "roofline", "mem_read_gbps"))
-    s["throughput_frac_compute"] = s["throughput_gflops"] / s["matmul_gflops"]
-    s["best"] = {k: max(_get(rounds, *p)) for k, p in paths.items()}
-    s["best"]["throughput_frac_compute"] = (max(_get(rounds, "xlaserve", "throughput",
-                                                     "gflops")) / s["matmul_gflops"])
-    ratios: dict[str, float | None] = {}
-    ratios_best: dict[str, float] = {}
-    if with_hf:
-        for name, (num, den) in _ratio_names(w).items():
-            ratios[name] = _paired(rounds, paths[num], paths[den])
-            ratios_best[name] = s["best"][num] / s["best"][den]
-        if not FLAGS.smoke:  # the smoke models are two different random models
-            s["single_greedy_agree_prefix"] = _agree(
-                rounds[0]["xlaserve"]["single"]["output_ids"],
-                rounds[0]["transformers"]["single"]["output_ids"])
-    s["ratios"], s["ratios_best"] = ratios, ratios_best
-    values = {**ratios, "throughput_frac_compute": s["throughput_frac_compute"]}
-    best = {**ratios_best, "throughput_frac_compute": s["best"]["throughput_frac_compute"]}
-    s["targets"] = {k: {"target": t, "value": values.get(k), "value_best": best.get(k),
-                        "met": values.get(k) is not None and values[k] >= t}
-                    for k, t in TARGETS.items()}
-    return s
-
-
-def _agree(a: Sequence[int], b: Sequence[int]) -> int:
-    """Leading tokens two greedy outputs share (transformers' min_new_tokens masks EOS, so
-    they part at the first EOS at the latest)."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
-def _plot(result: dict[str, Any], out_dir: str) -> None:
-    plt = bc.pyplot()
-    if plt is None:
-        return
-    rounds, s, w = result["rounds"], result["summary"], result["workload"]
-    fig, (ax_t, ax_s) = plt.subplots(1, 2, figsize=(12, 4.5),
-                                     gridspec_kw={"width_ratios": [3, 2]})
-    bars = [(f"xlaserve\n{w['num_prompts']} requests",
-             _get(rounds, "xlaserve", "throughput", "output_tok_s"))]
-    bars += [(f"transformers\nbatch {b}",
-              _get(rounds, "transformers", f"batch_{b}", "output_tok_s"))
-             for b in w["hf_batch_sizes"]]
-    _bars(ax_t, bars, f"output tok/s, {w['input_len']} in / {w['output_len']} out")
-    bound = s["matmul_gflops"] * 1e9 / result["flops_per_output_token"]
-    ax_t.axhline(bound, color="k", ls="--", lw=1)
-    ax_t.text(0, bound, " compute roofline", va="bottom", fontsize=8)
-    single = [("xlaserve", _get(rounds, "xlaserve", "single", "decode_tok_s")),
-              ("transformers", _get(rounds, "transformers", "single", "decode_tok_s"))]
-    _bars(ax_s, [b for b in single if b[1]], "single-stream decode tok/s")
-    mem = s["mem_read_gbps"] * 1e9 / result["model"]["weight_bytes"]
-    ax_s.axhline(mem, color="k", ls="--", lw=1)
-    ax_s.text(0, mem, " weights / read bandwidth", va="bottom", fontsize=8)
-    fig.suptitle(f"{result['model']['name']} offline, {len(rounds)} rounds (bars: median, "
-                 f"dots: rounds); load {result['machine']['load_average']}")
-    bc.save_figure(fig, out_dir, "bench_offline.png")
-
-
-def _bars(ax: Any, bars: list[tuple[str, list[float]]], title: str) -> None:
-    for i, (_, vals) in enumerate(bars):
-        ax.bar(i, bc.median(vals), color=f"C{i}", alpha=0.7)
-        ax.plot([i] * len(vals), vals, "k.", ms=6)
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars])
-    ax.set(title=title, ylabel="tokens / s")
-    ax.grid(True, axis="y", alpha=0.3)
+def start_llama(w: Workload) -> offline_peers.LlamaPeers:
+    ctx = bc.pow2_at_least(max(w.input_len + w.output_len, 64 + w.single_new_tokens), 256)
+    return offline_peers.LlamaPeers(FLAGS.llama_variants, max(w.concurrency, default=1), ctx,
+                                    FLAGS.llama_threads, FLAGS.llama_server_cmd,
+                                    FLAGS.checkpoint_cache_dir, Path(FLAGS.out_dir))
 
 
 # ---------------------------------------------------------------- main
@@ -430,6 +403,7 @@ def main(argv: list[str]) -> None:
     w = _workload()
     machine = bc.machine_info()
     bc.log(f"load average {machine['load_average']} on {machine['cpu_count']} CPUs")
+    with_llama = want_llama()
     args = _server_args(w)
     engine, name = _make_engine(args)
     want_ref = FLAGS.reference == "on" or (FLAGS.reference == "auto" and reference_available())
@@ -438,38 +412,30 @@ def main(argv: list[str]) -> None:
         bc.log("transformers not compared (pip install -e '.[reference]' to compare)")
     single_ids = _single_prompt_ids(engine)
     bc.log(f"single-stream prompt: {len(single_ids)} tokens")
-    warm_up(engine, hf, single_ids)
-
-    repeats = 1 if FLAGS.smoke else FLAGS.repeats
-    rounds = [run_round(r, engine, hf, w, single_ids) for r in range(repeats)]
+    llama = start_llama(w) if with_llama else None
+    try:
+        warm_up(engine, hf, single_ids, llama)
+        repeats = 1 if FLAGS.smoke else FLAGS.repeats
+        rounds = [run_round(r, engine, hf, w, single_ids, llama) for r in range(repeats)]
+    finally:
+        if llama is not None:
+            llama.stop()
     machine["load_average_end"] = bc.load_average()
     cfg = engine.model_cfg
-    result = {"script": "bench_offline", "command": bc.command_line(), "machine": machine,
+    result = {"script": "bench_offline", "command": bc.command_line(),
+              "git_revision": bc.git_revision(), "machine": machine,
               "model": bc.model_summary(cfg, name, engine.runner.cfg.dtype),
               "engine_args": dataclasses.asdict(args), "workload": dataclasses.asdict(w),
               "flops_per_output_token": throughput_flops(cfg, w) / (w.num_prompts
                                                                      * w.output_len),
               "transformers_threads": hf.torch.get_num_threads() if hf else None,
+              "llama_server": llama.info() if llama else None,
               "rounds": rounds}
-    result["summary"] = summarize(rounds, w)
+    result["summary"] = osum.summarize(rounds, w, FLAGS.smoke)
     result["wall_s"] = time.perf_counter() - t_start
-    _print_summary(result["summary"])
+    osum.print_summary(result["summary"])
     bc.write_json(FLAGS.out_dir, "bench_offline.json", result)
-    _plot(result, FLAGS.out_dir)
-
-
-def _print_summary(s: dict[str, Any]) -> None:
-    bc.log("summary (medians over rounds):")
-    for k, v in s.items():
-        if not isinstance(v, dict):
-            best = s["best"].get(k)
-            text = f"{v:.4g}" if isinstance(v, float) else str(v)
-            print(f"  {k:<32} {text:>8}" + (f"   best round {best:.4g}" if best else ""))
-    for k, t in s["targets"].items():
-        val = "n/a" if t["value"] is None else f"{t['value']:.3g}"
-        best = "n/a" if t["value_best"] is None else f"{t['value_best']:.3g}"
-        print(f"  target {k:<28} {val:>8} (best rounds {best:>6}; want >= {t['target']}) "
-              f"{'MET' if t['met'] else 'not met'}")
+    op.plot(result, FLAGS.out_dir)
 
 
 if __name__ == "__main__":

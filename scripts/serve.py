@@ -49,6 +49,10 @@ flags.DEFINE_bool("enable_multiplexing", _D.enable_multiplexing, "interleave dec
                   "streams (implies --enable_split_prefill)")
 flags.DEFINE_float("multiplex_itl_target_ms", _D.multiplex_itl_target_ms, "inter-token "
                    "latency one multiplexed iteration aims for (0: twice the decode step)")
+flags.DEFINE_integer("split_prefill_min_tokens", _D.split_prefill_min_tokens, "prefill "
+                     "buckets with fewer tokens run whole, not split (fewer executables)")
+flags.DEFINE_bool("multiplex_fused", _D.multiplex_fused, "run each multiplexed "
+                  "iteration as one fused decode + interval executable instead of two calls")
 flags.DEFINE_enum("schedule_policy", _D.schedule_policy, ["fcfs", "lpm"], "admission order")
 flags.DEFINE_bool("disable_prefix_cache", _D.disable_prefix_cache, "no radix prefix cache")
 flags.DEFINE_bool("disable_overlap_schedule", _D.disable_overlap_schedule, "schedule step "
@@ -113,6 +117,8 @@ def server_args() -> ServerArgs:
         split_prefill_layers=FLAGS.split_prefill_layers,
         enable_multiplexing=FLAGS.enable_multiplexing,
         multiplex_itl_target_ms=FLAGS.multiplex_itl_target_ms,
+        multiplex_fused=FLAGS.multiplex_fused,
+        split_prefill_min_tokens=FLAGS.split_prefill_min_tokens,
         trace_dir=FLAGS.trace_dir or None, trace_buffer_steps=FLAGS.trace_buffer_steps)
 
 

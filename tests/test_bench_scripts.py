@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,66 @@ def test_bench_kernels_smoke(tmp_path: Path) -> None:
         assert r[section], section
     for d in r["decode"]:
         _positive(d, "pallas_s", "ref_s")
+
+
+FAKE = "{python} tests/fake_openai_server.py"
+HAND_WRITTEN = "# Benchmarks\n\nHand-written analysis that must survive.\n"
+
+
+def _script(name: str, *flags: str) -> None:
+    cmd = [sys.executable, str(REPO / "scripts" / name), *flags]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_make_bench_pipeline(tmp_path: Path) -> None:
+    """`make bench` at a tiny size, llama-server and xlaserve's server played by the fake
+    (no build needed): bench_offline's llama-server sweep, the serving sweep and frontier,
+    the greedy check, then the page regenerated from their JSON between its markers."""
+    r = _run("bench_offline.py", tmp_path, "--reference=off", "--llama_server=on",
+             f"--llama_server_cmd={FAKE}", "--llama_variants=q4_1")
+    w, rnd = r["workload"], r["rounds"][0]
+    assert w["concurrency"] == [1, 4] and "--parallel" in r["llama_server"]["q4_1"]["argv"]
+    for c in w["concurrency"]:
+        for point in (rnd["xlaserve"][f"c{c}"], rnd["llama_server"]["q4_1"][f"c{c}"]):
+            assert point["output_tokens"] == c * w["output_len"]
+            _positive(point, "output_tok_s", "frac_compute")
+        assert r["summary"]["ratios"][f"c{c}_vs_llama_q4_1"] > 0
+    assert rnd["llama_server"]["q4_1"]["single"]["new_tokens"] == w["single_new_tokens"]
+    serving = ["--smoke", f"--out_dir={tmp_path}", f"--xlaserve_cmd={FAKE}",
+               f"--llama_server_cmd={FAKE}"]
+    _script("bench_serving.py", *serving, "--tag=sweep", "--config=default=",
+            "--peers=q4_1", "--scenarios=concurrent,poisson")
+    _script("bench_serving.py", *serving, "--tag=frontier", "--config=a=", "--config=b=")
+    _script("check_llama_peer.py", f"--out_dir={tmp_path}", f"--xlaserve_cmd={FAKE}",
+            f"--llama_server_cmd={FAKE}", "--variants=q4_1", "--max_tokens=5")
+    check = json.loads((tmp_path / "check_llama_peer.json").read_text())
+    rows = check["variants"]["q4_1"]["prompts"]
+    assert len(rows) == 4 and all(x["agree_tokens"] == x["tokens"] == 5 for x in rows)
+
+    doc = tmp_path / "docs" / "benchmarks.md"
+    doc.parent.mkdir()
+    doc.write_text(HAND_WRITTEN)
+    report = ["bench_report.py", f"--results_dir={tmp_path}", f"--doc={doc}"]
+    _script(*report)
+    first = doc.read_text()
+    assert first.startswith(HAND_WRITTEN) and "<!-- END GENERATED -->" in first
+    for needle in ("### Offline throughput", "llama-server Q4_1 tok/s", "### Serving",
+                   "Poisson arrivals", "### Long prompts during decode", "| a |",
+                   "### llama-server serves the same model", "5/5"):
+        assert needle in first, needle
+    assert "not in" not in first  # every JSON was found
+    if HAVE_MATPLOTLIB:
+        assert "](../bench_serving_frontier_frontier.png)" in first
+    _script(*report)  # idempotent: the section is replaced, not appended
+    assert doc.read_text() == first
+
+
+def test_bench_offline_missing_llama_server_says_make_peers(tmp_path: Path) -> None:
+    cmd = [sys.executable, str(REPO / "scripts" / "bench_offline.py"), "--smoke",
+           f"--out_dir={tmp_path}", "--compilation_cache_dir=", "--reference=off",
+           "--llama_server=on"]
+    env = {**os.environ, "HOME": str(tmp_path)}  # no ~/.cache/xlaserve/peers there
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
+    assert proc.returncode != 0
+    assert "llama-server not found" in proc.stderr and "make peers" in proc.stderr

@@ -38,7 +38,7 @@ def runner(request) -> ModelRunner:
                         extend_seq_buckets=(1, 4), kv_len_buckets=(256,), enable_mixed=True,
                         max_top_logprobs=2, strict_compile=True, per_layer_weights=True,
                         cpu_matmul=matmul, attention_backend=attention,
-                        enable_split_prefill=True)
+                        enable_split_prefill=True, multiplex_fused=True)
     r = ModelRunner(CFG, params, CacheConfig(page_size=PAGE, num_pages=400), rcfg,
                     max_running_requests=16)
     r.warmup(progress=False)
@@ -195,6 +195,16 @@ def test_multiplexing_matches_alone(runner, reference, layers, overlap, prefix_c
     assert runner.step_counts[ForwardMode.SPLIT_PREFILL] > before
     intervals = [o.meta_info["prefill_intervals"] for o in outs]
     assert min(intervals) >= (CFG.num_layers if layers == 1 else 1)
+    runner.check_no_compiles()
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False])
+def test_fused_multiplexing_matches_alone(runner, reference, prefix_cache):
+    eng = Engine(_args(enable_multiplexing=True, multiplex_fused=True, split_prefill_layers=1,
+                       disable_prefix_cache=not prefix_cache), runner=runner)
+    outs = _generate_in_waves(eng, _prompts(16), GREEDY)
+    _check_same(outs, reference)
+    assert min(o.meta_info["prefill_intervals"] for o in outs) >= CFG.num_layers
     runner.check_no_compiles()
 
 

@@ -8,6 +8,8 @@ retracted all change tokens or trip an assertion.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -20,6 +22,7 @@ from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch, StepOutput
 from runtime.scheduler import Scheduler
 from runtime.split_prefill import SplitPrefill, interval_sizes
+from runtime.step_costs import DeviceCosts
 from tests.fake_runner import EOS, FakeRunner, check_invariants, next_token, reference_output
 
 LAYERS = 6
@@ -51,8 +54,12 @@ class FakeSplitRunner(FakeRunner):
         return None  # the fake pads nothing
 
     def launch(self, batch: ScheduleBatch) -> _Done:
-        self.log.append(("decode", len(batch.decode_rows)))
+        self.log.append(("decode", len(batch.decode_rows)) if batch.decode_rows
+                        else ("whole", batch.num_tokens))
         return _Done(batch, self.forward(batch))
+
+    def can_split(self, batch: ScheduleBatch) -> bool:
+        return batch.num_tokens > 12  # small prefills run whole
 
     def start_split(self, batch: ScheduleBatch) -> SplitPrefill:
         return SplitPrefill(batch, shape=None, arrays={}, hidden=None, num_layers=LAYERS)
@@ -82,6 +89,16 @@ class FakeSplitRunner(FakeRunner):
         self.log.append(("sample", len(tokens)))
         return _Done(split.batch, StepOutput(np.asarray(tokens, np.int64)))
 
+    def launch_fused(self, decode: ScheduleBatch, split: SplitPrefill, k: int) -> _Done | None:
+        """As one program: the decode rows' step and the split's interval (None for an odd
+        k, so the loop's fallback to two calls runs too)."""
+        if k % 2:
+            return None
+        self.log.append(("fused", k))
+        done = _Done(decode, self.forward(decode))
+        self.run_interval(split, k)
+        return done
+
     def step_cost(self, batch: ScheduleBatch) -> float:
         return self.costs[0]
 
@@ -90,14 +107,15 @@ class FakeSplitRunner(FakeRunner):
 
 
 def _setup(num_pages=200, chunk=None, overlap=True, prefix=True, policy=None,
-           interleave=True, max_running=8):
+           interleave=True, max_running=8, fused=False):
     cfg = SchedulerConfig(cache=CacheConfig(page_size=4, num_pages=num_pages),
                           max_running_requests=max_running, max_prefill_tokens=64,
                           chunked_prefill_size=chunk, max_extend_seqs=4, overlap=overlap,
                           disable_prefix_cache=not prefix)
     sched = Scheduler(cfg, eos_token_ids=[EOS])
     runner = FakeSplitRunner(sched, num_pages, 4, max_running + 1)
-    loop = MultiplexLoop(sched, runner, policy or IntervalPolicy(None, 0.0), overlap, interleave)
+    loop = MultiplexLoop(sched, runner, policy or IntervalPolicy(None, 0.0), overlap, interleave,
+                         fused)
     return sched, runner, loop
 
 
@@ -128,8 +146,11 @@ def _workload(seed=0):
         prompt = system + body if i % 3 == 0 else body
         reqs[i] = Req(rid=f"r{i}", prompt_ids=prompt,
                       sampling=SamplingParams(max_new_tokens=int(rng.integers(4, 20))))
+    # A lone short prompt late: a prefill small enough to run whole.
+    reqs[10] = Req(rid="r10", prompt_ids=[7, 8, 9, 10, 11],
+                   sampling=SamplingParams(max_new_tokens=6))
     arrivals = {0: [reqs[i] for i in range(4)], 3: [reqs[4], reqs[5]], 6: [reqs[6]],
-                9: [reqs[7], reqs[8], reqs[9]]}
+                9: [reqs[7], reqs[8], reqs[9]], 12: [reqs[10]]}
     want = {r.rid: reference_output(r.prompt_ids, r.sampling.max_new_tokens)
             for r in reqs.values()}
     return arrivals, want
@@ -138,11 +159,15 @@ def _workload(seed=0):
 @pytest.mark.parametrize("overlap", [True, False])
 @pytest.mark.parametrize("prefix", [True, False])
 @pytest.mark.parametrize("chunk", [None, 16])
-def test_multiplexed_tokens_equal_reference(overlap, prefix, chunk):
-    sched, runner, loop = _setup(chunk=chunk, overlap=overlap, prefix=prefix)
+@pytest.mark.parametrize("fused", [False, True])
+def test_multiplexed_tokens_equal_reference(overlap, prefix, chunk, fused):
+    sched, runner, loop = _setup(chunk=chunk, overlap=overlap, prefix=prefix, fused=fused)
     arrivals, want = _workload()
     assert _run(sched, loop, arrivals) == want
     assert runner.kv is not None and sched.allocator.num_used == sched.prefix_cache.num_pages
+    kinds = {k for k, _ in runner.log}
+    assert ("fused" in kinds) == fused
+    assert {"whole", "interval", "sample"} <= kinds  # small prefills run unsplit
 
 
 def test_decode_runs_between_intervals_of_a_long_prefill():
@@ -219,3 +244,29 @@ def test_pool_pressure_during_a_split_retracts_others_never_the_held():
     got = _run(sched, loop, {0: reqs[:3], 2: reqs[3:]})
     assert sched.stats().num_retractions > 0
     assert got == {r.rid: reference_output(r.prompt_ids, 20, ignore_eos=True) for r in reqs}
+
+
+def test_device_costs_charge_each_launch_its_own_device_time():
+    """Launches run in order: each is charged from when the device could start it."""
+    class Output:
+        def __init__(self, ready: threading.Event) -> None:
+            self.ready = ready
+
+        def block_until_ready(self) -> None:
+            self.ready.wait(5)
+
+    costs = DeviceCosts(smoothing=1.0)
+    first, second = threading.Event(), threading.Event()
+    costs.watch("a", Output(first))
+    costs.watch("b", Output(second), per=2)
+    time.sleep(0.05)
+    first.set()  # a ran ~50 ms
+    time.sleep(0.1)
+    second.set()  # b started when a finished and ran ~100 ms, over 2 layers
+    deadline = time.monotonic() + 5
+    while costs.get("b") is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert 0.04 <= costs.get("a") < 0.2
+    assert 0.04 <= costs.get("b") < 0.15  # ~0.1 s / 2
+    costs.record("a", 1.0)
+    assert costs.get("a") == 1.0 and set(costs.snapshot()) == {"a", "b"}

@@ -57,8 +57,9 @@ def tokenizer() -> Tokenizer:
 
 @functools.cache
 def tiny_runner() -> ModelRunner:
-    return Engine(ServerArgs(**BASE_ARGS), model=(CFG, tiny_params()),
-                  tokenizer=tokenizer()).runner
+    # Split-prefill executables too, for the multiplexing engines of test_server_load.
+    return Engine(ServerArgs(**BASE_ARGS, enable_split_prefill=True),
+                  model=(CFG, tiny_params()), tokenizer=tokenizer()).runner
 
 
 def tiny_engine(**overrides: Any) -> Engine:

@@ -67,10 +67,13 @@ def reference() -> list[Any]:
     return [eng.generate([p], sp)[0] for p in _prompts()]
 
 
-@pytest.fixture
-def live(reference) -> Iterator[LiveServer]:
-    """Function scope: one engine at a time on the shared runner (they share its KV pool)."""
-    engine = tiny_engine(max_running_requests=16, max_queued_requests=1024)
+@pytest.fixture(params=[{}, {"enable_multiplexing": True, "split_prefill_layers": 1}],
+                ids=["plain", "multiplexing"])
+def live(reference, request) -> Iterator[LiveServer]:
+    """Function scope: one engine at a time on the shared runner (they share its KV pool).
+    Multiplexed, prompts prefill one layer per iteration between decode steps, so a client
+    that hangs up before its first token (after=0) leaves in the middle of a split."""
+    engine = tiny_engine(max_running_requests=16, max_queued_requests=1024, **request.param)
     with LiveServer(lambda: engine, max_queued_requests=1024) as s:
         s.wait_ready()
         yield s
@@ -91,12 +94,15 @@ async def _complete(c: httpx.AsyncClient, prompt: str) -> list[int]:
 
 
 async def _hang_up(c: httpx.AsyncClient, prompt: str, after: int) -> None:
-    """Stream a chat completion and close the connection after `after` content chunks."""
+    """Stream a chat completion and close the connection after `after` content chunks
+    (0: as soon as the reply starts, while the prompt is still prefilling)."""
     body = {"messages": [{"role": "user", "content": prompt}], "stream": True,
             "max_tokens": HANG_UP_MAX_TOKENS, "temperature": 0, "ignore_eos": True}
     seen = 0
     async with c.stream("POST", "/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
+        if after == 0:
+            return
         async for line in r.aiter_lines():
             seen += '"content": "' in line and '"content": ""' not in line
             if seen >= after:
@@ -113,7 +119,7 @@ async def _run_load(url: str, prompts: list[str]) -> list[tuple[int, list[int]]]
     limits = httpx.Limits(max_connections=128)
     async with httpx.AsyncClient(base_url=url, headers=AUTH, timeout=120, limits=limits) as c:
         coros = [_complete(c, prompts[i]) if kind == "complete"
-                 else _hang_up(c, prompts[i], after=rng.randint(1, 5)) for kind, i in jobs]
+                 else _hang_up(c, prompts[i], after=rng.randint(0, 5)) for kind, i in jobs]
         results = await asyncio.gather(*coros)
     return [(i, out) for (kind, i), out in zip(jobs, results, strict=True)
             if kind == "complete"]

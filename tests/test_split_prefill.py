@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from models import llama
-from runtime.batch_builder import pack_rows
+from runtime.batch_builder import BucketShape, pack_rows
 from runtime.config import CacheConfig, RunnerConfig
 from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner, StepKey
@@ -26,7 +26,7 @@ PAGE = 4
 
 
 def test_interval_sizes_cover_any_remainder():
-    assert interval_sizes(30) == [1, 2, 4, 8, 16, 30]
+    assert interval_sizes(30) == [1, 2, 4, 8, 30]
     assert interval_sizes(9, fixed=7) == [1, 2, 4, 7, 8, 9]
     with pytest.raises(ValueError, match="split_prefill_layers=10"):
         interval_sizes(9, fixed=10)
@@ -46,10 +46,10 @@ def test_interval_sizes_cover_any_remainder():
                 ids=["cpu_kernels", "xla", "pallas"])
 def runner(request) -> ModelRunner:
     matmul, attention = request.param
-    rcfg = RunnerConfig(decode_buckets=(1,), extend_token_buckets=(64,), extend_seq_buckets=(1, 4),
+    rcfg = RunnerConfig(decode_buckets=(2,), extend_token_buckets=(64,), extend_seq_buckets=(1, 4),
                         kv_len_buckets=(64,), per_layer_weights=True, cpu_matmul=matmul,
                         attention_backend=attention, enable_split_prefill=True,
-                        split_prefill_layers=7, strict_compile=True)
+                        split_prefill_layers=7, multiplex_fused=True, strict_compile=True)
     r = ModelRunner(CFG, llama.init_params(CFG, jax.random.key(3)),
                     CacheConfig(page_size=PAGE, num_pages=80), rcfg, max_running_requests=4)
     r.warmup(progress=False)
@@ -130,3 +130,48 @@ def test_aborted_row_writes_only_the_padding_page(runner):
     np.testing.assert_array_equal(after_k[1:, :, pages], before_k[1:, :, pages])
     live = [p - 1 for p in rows[0].pages]
     assert not np.array_equal(after_k[1:, :, live], before_k[1:, :, live])
+
+
+@pytest.mark.parametrize("start,k", [(0, 4), (2, 4), (1, 8)])
+def test_fused_step_equals_decode_then_interval(runner, start, k):
+    """Decode rows through all layers and the split's [start, start + k) in one program
+    give the two calls' decode logits, split hidden state and pool."""
+    rows = _rows([20, 9], 0, 1, seed=4)
+    split = runner.start_split(ScheduleBatch(ForwardMode.EXTEND, rows, []))
+    while split.next_layer < start:
+        runner.run_interval(split, 1)
+    hidden0 = split.hidden
+    dec_rows = []
+    for i, row in enumerate(_rows([1, 1], 13, 30, seed=5)):
+        row.req.req_slot = 2 + i
+        dec_rows.append(row)
+    decode = ScheduleBatch(ForwardMode.DECODE, [], dec_rows)
+    dec_shape = runner.bucket_for(decode)
+    dec_arrays = pack_rows([], dec_rows, dec_shape, PAGE)
+    slots = runner._row_slots(decode, dec_shape)[0]
+    want_logits, runner.kv = runner._executables[StepKey(ForwardMode.DECODE, dec_shape)](
+        runner.params, runner.kv, runner.state.last_tokens, dec_arrays, slots)
+    want_hidden, runner.kv = runner.split.interval(runner.params, runner.kv, split, k)
+    want_pool = _pool(runner)
+    mixed = ScheduleBatch(ForwardMode.MIXED, rows, dec_rows)
+    shape = BucketShape(64, split.shape.num_extend_seqs, 2, dec_shape.num_pages_per_seq)
+    arrays = pack_rows(rows, dec_rows, shape, PAGE)
+    got_logits, got_hidden, runner.kv = runner.fused(
+        shape, k, runner.params, runner.kv, runner.state.last_tokens, hidden0, arrays,
+        runner._row_slots(mixed, shape)[0], np.int32(start))
+    np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5, rtol=0)
+    real = sum(len(r.input_ids) for r in rows)  # padding tokens' states mean nothing
+    np.testing.assert_allclose(np.asarray(got_hidden)[:real], np.asarray(want_hidden)[:real],
+                               atol=1e-5, rtol=0)
+    for got, want in zip(_pool(runner), want_pool, strict=True):
+        np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
+    assert runner.compiles_after_warmup == 0
+
+
+def test_launch_whole_is_the_extend_step(runner):
+    """A prefill below split_min_tokens runs whole under the SPLIT_PREFILL identity."""
+    rows = _rows([11, 6], 0, 1, seed=6)
+    plain = runner.launch(ScheduleBatch(ForwardMode.EXTEND, rows, [])).result()
+    whole = runner.launch(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, [])).result()
+    np.testing.assert_array_equal(whole.next_token_ids, plain.next_token_ids)
+    assert runner.can_split(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, []))

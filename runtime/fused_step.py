@@ -1,0 +1,97 @@
+"""The fused multiplexed step: one executable in which the decode rows run all L layers
+and a split prefill's tokens run layers [s, s + k) of the same layer loop, so for those k
+layers both share one read of the weights (decode rides the prefill interval, as MIXED
+batches ride a prefill chunk along the token axis). The alternative is two calls per
+iteration (a DECODE step, then an interval); runtime/multiplexing.py runs either.
+
+Layout: the inputs are a MIXED packing (the split's extend rows, then the decode rows) at
+the widest page table; the decode rows alone go through [0, s) and [s + k, L) in while
+loops (models.llama.run_layer_range) and join the prefill tokens for [s, s + k).
+
+Count: extend buckets x decode buckets x interval sizes below the depth, so it is opt-in
+(--multiplex_fused): at the default flags that is 6 x 6 x 5 = 180 executables.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from models import llama
+from runtime.batch_builder import BucketShape
+from runtime.config import ModelConfig
+from runtime.forward_batch import ForwardBatch, ForwardMode
+
+
+class FusedExecutables:
+    """Fused decode + interval programs for (extend bucket, decode bucket, k)."""
+
+    def __init__(self, cfg: ModelConfig, attention_backend: str, shapes: list[BucketShape],
+                 sizes: list[int]) -> None:
+        self.cfg, self.backend = cfg, attention_backend
+        self.shapes, self.sizes = shapes, [k for k in sizes if k < cfg.num_layers]
+        self._exe: dict[str, Callable] = {}
+
+    @property
+    def names(self) -> list[str]:
+        return [_name(s, k) for s in self.shapes for k in self.sizes]
+
+    def has(self, shape: BucketShape, k: int) -> bool:
+        return _name(shape, k) in self._exe
+
+    def lowerings(self, params: Any, kv: Any, last_tokens: Any,
+                  arrays_for: Callable[[BucketShape], dict], dtype: Any
+                  ) -> list[tuple[str, Callable[[], Any]]]:
+        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        out = []
+        for s in self.shapes:
+            hidden = jax.ShapeDtypeStruct((s.num_extend_tokens, self.cfg.hidden_size), dtype)
+            b = s.num_extend_seqs + s.num_decode_seqs
+            for k in self.sizes:
+                fn = self._fused(s, k)
+                out.append((_name(s, k), functools.partial(
+                    fn.lower, params, kv, last_tokens, hidden, arrays_for(s), i32(b), i32())))
+        return out
+
+    def install(self, compiled: dict[str, Callable]) -> None:
+        self._exe = {name: compiled[name] for name in self.names}
+
+    def __call__(self, shape: BucketShape, k: int, *args: Any) -> tuple[Any, Any, Any]:
+        return self._exe[_name(shape, k)](*args)
+
+    def _fused(self, shape: BucketShape, k: int) -> Callable:
+        cfg, backend = self.cfg, self.backend
+        te, be = shape.num_extend_tokens, shape.num_extend_seqs
+
+        def fused(params, kv, last_tokens, hidden, arrays, row_slots, start):
+            # Decode inputs of -1 are the tokens their slot sampled last (overlap).
+            dec_ids = arrays["input_ids"][te:]
+            dec_ids = jnp.where(dec_ids < 0, last_tokens[row_slots[be:]], dec_ids)  # [B_d]
+            mixed = ForwardBatch(**{**arrays, "input_ids": arrays["input_ids"].at[te:].set(
+                dec_ids)}, mode=ForwardMode.MIXED, num_extend_tokens=te, num_extend_seqs=be)
+            dec = ForwardBatch(
+                input_ids=dec_ids, positions=arrays["positions"][te:],
+                out_cache_loc=arrays["out_cache_loc"][te:], page_table=arrays["page_table"][be:],
+                seq_lens=arrays["seq_lens"][be:], query_start=arrays["query_start"][be:] - te,
+                logits_indices=arrays["logits_indices"][be:] - te, mode=ForwardMode.DECODE,
+                num_extend_tokens=0, num_extend_seqs=0)
+            h_dec = llama.embed(params, dec_ids)  # [B_d, D]
+            h_dec, kv = llama.run_layer_range(params, kv, h_dec, dec, cfg, jnp.int32(0), start,
+                                              backend)
+            h, kv = llama.run_layers(params, kv, jnp.concatenate([hidden, h_dec]), mixed, cfg,
+                                     start=start, num_layers=k, attention_backend=backend)
+            hidden, h_dec = h[:te], h[te:]  # [T_e, D], [B_d, D]
+            h_dec, kv = llama.run_layer_range(params, kv, h_dec, dec, cfg, start + k,
+                                              jnp.int32(cfg.num_layers), backend)
+            return llama.compute_logits(params, h_dec, dec.logits_indices, cfg), hidden, kv
+
+        return jax.jit(fused, donate_argnums=(1,))
+
+
+def _name(s: BucketShape, k: int) -> str:
+    return (f"fused/te{s.num_extend_tokens}_be{s.num_extend_seqs}_bd{s.num_decode_seqs}"
+            f"_np{s.num_pages_per_seq}_k{k}")

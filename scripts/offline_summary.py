@@ -1,0 +1,129 @@
+"""bench_offline.py's summary: medians over rounds, ratios paired within a round (the
+neighbours in time share the machine's load), the best round of each rate, and the
+targets. `w` is bench_offline.Workload (not imported: that module imports this one)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import bench_common as bc
+from offline_plots import rounds_values as _get
+
+# What the lead compares against (reported, never enforced).
+TARGETS = {"single_stream_vs_hf": 2.5, "throughput_vs_hf_batch_8": 3.0,
+           "throughput_vs_hf_batch_32": 1.5, "throughput_frac_compute": 0.5}
+# Issue 15: ahead of llama-server F32 at 8 concurrent, 2x at 32 and 64.
+LLAMA_TARGETS = {"c8_vs_llama_f32": 1.0, "c32_vs_llama_f32": 2.0, "c64_vs_llama_f32": 2.0}
+
+
+def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
+            den: tuple[str, ...]) -> float | None:
+    """Median over rounds of the within-round ratio (neighbours in time share the load)."""
+    ratios = [a / b for a, b in zip(_get(rounds, *num), _get(rounds, *den), strict=False)]
+    return bc.median(ratios) if ratios else None
+
+
+def _rate_paths(w: Any, with_hf: bool,
+                llama: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
+    """Summary name -> where each round records that rate (tokens/s)."""
+    paths = {"xlaserve_output_tok_s": ("xlaserve", "throughput", "output_tok_s"),
+             "xlaserve_total_tok_s": ("xlaserve", "throughput", "total_tok_s"),
+             "xlaserve_single_decode_tok_s": ("xlaserve", "single", "decode_tok_s")}
+    for c in w.concurrency:
+        paths[f"xlaserve_c{c}_output_tok_s"] = ("xlaserve", f"c{c}", "output_tok_s")
+    paths["xlaserve_prefill_tok_s"] = ("xlaserve", "prefill", "prefill_tok_s")
+    if with_hf:
+        paths["hf_prefill_tok_s"] = ("transformers", "prefill", "prefill_tok_s")
+    for v in llama:
+        paths[f"llama_{v}_prefill_tok_s"] = ("llama_server", v, "prefill", "prefill_tok_s")
+        paths[f"llama_{v}_single_decode_tok_s"] = ("llama_server", v, "single",
+                                                   "decode_tok_s")
+        for c in w.concurrency:
+            paths[f"llama_{v}_c{c}_output_tok_s"] = ("llama_server", v, f"c{c}",
+                                                     "output_tok_s")
+    if with_hf:
+        paths["hf_single_decode_tok_s"] = ("transformers", "single", "decode_tok_s")
+        for b in w.hf_batch_sizes:
+            for kind in ("output", "total"):
+                paths[f"hf_batch_{b}_{kind}_tok_s"] = ("transformers", f"batch_{b}",
+                                                       f"{kind}_tok_s")
+    return paths
+
+
+def _ratio_names(w: Any, with_hf: bool,
+                 llama: Sequence[str] = ()) -> dict[str, tuple[str, str]]:
+    """Ratio name -> (xlaserve rate, peer rate)."""
+    out = {}
+    if with_hf:
+        out["single_stream_vs_hf"] = ("xlaserve_single_decode_tok_s", "hf_single_decode_tok_s")
+        out["prefill_vs_hf"] = ("xlaserve_prefill_tok_s", "hf_prefill_tok_s")
+        for b in w.hf_batch_sizes:
+            out[f"throughput_vs_hf_batch_{b}"] = ("xlaserve_output_tok_s",
+                                                  f"hf_batch_{b}_output_tok_s")
+    for v in llama:
+        out[f"single_stream_vs_llama_{v}"] = ("xlaserve_single_decode_tok_s",
+                                              f"llama_{v}_single_decode_tok_s")
+        out[f"prefill_vs_llama_{v}"] = ("xlaserve_prefill_tok_s", f"llama_{v}_prefill_tok_s")
+        for c in w.concurrency:
+            out[f"c{c}_vs_llama_{v}"] = (f"xlaserve_c{c}_output_tok_s",
+                                         f"llama_{v}_c{c}_output_tok_s")
+    return out
+
+
+def _llama_variants(rounds: list[dict[str, Any]]) -> list[str]:
+    return list(rounds[0].get("llama_server", {}))
+
+
+def summarize(rounds: list[dict[str, Any]], w: Any, smoke: bool) -> dict[str, Any]:
+    """Medians over rounds (and ratios paired within rounds), plus the best round of each
+    rate: a neighbour can only slow a run down, so the best is the least disturbed one."""
+    with_hf = any("transformers" in rec for rec in rounds)
+    llama = _llama_variants(rounds)
+    paths = _rate_paths(w, with_hf, llama)
+    s: dict[str, Any] = {k: bc.median(_get(rounds, *p)) for k, p in paths.items()}
+    s["xlaserve_single_ttft_s"] = bc.median(_get(rounds, "xlaserve", "single", "ttft_s"))
+    s["throughput_gflops"] = bc.median(_get(rounds, "xlaserve", "throughput", "gflops"))
+    # The best probe is the machine's capability; a probe slowed by a neighbour would
+    # flatter the fraction.
+    s["matmul_gflops"] = max(_get(rounds, "roofline", "matmul_gflops"))
+    s["mem_read_gbps"] = max(_get(rounds, "roofline", "mem_read_gbps"))
+    s["throughput_frac_compute"] = s["throughput_gflops"] / s["matmul_gflops"]
+    s["best"] = {k: max(_get(rounds, *p)) for k, p in paths.items()}
+    s["best"]["throughput_frac_compute"] = (max(_get(rounds, "xlaserve", "throughput",
+                                                     "gflops")) / s["matmul_gflops"])
+    ratios: dict[str, float | None] = {}
+    ratios_best: dict[str, float] = {}
+    for name, (num, den) in _ratio_names(w, with_hf, llama).items():
+        ratios[name] = _paired(rounds, paths[num], paths[den])
+        ratios_best[name] = s["best"][num] / s["best"][den]
+    if with_hf and not smoke:  # the smoke models are two different random models
+        # transformers' min_new_tokens masks EOS, so they part at the first EOS at the latest.
+        s["single_greedy_agree_prefix"] = bc.common_prefix(
+            rounds[0]["xlaserve"]["single"]["output_ids"],
+            rounds[0]["transformers"]["single"]["output_ids"])
+    s["ratios"], s["ratios_best"] = ratios, ratios_best
+    values = {**ratios, "throughput_frac_compute": s["throughput_frac_compute"]}
+    best = {**ratios_best, "throughput_frac_compute": s["best"]["throughput_frac_compute"]}
+    targets = dict(TARGETS)
+    if "f32" in llama:
+        targets.update({k: t for k, t in LLAMA_TARGETS.items() if k in ratios})
+    s["targets"] = {k: {"target": t, "value": values.get(k), "value_best": best.get(k),
+                        "met": values.get(k) is not None and values[k] >= t}
+                    for k, t in targets.items()}
+    return s
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    bc.log("summary (medians over rounds):")
+    for k, v in s.items():
+        if not isinstance(v, dict):
+            best = s["best"].get(k)
+            text = f"{v:.4g}" if isinstance(v, float) else str(v)
+            print(f"  {k:<32} {text:>8}" + (f"   best round {best:.4g}" if best else ""))
+    for k, t in s["targets"].items():
+        val = "n/a" if t["value"] is None else f"{t['value']:.3g}"
+        best = "n/a" if t["value_best"] is None else f"{t['value_best']:.3g}"
+        print(f"  target {k:<28} {val:>8} (best rounds {best:>6}; want >= {t['target']}) "
+              f"{'MET' if t['met'] else 'not met'}")
+
