@@ -20,6 +20,7 @@ from runtime.exec_trace import ExecutionTrace, SplitInterval, StepRecord, TboSpl
 from runtime.model_runner import ModelRunner
 from runtime.perfetto import TraceDirWriter, chrome_trace, write_chrome_trace
 from runtime.request import SamplingParams
+from tests import test_multiplexing as mux
 from tests.model_utils import TINY
 from tests.trace_utils import check_chrome_trace, lanes, make_record
 
@@ -282,3 +283,30 @@ def test_multiplexing_interleaves_intervals_with_decode_steps(runner):
     assert meta["prefill_intervals"] == CFG.num_layers
     assert meta["steps_by_mode"]["split_prefill"] == CFG.num_layers + 1  # + its sampling
     assert meta["steps_by_mode"]["decode"] == SP.max_new_tokens - 1
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_multiplex_loop_records_every_launch(fused):
+    """Host only, the fake split runner: one record per launch, of the right kind; a fused
+    launch is one decode record carrying its interval and naming the prefill's rows."""
+    sched, runner, loop = mux._setup(fused=fused)
+    loop.trace = ExecutionTrace()
+    arrivals, want = mux._workload()
+    assert mux._run(sched, loop, arrivals) == want
+    kinds = []
+    for kind, _ in runner.log:  # a fused launch logs its interval too: one launch
+        if not (kind == "interval" and kinds and kinds[-1] == "fused"):
+            kinds.append(kind)
+    steps = loop.trace.steps()
+    expect = {"decode": ("decode", False), "fused": ("decode", True),
+              "interval": ("split_prefill", True), "sample": ("split_prefill", False),
+              "whole": ("split_prefill", False)}
+    assert [(s.mode, s.split is not None) for s in steps] == [expect[k] for k in kinds]
+    assert ("fused" in kinds) == fused
+    by_step = {s.step: s for s in steps}
+    for s in steps:
+        assert s.ready is not None and s.device_start <= s.ready
+        if s.split is not None and s.mode == "decode":  # fused
+            assert s.split.rids and not set(s.split.rids) & set(s.rids)
+        elif s.split is not None and s.split.decode_step is not None:
+            assert by_step[s.split.decode_step].mode == "decode"
