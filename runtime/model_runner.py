@@ -37,6 +37,7 @@ from runtime.executable_budget import (
     check_budget,
     compile_all,
     footprint,
+    release_freed_heap,
 )
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.fused_step import FusedExecutables
@@ -259,6 +260,7 @@ class ModelRunner:
             split.hidden, self.kv = self.split.interval(self.params, self.kv, split, 1)
             self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, shape), split.hidden)
         jax.block_until_ready(self.kv)
+        release_freed_heap()  # the runs' temporary buffers, as after each compilation
 
     def _padding_inputs(self, shape: BucketShape) -> tuple[dict[str, np.ndarray], np.ndarray]:
         b = shape.num_extend_seqs + shape.num_decode_seqs

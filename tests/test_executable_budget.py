@@ -32,7 +32,7 @@ def _runner(**kw) -> ModelRunner:
 
 
 def _counts(r: ModelRunner) -> dict[str, int]:
-    return {p.name: p.count for p in r.plan()}
+    return {p.name: p.count for p in r.plan() if p.count or p.name == "MIXED"}
 
 
 def test_plan_counts_follow_the_attention_backend():
@@ -115,3 +115,13 @@ def test_documented_flag_combinations_start_and_agree(tmp_path):
     assert combos["default"]["maps_share_of_limit"] < 0.25
     assert all(c["compiles_after_warmup"] == 0 for c in combos.values())
     assert combos["mixed"]["per_kind"]["mixed"]["count"] > 0
+
+
+def test_split_and_fused_programs_are_counted():
+    r = _runner(attention_backend="cpu", cpu_matmul="packed", enable_split_prefill=True,
+                multiplex_fused=True, split_min_tokens=256)
+    counts = _counts(r)
+    # Only the 256-token buckets split: 2 rows x 2 widths x sizes {1, 2, 3} of 3 layers,
+    # + embed 256 + heads (256, 1), (256, 4); fused: 2 x 3 decode buckets x {1, 2}.
+    assert counts["SPLIT_PREFILL"] == 2 * 2 * 3 + 1 + 2
+    assert counts["FUSED"] == 2 * 3 * 2
