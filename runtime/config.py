@@ -321,3 +321,7 @@ class ServerArgs:
     split_prefill_min_tokens: int = 256  # smaller prefill buckets run whole, unsplit
     multiplex_itl_target_ms: float = 0.0  # 0: twice the running batch's decode step
     multiplex_fused: bool = False  # one fused executable per iteration, not two calls
+    # Execution trace (runtime/exec_trace.py): steps and finished requests kept in its
+    # ring (0: off), and where the server writes Chrome trace / Perfetto JSON (None: not).
+    trace_buffer_steps: int = 4096
+    trace_dir: str | None = None

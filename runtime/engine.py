@@ -5,6 +5,8 @@
 
 `step()` is one scheduler iteration. With overlap scheduling (the default) it launches
 batch N+1 before reading back batch N, so host scheduling hides behind device work.
+`engine.trace` (runtime/exec_trace.py) records every step's path and timing, and each
+finished request's meta_info says which steps it took part in.
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ import jax
 
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
 from runtime.engine_setup import load_model, runner_config, serving_mesh, size_kv_pool
-from runtime.model_runner import ModelRunner, PendingStep
+from runtime.exec_trace import ExecutionTrace
+from runtime.model_runner import ModelRunner
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.request import Req, SamplingParams
 from runtime.scheduler import ReqEvent, Scheduler
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
+from runtime.traced_launch import TracedStep, launch_traced, read_back
 
 logger = logging.getLogger(__name__)
 
@@ -67,26 +71,33 @@ class _Tracked:
 
 class StepLoop:
     """The plain engine loop: one scheduler batch per iteration. With overlap it launches
-    batch N+1 before it reads back batch N, so host scheduling hides behind device work."""
+    batch N+1 before it reads back batch N, so host scheduling hides behind device work.
+    Every step goes into `trace`."""
 
-    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool) -> None:
+    def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool,
+                 trace: ExecutionTrace) -> None:
         self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
-        self._pending: PendingStep | None = None
+        self.trace = trace
+        self._pending: TracedStep | None = None
 
     @property
     def has_pending(self) -> bool:
         return self._pending is not None
 
     def step(self) -> list[ReqEvent]:
+        t0 = time.perf_counter()
         batch = self.scheduler.next_batch()
-        launched = self.runner.launch(batch) if batch is not None else None
+        launched = (launch_traced(self.trace, self.runner, batch, t0)
+                    if batch is not None else None)
         if self.overlap:
             done, self._pending = self._pending, launched
         else:
             done = launched
         if done is None:
             return []
-        return self.scheduler.process_results(done.batch, done.result())
+        events = self.scheduler.process_results(done.pending.batch, read_back(self.trace, done))
+        self.trace.processed(done.record, time.perf_counter())
+        return events
 
 
 class Engine:
@@ -138,6 +149,9 @@ class Engine:
             eos_token_ids=eos,
             decode_fn=tokenizer.decode if tokenizer else None,
         )
+        self.trace = ExecutionTrace(args.trace_buffer_steps)
+        self._profile_dir: str | None = None
+        self._profile_start = 0.0
         overlap = not args.disable_overlap_schedule
         if args.enable_multiplexing or args.enable_split_prefill:
             if runner.split is None:
@@ -147,9 +161,9 @@ class Engine:
                                     args.multiplex_itl_target_ms / 1000)
             self.loop: StepLoop | MultiplexLoop = MultiplexLoop(
                 self.scheduler, runner, policy, overlap, interleave=args.enable_multiplexing,
-                fused=args.multiplex_fused)
+                fused=args.multiplex_fused, trace=self.trace)
         else:
-            self.loop = StepLoop(self.scheduler, runner, overlap)
+            self.loop = StepLoop(self.scheduler, runner, overlap, self.trace)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
 
@@ -173,13 +187,15 @@ class Engine:
         rid = rid or f"req-{next(self._ids)}"
         req = Req(rid=rid, prompt_ids=ids, sampling=sampling)
         self.scheduler.add(req)
-        self._tracked[rid] = _Tracked(req, self.tokenizer)
+        tracked = self._tracked[rid] = _Tracked(req, self.tokenizer)
+        self.trace.add_request(rid, tracked.created)
         return rid
 
     def abort(self, rid: str) -> None:
         """Abort a request wherever it is; its pages are freed at once."""
         self.scheduler.abort(rid)
-        self._tracked.pop(rid, None)
+        if self._tracked.pop(rid, None) is not None:
+            self.trace.finish_request(rid, time.perf_counter())
 
     # ---- the loop ------------------------------------------------------------------------
 
@@ -189,7 +205,10 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """One loop iteration: launch its work, read back the previous one (overlap) or
         this one, and turn the events into outputs."""
-        return [self._output(e) for e in self.loop.step()]
+        outputs = [self._output(e) for e in self.loop.step()]
+        if not self.has_work():
+            self.trace.end_busy_period()
+        return outputs
 
     def _output(self, event: ReqEvent) -> RequestOutput:
         t = self._tracked[event.req.rid]
@@ -207,6 +226,11 @@ class Engine:
                                 "prefill_intervals": req.prefill_intervals}
         if event.finished:
             self._tracked.pop(req.rid, None)
+            meta["retracted"] = req.num_retractions > 0
+            meta["num_retractions"] = req.num_retractions
+            meta.update(self.trace.finish_request(
+                req.rid, now, first_token=t.first_token, num_retractions=req.num_retractions,
+                cached_tokens=req.cached_tokens))
             reason = req.finish_reason
             meta["finish_reason"] = reason.to_json() if reason else None
             meta["e2e_latency"] = now - t.created
@@ -217,6 +241,36 @@ class Engine:
                 meta["output_top_logprobs"] = list(req.output_top_logprobs)
         return RequestOutput(rid=req.rid, text=text, output_ids=list(req.output_ids),
                              finished=event.finished, delta=delta, meta_info=meta)
+
+    # ---- profiling -----------------------------------------------------------------------
+
+    @property
+    def profiling(self) -> bool:
+        return self._profile_dir is not None
+
+    def start_profile(self, output_dir: str) -> None:
+        """Start a jax.profiler trace into output_dir (opens in TensorBoard / Perfetto).
+        ValueError if one is already running or the profiler refuses."""
+        if self._profile_dir is not None:
+            raise ValueError(f"a profile is already running (into {self._profile_dir})")
+        os.makedirs(output_dir, exist_ok=True)
+        try:
+            jax.profiler.start_trace(output_dir)
+        except RuntimeError as e:  # e.g. another profile in this process
+            raise ValueError(f"cannot start the profiler: {e}") from e
+        self._profile_dir = output_dir
+        self._profile_start = time.perf_counter()
+
+    def stop_profile(self) -> tuple[str, float]:
+        """Stop the profile; returns its directory and start time (perf_counter)."""
+        if self._profile_dir is None:
+            raise ValueError("no profile is running: start one first")
+        out, self._profile_dir = self._profile_dir, None
+        try:
+            jax.profiler.stop_trace()
+        except RuntimeError as e:  # stopped behind our back (another user in this process)
+            raise ValueError(f"cannot stop the profiler: {e}") from e
+        return out, self._profile_start
 
     # ---- conveniences --------------------------------------------------------------------
 

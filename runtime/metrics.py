@@ -1,25 +1,23 @@
-"""Server observability: Prometheus metrics (prefix `xlaserve_`) and the execution-path trace.
+"""Server observability: Prometheus metrics (prefix `xlaserve_`).
 
 Each server owns a `ServerMetrics` with its own registry, so several servers (tests) can
 live in one process. Counters and histograms are updated as events happen (by the engine
 thread and the HTTP front end; prometheus_client is thread-safe); gauges that describe
-the scheduler's state are read at scrape time from the last published `SchedulerStats`.
+the scheduler's state are read at scrape time from the last published `SchedulerStats`,
+and step counts and device bubbles from the engine's execution trace
+(runtime/exec_trace.py).
 """
 
 from __future__ import annotations
 
-import collections
-import dataclasses
-import threading
-import time
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from runtime.compile_counter import compile_counter
+from runtime.exec_trace import ExecutionTrace
 from runtime.executable_budget import footprint
 from runtime.scheduler import SchedulerStats
 
@@ -51,9 +49,8 @@ class ServerMetrics:
                              "of one request", buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram(f"{PREFIX}e2e_request_latency_seconds", "Arrival to finish",
                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.forward_steps = Counter(f"{PREFIX}forward_steps", "Forward steps launched by mode",
-                                     ["mode"], registry=r)
         self.stats: SchedulerStats | None = None
+        self.trace: ExecutionTrace | None = None  # the engine's, once it is up
         self.compiles_after_warmup = 0
         self.executables = 0  # compiled by the model runner's warm-up
         r.register(_SchedulerCollector(self))
@@ -63,7 +60,8 @@ class ServerMetrics:
 
 
 class _SchedulerCollector(Collector):
-    """Scrape-time values: queue lengths, KV pool use, prefix-cache hits, compilations."""
+    """Scrape-time values: queue lengths, KV pool use, prefix-cache hits, compilations,
+    forward steps and device bubbles by mode."""
 
     def __init__(self, metrics: ServerMetrics) -> None:
         self._metrics = metrics
@@ -77,6 +75,8 @@ class _SchedulerCollector(Collector):
                                    "since the model runner's warm-up (must stay 0)")
         late.add_metric([], self._metrics.compiles_after_warmup)
         yield late
+        if self._metrics.trace is not None:
+            yield from _trace_metrics(self._metrics.trace)
         # What the executables cost: each one maps memory and the kernel caps the count
         # (runtime/executable_budget.py), so the headroom is worth watching.
         fp = footprint()
@@ -108,35 +108,27 @@ class _SchedulerCollector(Collector):
                                   "for lack of KV pages", value=s.num_retractions)
 
 
-@dataclasses.dataclass(frozen=True)
-class TraceStep:
-    """One launched forward: its mode, its rows, and the bucket shape it was padded to."""
-
-    step: int
-    time: float
-    mode: str
-    extend_rows: int
-    decode_rows: int
-    extend_tokens: int
-    bucket: dict[str, int]
-
-
-class ExecutionTrace:
-    """The last `maxlen` forward steps, appended by the engine thread, read by HTTP."""
-
-    def __init__(self, maxlen: int = 1024) -> None:
-        self._steps: collections.deque[TraceStep] = collections.deque(maxlen=maxlen)
-        self._lock = threading.Lock()
-        self._count = 0
-
-    def record(self, mode: str, extend_rows: int, decode_rows: int, extend_tokens: int,
-               bucket: dict[str, int]) -> None:
-        with self._lock:
-            self._steps.append(TraceStep(self._count, time.time(), mode, extend_rows,
-                                         decode_rows, extend_tokens, bucket))
-            self._count += 1
-
-    def last(self, n: int) -> list[dict[str, Any]]:
-        with self._lock:
-            steps = list(self._steps)[-n:] if n > 0 else []
-        return [dataclasses.asdict(s) for s in steps]
+def _trace_metrics(trace: ExecutionTrace) -> Iterator[Metric]:
+    steps = CounterMetricFamily(f"{PREFIX}forward_steps", "Forward steps launched by mode",
+                                labels=["mode"])
+    for mode, n in sorted(trace.step_counts().items()):
+        steps.add_metric([mode], n)
+    yield steps
+    busy = CounterMetricFamily(f"{PREFIX}device_busy_seconds", "Device time of forward "
+                               "steps (launch or previous ready, to ready) by mode",
+                               labels=["mode"])
+    idle = CounterMetricFamily(f"{PREFIX}device_idle_seconds", "Device bubbles: idle time "
+                               "before a step while work was queued, charged to that step's "
+                               "mode", labels=["mode"])
+    frac = GaugeMetricFamily(f"{PREFIX}device_bubble_fraction", "idle / (busy + idle) by "
+                             "mode; mode=\"all\" over every step", labels=["mode"])
+    host = CounterMetricFamily(f"{PREFIX}device_host_bound_steps", "Steps the device had "
+                               "finished before the host read them back: their bubbles are "
+                               "not measured, so the fraction is a lower bound",
+                               labels=["mode"])
+    for mode, b in trace.bubbles().items():
+        busy.add_metric([mode], b["busy_s"])
+        idle.add_metric([mode], b["idle_s"])
+        frac.add_metric([mode], b["fraction"])
+        host.add_metric([mode], b["host_bound_steps"])
+    yield from (busy, idle, frac, host)

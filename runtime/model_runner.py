@@ -59,6 +59,10 @@ class PendingStep:
         # order: padded-row index of each real row (extend rows, then decode rows).
         self.batch, self.out, self._order, self._top_n = batch, out, order, top_n
 
+    def is_ready(self) -> bool:
+        """Whether the device has finished this step (readback would not block)."""
+        return self.out.next_tokens.is_ready()
+
     def result(self) -> StepOutput:
         out = jax.device_get(self.out)
         o = self._order

@@ -22,33 +22,33 @@ beyond the split-prefill set) or, with --multiplex_fused, one executable in whic
 decode rows run all layers and the prefill tokens the interval's layers of the same loop,
 sharing those layers' weight reads (runtime/fused_step.py). Which is the default is
 decided by measurement (docs/multiplexing.md).
+
+Every launch goes into the engine's execution trace (runtime/exec_trace.py): decode
+steps, each interval with the decode step it shared its iteration with, a fused step as
+one decode record carrying its interval, and the prefill's sampling step.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
-from runtime.schedule_batch import ScheduleBatch, StepOutput
+from runtime.exec_trace import ExecutionTrace, SplitInterval, step_record
+from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler
 from runtime.split_prefill import SplitPrefill, next_interval
+from runtime.traced_launch import Pending, TracedRunner, TracedStep, launch_traced, read_back
 
 
-class _Pending(Protocol):
-    batch: ScheduleBatch
-
-    def result(self) -> StepOutput: ...
-
-
-class SplitRunner(Protocol):
+class SplitRunner(TracedRunner, Protocol):
     """What the loop needs of a runner (ModelRunner, or a fake in tests)."""
 
-    def launch(self, batch: ScheduleBatch) -> _Pending: ...
     def can_split(self, batch: ScheduleBatch) -> bool: ...
     def start_split(self, batch: ScheduleBatch) -> SplitPrefill: ...
     def run_interval(self, split: SplitPrefill, k: int) -> None: ...
-    def finish_split(self, split: SplitPrefill) -> _Pending: ...
+    def finish_split(self, split: SplitPrefill) -> Pending: ...
     def launch_fused(self, decode: ScheduleBatch, split: SplitPrefill,
-                     k: int) -> _Pending | None: ...
+                     k: int) -> Pending | None: ...
     def step_cost(self, batch: ScheduleBatch) -> float | None: ...
     def layer_cost(self, split: SplitPrefill) -> float | None: ...
     @property
@@ -81,11 +81,13 @@ class MultiplexLoop:
     the runner has one for the shapes (runtime/fused_step.py), else as two calls."""
 
     def __init__(self, scheduler: Scheduler, runner: SplitRunner, policy: IntervalPolicy,
-                 overlap: bool, interleave: bool = True, fused: bool = False) -> None:
+                 overlap: bool, interleave: bool = True, fused: bool = False,
+                 trace: ExecutionTrace | None = None) -> None:
         self.scheduler, self.runner, self.policy = scheduler, runner, policy
         self.overlap, self.interleave, self.fused = overlap, interleave, fused
+        self.trace = trace if trace is not None else ExecutionTrace(capacity=0)
         self.split: SplitPrefill | None = None
-        self._pending: list[_Pending] = []
+        self._pending: list[TracedStep] = []
         self.last_intervals: list[tuple[int, int]] = []  # of the latest iteration
 
     @property
@@ -95,20 +97,22 @@ class MultiplexLoop:
     def step(self) -> list[ReqEvent]:
         """One iteration; returns the events of the launches it read back."""
         sched = self.scheduler
-        launched: list[_Pending] = []
+        t0 = time.perf_counter()
+        launched: list[TracedStep] = []
         if self.split is None:
             batch = sched.next_prefill()
             if batch is not None and self.runner.can_split(batch):
                 self.split = self.runner.start_split(batch)
             elif batch is not None:  # too small to be worth splitting: one call
-                launched.append(self.runner.launch(batch))
+                launched.append(launch_traced(self.trace, self.runner, batch, t0))
                 sched.release_prefill()
+                t0 = time.perf_counter()
         decode = sched.next_decode() if self.interleave or self.split is None else None
         self.last_intervals = []
-        launched += self._launch(decode)
+        launched += self._launch(decode, t0)
         if self.split is not None and self.split.done:
             split, self.split = self.split, None
-            launched.append(self.runner.finish_split(split))
+            launched.append(self._finish(split))
             sched.release_prefill()
         if self.overlap:
             ready, self._pending = self._pending, launched
@@ -116,35 +120,74 @@ class MultiplexLoop:
             ready = launched
         events: list[ReqEvent] = []
         for p in ready:
-            events += sched.process_results(p.batch, p.result())
+            events += sched.process_results(p.pending.batch, read_back(self.trace, p))
+            self.trace.processed(p.record, time.perf_counter())
         return events
 
-    def _launch(self, decode: ScheduleBatch | None) -> list[_Pending]:
-        """This iteration's decode step and interval(s) of the split in flight."""
+    def _launch(self, decode: ScheduleBatch | None, t0: float) -> list[TracedStep]:
+        """This iteration's decode step and interval(s) of the split in flight; t0: when
+        its scheduling began."""
         split, sizes = self.split, self.runner.interval_sizes
         if split is None:
-            return [self.runner.launch(decode)] if decode is not None else []
+            return [launch_traced(self.trace, self.runner, decode, t0)] if decode else []
         if decode is None:
             while not split.done:  # nothing to interleave with: run it all now
                 want = self.policy.fixed or split.remaining
-                self._run(split, next_interval(split.remaining, want, sizes))
+                self._run(split, next_interval(split.remaining, want, sizes), None)
             return []
         want = self.policy.layers(split.remaining, self.runner.step_cost(decode),
                                   self.runner.layer_cost(split))
         k = next_interval(split.remaining, want, sizes)
         if self.fused:
-            start = split.next_layer
-            fused = self.runner.launch_fused(decode, split, k)
+            fused = self._launch_fused(decode, split, k, t0)
             if fused is not None:
-                self._count(split, start, k)
                 return [fused]
-        pending = self.runner.launch(decode)
-        self._run(split, k)
+        pending = launch_traced(self.trace, self.runner, decode, t0)
+        self._run(split, k, pending.record.step)
         return [pending]
 
-    def _run(self, split: SplitPrefill, k: int) -> None:
-        self._count(split, split.next_layer, k)
+    def _launch_fused(self, decode: ScheduleBatch, split: SplitPrefill, k: int,
+                      t0: float) -> TracedStep | None:
+        """The fused executable, recorded as one decode step carrying the interval."""
+        start, index, sched_end = split.next_layer, len(split.intervals), time.perf_counter()
+        fused = self.runner.launch_fused(decode, split, k)
+        if fused is None:
+            return None
+        self._count(split, start, k)
+        interval = self._interval(split, start, k, index, None,
+                                  rids=tuple(r.req.rid for r in split.batch.extend_rows))
+        rec = step_record(decode, self.runner.bucket_for(decode), t0, sched_end,
+                          time.perf_counter(), self.runner.compiles_after_warmup,
+                          split=interval)
+        return TracedStep(fused, self.trace.record(rec))
+
+    def _run(self, split: SplitPrefill, k: int, decode_step: int | None) -> None:
+        t0, start, index = time.perf_counter(), split.next_layer, len(split.intervals)
+        self._count(split, start, k)
         self.runner.run_interval(split, k)
+        # Nobody reads an interval back: the trace places its end by the measured cost.
+        per_layer = self.runner.layer_cost(split)
+        self.trace.record(step_record(
+            split.batch, split.shape, t0, t0, time.perf_counter(),
+            self.runner.compiles_after_warmup,
+            split=self._interval(split, start, k, index, decode_step),
+            est_device_s=None if per_layer is None else per_layer * k))
+
+    def _finish(self, split: SplitPrefill) -> TracedStep:
+        """The prefill's logits and sampling, after its last interval."""
+        t0 = time.perf_counter()
+        pending = self.runner.finish_split(split)
+        rec = step_record(split.batch, split.shape, t0, t0, time.perf_counter(),
+                          self.runner.compiles_after_warmup)
+        return TracedStep(pending, self.trace.record(rec))
+
+    @staticmethod
+    def _interval(split: SplitPrefill, start: int, k: int, index: int,
+                  decode_step: int | None, rids: tuple[str, ...] | None = None
+                  ) -> SplitInterval:
+        return SplitInterval(prefill_id=split.batch.extend_rows[0].req.rid, interval=index,
+                             start_layer=start, num_layers=k, total_layers=split.num_layers,
+                             decode_step=decode_step, rids=rids)
 
     def _count(self, split: SplitPrefill, start: int, k: int) -> None:
         self.last_intervals.append((start, k))

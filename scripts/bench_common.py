@@ -34,7 +34,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from runtime.config import ModelConfig  # noqa: E402
+from runtime.config import ModelConfig, ServerArgs  # noqa: E402
 
 # A random model small enough that --smoke / --tiny runs compile and run in seconds.
 TINY_CONFIG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -218,6 +218,15 @@ def roofline_fractions(flops: float, nbytes: float, secs: float,
 def tiny_model() -> tuple[ModelConfig, dict]:
     from models import llama
     return TINY_CONFIG, llama.init_params(TINY_CONFIG, jax.random.key(0))
+
+
+def smoke_args(base: ServerArgs, kv_len: int = 64) -> ServerArgs:
+    """Few buckets for a --smoke run on tiny_model() (each bucket is a compile); the
+    scheduler's token budget fits the largest."""
+    return dataclasses.replace(base, max_running_requests=4, decode_buckets=(4,),
+                               extend_token_buckets=(64,), kv_len_buckets=(kv_len,),
+                               max_prefill_tokens=64, chunked_prefill_size=64,
+                               max_extend_seqs=4)
 
 
 def model_summary(cfg: ModelConfig, name: str, dtype: str) -> dict[str, Any]:

@@ -82,6 +82,11 @@ flags.DEFINE_bool("per_layer_weights", None, "layer weights as per-layer buffers
 flags.DEFINE_enum("cpu_matmul", None, ["packed", "xla"], "CPU matmuls: our kernel over "
                   "weights packed at load, or XLA's dot (default: packed where it builds: "
                   "x86-64 with AVX-512 and a C++ compiler)")
+flags.DEFINE_string("trace_dir", None, "write the execution trace as Chrome trace / "
+                    "Perfetto JSON here (ui.perfetto.dev), a file each time the ring fills "
+                    "and one at shutdown; also the default /start_profile folder")
+flags.DEFINE_integer("trace_buffer_steps", _D.trace_buffer_steps, "forward steps (and "
+                     "finished requests) the execution trace keeps; 0 turns it off")
 
 flags.DEFINE_integer("tp", _D.tp, "tensor-parallel devices (must divide the query and KV "
                      "heads); on a mesh attention and matmuls run through XLA")
@@ -121,7 +126,8 @@ def server_args() -> ServerArgs:
         enable_multiplexing=FLAGS.enable_multiplexing,
         multiplex_itl_target_ms=FLAGS.multiplex_itl_target_ms,
         multiplex_fused=FLAGS.multiplex_fused,
-        split_prefill_min_tokens=FLAGS.split_prefill_min_tokens)
+        split_prefill_min_tokens=FLAGS.split_prefill_min_tokens,
+        trace_dir=FLAGS.trace_dir or None, trace_buffer_steps=FLAGS.trace_buffer_steps)
 
 
 def main(argv: list[str]) -> None:

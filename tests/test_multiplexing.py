@@ -35,6 +35,9 @@ class _Done:
     def result(self) -> StepOutput:
         return self._out
 
+    def is_ready(self) -> bool:
+        return True
+
 
 class FakeSplitRunner(FakeRunner):
     """FakeRunner plus the split-prefill launches; `log` records every launch in order."""
@@ -45,6 +48,10 @@ class FakeSplitRunner(FakeRunner):
         self.sched, self.log = sched, []
         self.costs = (decode_cost, layer_cost)
         self.interval_sizes = interval_sizes(LAYERS)
+        self.compiles_after_warmup = 0
+
+    def bucket_for(self, batch: ScheduleBatch) -> None:
+        return None  # the fake pads nothing
 
     def launch(self, batch: ScheduleBatch) -> _Done:
         self.log.append(("decode", len(batch.decode_rows)) if batch.decode_rows

@@ -1,5 +1,6 @@
-"""The FastAPI app, its operational routes (/health, /metrics, /debug/trace), bearer-token
-auth, and `serve()`: uvicorn in the main thread, the engine on its own thread.
+"""The FastAPI app, its operational routes (/health, /metrics; the debug routes are in
+debug_api.py), bearer-token auth, and `serve()`: uvicorn in the main thread, the engine
+on its own thread.
 
 Start-up order: uvicorn listens at once and /health answers 503 while the engine thread
 loads and compiles; it turns 200 when warm-up is done. On SIGTERM / SIGINT uvicorn stops
@@ -11,25 +12,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import hmac
 import logging
 import os
 import signal
 from collections.abc import AsyncIterator, Callable
-from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Query
+from fastapi import FastAPI
 from fastapi.responses import JSONResponse, Response
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runtime.config import ServerArgs
 from runtime.engine import Engine
-from runtime.metrics import CONTENT_TYPE, ExecutionTrace, ServerMetrics
-from runtime.server import native_api, openai_api
+from runtime.metrics import CONTENT_TYPE, ServerMetrics
+from runtime.server import debug_api, native_api, openai_api
 from runtime.server.engine_loop import EngineLoop
 from runtime.server.errors import error_body, install_error_handlers
 from runtime.server.serving import RETRY_AFTER_S, ServerContext
@@ -76,6 +75,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
         app.add_middleware(BearerAuth, api_key=ctx.api_key, metrics=ctx.metrics)
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
+    app.include_router(debug_api.router)
 
     @app.get("/health")
     async def health() -> Response:
@@ -88,16 +88,6 @@ def create_app(ctx: ServerContext) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/debug/trace")
-    async def trace(n: int = Query(64, ge=0, le=4096)) -> dict[str, Any]:
-        """The last n forward steps (mode, rows, bucket shape) and the scheduler state."""
-        stats = ctx.metrics.stats
-        engine = ctx.engine_loop.engine
-        counts = dict(engine.runner.step_counts) if engine else {}
-        return {"steps": ctx.trace.last(n),
-                "step_counts": {mode.value: c for mode, c in counts.items()},
-                "scheduler": dataclasses.asdict(stats) if stats else None}
 
     return app
 
@@ -112,15 +102,15 @@ def build_server(args: ServerArgs, engine_factory: Callable[[], Engine] | None =
                  served_model_name: str | None = None,
                  log_level: str = "info") -> tuple[uvicorn.Server, ServerContext]:
     """The uvicorn server and its context, not started (tests run it in a thread)."""
-    metrics, trace = ServerMetrics(), ExecutionTrace()
+    metrics = ServerMetrics()
     holder: list[uvicorn.Server] = []
 
     def on_fatal() -> None:  # the engine cannot serve: let uvicorn shut down
         holder[0].should_exit = True
 
-    loop = EngineLoop(engine_factory or functools.partial(Engine, args), metrics, trace,
+    loop = EngineLoop(engine_factory or functools.partial(Engine, args), metrics,
                       on_ready=functools.partial(log_ready, args), on_fatal=on_fatal)
-    ctx = ServerContext(loop, metrics, trace, served_model_name or model_name(args),
+    ctx = ServerContext(loop, metrics, served_model_name or model_name(args),
                         args.api_key, args.max_queued_requests)
     config = uvicorn.Config(create_app(ctx), host=args.host, port=args.port,
                             log_level=log_level, access_log=False,

@@ -3,7 +3,9 @@
 The Engine is not thread-safe, and a step blocks on the device, so it runs on a thread of
 its own. The asyncio front end talks to it through a command queue (add / abort / stop);
 results flow back through `loop.call_soon_threadsafe`, one callback per engine step, into
-each HTTP request's `RequestGroup`. The front end never waits on the engine thread.
+each HTTP request's `RequestGroup`. The front end never waits on the engine thread. Other
+engine calls (the profiler) go through the same queue as `_Control` commands and answer
+through a future.
 """
 
 from __future__ import annotations
@@ -18,10 +20,9 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from runtime.engine import Engine, RequestOutput
-from runtime.metrics import ExecutionTrace, ServerMetrics
-from runtime.model_runner import ModelRunner, PendingStep
+from runtime.metrics import ServerMetrics
+from runtime.perfetto import TraceDirWriter
 from runtime.request import SamplingParams
-from runtime.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +90,14 @@ class _Abort:
     rid: str
 
 
+@dataclasses.dataclass(frozen=True)
+class _Control:
+    """Run fn(engine) on the engine thread; its result or exception settles `future`."""
+
+    fn: Callable[[Engine], Any]
+    future: asyncio.Future
+
+
 _STOP = object()
 
 
@@ -101,10 +110,10 @@ class EngineLoop:
     happen there, so the HTTP server answers /health while the model compiles)."""
 
     def __init__(self, engine_factory: Callable[[], Engine], metrics: ServerMetrics,
-                 trace: ExecutionTrace, on_ready: Callable[[Engine], None] | None = None,
+                 on_ready: Callable[[Engine], None] | None = None,
                  on_fatal: Callable[[], None] | None = None) -> None:
         self._factory = engine_factory
-        self.metrics, self.trace = metrics, trace
+        self.metrics = metrics
         self._on_ready, self._on_fatal = on_ready, on_fatal
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._live: dict[str, _Live] = {}  # engine thread only
@@ -116,6 +125,7 @@ class EngineLoop:
         self.engine: Engine | None = None  # set once built; read-only outside the thread
         self.ready = threading.Event()
         self.error: BaseException | None = None
+        self._trace_writer: TraceDirWriter | None = None  # engine thread only
 
     # ---- asyncio side --------------------------------------------------------------------
 
@@ -138,6 +148,17 @@ class EngineLoop:
             for i, (ids, sp) in enumerate(zip(prompts, samplings, strict=True)):
                 self._commands.put(_Add(group, i, ids, sp, arrival))
         return group
+
+    async def control(self, fn: Callable[[Engine], Any]) -> Any:
+        """fn(engine) on the engine thread, between steps; raises what fn raised."""
+        if self._loop is None or not self.ready.is_set():
+            raise EngineUnavailable(self.status())
+        future = self._loop.create_future()
+        with self._lock:  # as in submit: the final drain sees this command or it is refused
+            if self._closed:
+                raise EngineUnavailable("the server is shutting down")
+            self._commands.put(_Control(fn, future))
+        return await future
 
     def abort(self, group: RequestGroup) -> None:
         """Abort the members that have not finished (client gone, or an error)."""
@@ -170,7 +191,6 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             engine = self._factory()
-            self._attach(engine)
         except BaseException as e:  # reported through /health and on_fatal
             logger.exception("engine failed to start")
             self._die(e)
@@ -178,6 +198,9 @@ class EngineLoop:
             return
         self.engine = engine
         self.metrics.stats = engine.scheduler.stats()
+        self.metrics.trace = engine.trace
+        if engine.args.trace_dir:
+            self._trace_writer = TraceDirWriter(engine.trace, engine.args.trace_dir)
         self.metrics.compiles_after_warmup = engine.runner.compiles_after_warmup
         self.metrics.executables = engine.runner.num_executables
         self.ready.set()
@@ -191,6 +214,14 @@ class EngineLoop:
             self._finish_all("internal error: the engine failed")
         finally:
             self._close()
+            self._flush_traces(engine)
+
+    def _flush_traces(self, engine: Engine) -> None:
+        """At shutdown: stop a profile left running, write the last --trace_dir file."""
+        if engine.profiling:
+            logger.info("stopped the profile left running (%s)", engine.stop_profile()[0])
+        if self._trace_writer is not None:
+            logger.info("execution trace written to %s", self._trace_writer.write(final=True))
 
     def _close(self) -> None:
         """Refuse further commands and answer the adds still queued."""
@@ -201,16 +232,13 @@ class EngineLoop:
             if isinstance(cmd, _Add):
                 self._call(_settle, cmd.group.accepted[cmd.index],
                            EngineUnavailable("the server is shutting down"))
+            elif isinstance(cmd, _Control):
+                self._call(_settle, cmd.future, EngineUnavailable("the server is shutting down"))
 
     def _die(self, error: BaseException) -> None:
         self.error = error
         if self._on_fatal is not None:
             self._call(self._on_fatal)
-
-    def _attach(self, engine: Engine) -> None:
-        """Record every launched forward for /metrics and /debug/trace. The proxy replaces
-        only this engine's reference: a runner shared by several engines stays untouched."""
-        engine.runner = _TracedRunner(engine.runner, self.metrics, self.trace)
 
     def _serve(self, engine: Engine) -> None:
         while True:
@@ -221,9 +249,10 @@ class EngineLoop:
                 self._apply(engine, cmd)
             if engine.has_work():
                 self._publish(engine.step())
+                if self._trace_writer is not None:
+                    self._trace_writer.maybe_write()
             self.metrics.stats = engine.scheduler.stats()
             self.metrics.compiles_after_warmup = engine.runner.compiles_after_warmup
-        self.metrics.compiles_after_warmup = engine.runner.compiles_after_warmup
 
     def _take(self, block: bool) -> list[Any]:
         cmds = [self._commands.get()] if block else []
@@ -233,7 +262,15 @@ class EngineLoop:
             except queue.Empty:
                 return cmds
 
-    def _apply(self, engine: Engine, cmd: _Add | _Abort) -> None:
+    def _apply(self, engine: Engine, cmd: _Add | _Abort | _Control) -> None:
+        if isinstance(cmd, _Control):
+            try:
+                result = cmd.fn(engine)
+            except Exception as e:  # the caller turns it into an error reply
+                self._call(_settle, cmd.future, e)
+            else:
+                self._call(_settle, cmd.future, None, result)
+            return
         if isinstance(cmd, _Abort):
             live = self._live.pop(cmd.rid, None)
             if live is not None:
@@ -304,31 +341,12 @@ class EngineLoop:
             self._loop.call_soon_threadsafe(fn, *args)
 
 
-class _TracedRunner:
-    """A ModelRunner whose `launch` first records the step's mode, rows and bucket shape."""
-
-    def __init__(self, runner: ModelRunner, metrics: ServerMetrics,
-                 trace: ExecutionTrace) -> None:
-        self._runner, self._metrics, self._trace = runner, metrics, trace
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._runner, name)
-
-    def launch(self, batch: ScheduleBatch) -> PendingStep:
-        shape = self._runner.bucket_for(batch)
-        self._metrics.forward_steps.labels(batch.mode.value).inc()
-        self._trace.record(batch.mode.value, len(batch.extend_rows), len(batch.decode_rows),
-                           sum(len(r.input_ids) for r in batch.extend_rows),
-                           dataclasses.asdict(shape))
-        return self._runner.launch(batch)
-
-
-def _settle(future: asyncio.Future, error: BaseException | None) -> None:
-    """Resolve an acceptance future unless its HTTP request already gave up on it."""
+def _settle(future: asyncio.Future, error: BaseException | None, result: Any = None) -> None:
+    """Resolve a future unless its HTTP request already gave up on it."""
     if future.done():
         return
     if error is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(error)
 

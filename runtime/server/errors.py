@@ -13,6 +13,7 @@ from typing import Any
 
 import pydantic
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -55,12 +56,19 @@ def install_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     async def on_http_error(_: Request, e: StarletteHTTPException) -> JSONResponse:
         return reply(e.status_code, str(e.detail), headers=e.headers)
 
+    async def on_query_error(_: Request, e: RequestValidationError) -> JSONResponse:
+        # Route parameters FastAPI checks itself (the debug routes' query): 400, not 422.
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"][1:]) or None
+        return reply(400, f"{param}: {err['msg']}", param, "invalid_value")
+
     async def on_unexpected(_: Request, e: Exception) -> JSONResponse:
         logger.exception("unhandled error", exc_info=e)
         return reply(500, f"internal server error: {type(e).__name__}", code="internal_error")
 
     app.add_exception_handler(APIError, on_api_error)
     app.add_exception_handler(StarletteHTTPException, on_http_error)
+    app.add_exception_handler(RequestValidationError, on_query_error)
     app.add_exception_handler(Exception, on_unexpected)
 
 

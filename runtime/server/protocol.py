@@ -21,6 +21,13 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+class ProfileRequest(_Strict):
+    """POST /start_profile: where jax.profiler writes (default: --trace_dir, else a temp
+    folder)."""
+
+    output_dir: str | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 

@@ -22,7 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtime.engine import Engine, RequestOutput
-from runtime.metrics import ExecutionTrace, ServerMetrics
+from runtime.metrics import ServerMetrics
 from runtime.request import SamplingParams
 from runtime.server.engine_loop import EngineLoop, EngineUnavailable, RequestGroup
 from runtime.server.errors import APIError
@@ -38,7 +38,6 @@ class ServerContext:
 
     engine_loop: EngineLoop
     metrics: ServerMetrics
-    trace: ExecutionTrace
     model_name: str
     api_key: str | None
     max_queued_requests: int
