@@ -270,7 +270,7 @@ class ModelRunner:
         return secs
 
     def _seed_costs(self) -> None:
-        """Time every DECODE bucket and one layer of every split shape once, on padding
+        """Time every DECODE bucket and one interval of every split shape once, on padding
         inputs (they write only the padding page), so the multiplexing policy has costs
         from its first iteration on; serving keeps them current."""
         for key in self.step_keys():
@@ -282,9 +282,11 @@ class ModelRunner:
         for shape in self.split.shapes:
             arrays, _ = self._padding_inputs(shape)
             split = SplitPrefill(ScheduleBatch(ForwardMode.SPLIT_PREFILL, [], []), shape, arrays,
-                                 self.split.embed(self.params, shape, arrays), 1)
-            split.hidden, self.kv = self.split.interval(self.params, self.kv, split, 1)
-            self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, shape), split.hidden)
+                                 self.split.embed(self.params, shape, arrays),
+                                 self.model_cfg.num_layers)
+            k = self.split.sizes[0]  # the cheapest compiled interval
+            split.hidden, self.kv = self.split.interval(self.params, self.kv, split, k)
+            self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, shape), split.hidden, per=k)
         jax.block_until_ready(self.kv)
         release_freed_heap()  # the runs' temporary buffers, as after each compilation
 

@@ -125,3 +125,20 @@ def test_split_and_fused_programs_are_counted():
     # + embed 256 + heads (256, 1), (256, 4); fused: 2 x 3 decode buckets x {1, 2}.
     assert counts["SPLIT_PREFILL"] == 2 * 2 * 3 + 1 + 2
     assert counts["FUSED"] == 2 * 3 * 2
+
+
+def test_warmup_seeds_split_costs_at_an_even_depth():
+    """Even depth: no one-layer interval is compiled, so the seeding must use the
+    smallest compiled one (SmolLM2's 30 layers)."""
+    cfg = dataclasses.replace(CFG, num_layers=4)
+    rcfg = RunnerConfig(decode_buckets=(2,), extend_token_buckets=(64,), extend_seq_buckets=(1,),
+                        kv_len_buckets=(256,), per_layer_weights=True, attention_backend="xla",
+                        enable_split_prefill=True)
+    r = ModelRunner(cfg, llama.init_params(cfg, jax.random.key(0)),
+                    CacheConfig(page_size=16, num_pages=64), rcfg, max_running_requests=4)
+    assert r.interval_sizes == [2, 4]
+    r.warmup(progress=False)
+    r.costs.close()  # drains the watcher: every seeded cost is in
+    keys = r.costs.snapshot()
+    assert any(k.startswith("decode/") for k in keys)
+    assert sum(k.startswith("split_prefill/") for k in keys) == len(r.split.shapes)

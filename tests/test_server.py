@@ -201,6 +201,9 @@ def test_health_models_and_auth(live):
 
 
 def test_metrics_and_trace(http):
+    # The counter is process-wide and other test modules compile after the shared runner's
+    # warm-up, so what must not move is the count while this server serves.
+    compiled = metric(http, "xlaserve_compilations_after_warmup_total")
     http.post("/generate", json={"text": "metrics", "sampling_params": {"max_new_tokens": 3}})
     text = http.get("/metrics").text
     for name in ("xlaserve_requests_total", "xlaserve_prompt_tokens_total",
@@ -220,7 +223,7 @@ def test_metrics_and_trace(http):
         assert fresh_extend or step["bucket"]["num_pages_per_seq"] == CONTEXT // 16
     assert trace["step_counts"]["decode"] >= 2
     assert metric(http, "xlaserve_compilations_total") > 0  # warm-up compiled the buckets
-    assert metric(http, "xlaserve_compilations_after_warmup_total") == 0
+    assert metric(http, "xlaserve_compilations_after_warmup_total") == compiled
 
 
 # ---- native /generate -------------------------------------------------------------------
