@@ -44,8 +44,11 @@ def test_execution_trace_endpoint_and_bubble_metrics(http):
         assert s["mode"] in ("extend", "decode")
         assert s["padded_tokens"] >= s["tokens"] >= 1 and s["padded_rows"] >= s["rows"]
         assert s["launch_end"] >= s["sched_end"] >= s["sched_start"]
-        assert s["ready"] >= s["device_start"] and s["compiles_after_warmup"] == 0
+        assert s["ready"] >= s["device_start"]
         assert s["split"] is None and s["tbo"] is None
+    # The counter is process-wide (other test modules compile after the shared runner's
+    # warm-up): what must hold is that nothing compiled while these steps ran.
+    assert len({s["compiles_after_warmup"] for s in body["steps"]}) == 1
     rids = {o["meta_info"]["id"] for o in out}  # the engine rids of the two members
     last = body["steps"][-1]
     assert last["mode"] == "decode" and set(last["rids"]) == rids
