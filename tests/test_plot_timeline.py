@@ -52,8 +52,6 @@ def test_lanes_in_order_and_clipped(tmp_path):
     assert not any(k.startswith("requests/") for k in window)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                    reason="the PNG needs matplotlib (the bench extra)")
 def test_plot_writes_a_png(tmp_path):
     path = _trace_file(tmp_path)
     proc = subprocess.run([sys.executable, str(REPO / "scripts" / "plot_timeline.py"),
@@ -71,8 +69,6 @@ def _smoke(script: str, tmp_path: Path, *extra: str) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None,
-                    reason="the PNG needs matplotlib (the bench extra)")
 def test_timeline_long_prompts_smoke(tmp_path):
     _smoke("timeline_long_prompts.py", tmp_path, "--label=mixed",
            "--set=enable_mixed_chunk=true")

@@ -11,9 +11,9 @@ import json
 import os
 from collections.abc import Iterator
 
-import httpx
 import pytest
 
+from tests import test_server
 from tests.test_server import LiveServer, error_of, metric, tiny_engine, wait_idle
 from tests.trace_utils import check_chrome_trace, lanes
 
@@ -28,10 +28,7 @@ def live() -> Iterator[LiveServer]:
         yield s
 
 
-@pytest.fixture
-def http(live) -> Iterator[httpx.Client]:
-    with live.client() as c:
-        yield c
+http = test_server.http  # the client fixture of tests/test_server.py, on this module's live
 
 
 def test_execution_trace_endpoint_and_bubble_metrics(http):
