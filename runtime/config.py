@@ -319,7 +319,8 @@ class ServerArgs:
     enable_multiplexing: bool = False  # implies split prefill
     split_prefill_layers: int | None = None  # None: chosen per iteration (IntervalPolicy)
     split_prefill_min_tokens: int = 256  # smaller prefill buckets run whole, unsplit
-    multiplex_itl_target_ms: float = 0.0  # 0: twice the running batch's decode step
+    multiplex_itl_target_ms: float = 0.0  # 0: multiplex_decode_slowdown x the decode step
+    multiplex_decode_slowdown: float = 2.0  # the ITL target as a multiple of the decode step
     multiplex_fused: bool = False  # one fused executable per iteration, not two calls
     # Execution trace (runtime/exec_trace.py): steps and finished requests kept in its
     # ring (0: off), and where the server writes Chrome trace / Perfetto JSON (None: not).

@@ -158,7 +158,8 @@ class Engine:
                 raise ValueError("split prefill / multiplexing need a runner compiled with "
                                  "RunnerConfig.enable_split_prefill")
             policy = IntervalPolicy(args.split_prefill_layers,
-                                    args.multiplex_itl_target_ms / 1000)
+                                    args.multiplex_itl_target_ms / 1000,
+                                    args.multiplex_decode_slowdown)
             self.loop: StepLoop | MultiplexLoop = MultiplexLoop(
                 self.scheduler, runner, policy, overlap, interleave=args.enable_multiplexing,
                 fused=args.multiplex_fused, trace=self.trace)

@@ -45,7 +45,7 @@ from runtime.fused_step import FusedExecutables
 from runtime.kv_pool import KVPool, init_kv_pool, kv_pool_shape
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
 from runtime.slot_state import SlotState, init_slot, sampling_columns
-from runtime.split_prefill import SplitExecutables, SplitPrefill, redirect_finished
+from runtime.split_prefill import SplitExecutables, SplitPrefill, layer_work, redirect_finished
 from runtime.step_costs import DeviceCosts
 
 logger = logging.getLogger(__name__)
@@ -286,7 +286,7 @@ class ModelRunner:
                                  self.model_cfg.num_layers)
             k = self.split.sizes[0]  # the cheapest compiled interval
             split.hidden, self.kv = self.split.interval(self.params, self.kv, split, k)
-            self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, shape), split.hidden, per=k)
+            self._watch_interval(split, k)
         jax.block_until_ready(self.kv)
         release_freed_heap()  # the runs' temporary buffers, as after each compilation
 
@@ -357,8 +357,18 @@ class ModelRunner:
         return self.split.sizes if self.split is not None else []
 
     def layer_cost(self, split: SplitPrefill) -> float | None:
-        """Measured device seconds per layer of split's intervals (None until one ran)."""
-        return self.costs.get(_cost_key(ForwardMode.SPLIT_PREFILL, split.shape))
+        """Device seconds one layer of split's intervals takes (None until one ran): the
+        measured seconds per unit of layer work of its shape, times its own work."""
+        per_work = self.costs.get(_cost_key(ForwardMode.SPLIT_PREFILL, split.shape))
+        return None if per_work is None else per_work * self._layer_work(split)
+
+    def _layer_work(self, split: SplitPrefill) -> float:
+        return layer_work(self.model_cfg, split.shape.num_extend_tokens, split.batch.extend_rows)
+
+    def _watch_interval(self, split: SplitPrefill, k: int) -> None:
+        """Charge split's shape for k layers' device time, per unit of layer work."""
+        self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, split.shape), split.hidden,
+                         per=k * self._layer_work(split))
 
     # ---- split prefill (runtime/split_prefill.py) ----------------------------------------
 
@@ -380,7 +390,7 @@ class ModelRunner:
         """Launch the next k layers of `split` (k one of split.sizes, <= its remaining)."""
         split.drop_finished_rows()
         split.hidden, self.kv = self.split.interval(self.params, self.kv, split, k)
-        self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, split.shape), split.hidden, per=k)
+        self._watch_interval(split, k)
         split.advance(k)
         self.step_counts[ForwardMode.SPLIT_PREFILL] += 1
         self.check_no_compiles()

@@ -13,9 +13,11 @@ How many layers an interval runs (IntervalPolicy): a fixed k with --split_prefil
 (back to back when nothing decodes); all that remain when nothing decodes; otherwise the
 most that keep one iteration (decode step + interval) within the inter-token-latency
 target, from the device costs the runner measures while serving (runtime/step_costs.py).
-The target is --multiplex_itl_target_ms, or, when 0, twice the running batch's own
-decode step: streams slow down at most ~2x while a prompt prefills, and the prefill gets
-the rest of the device.
+The target is --multiplex_itl_target_ms, or, when 0, --multiplex_decode_slowdown times
+the running batch's own decode step: at a slowdown r streams slow down ~r x while a prompt
+prefills, and the prefill gets the rest, (r - 1) / r, of the device. The per-layer cost
+is measured per unit of layer work (split_prefill.layer_work), so a chunk over a long
+prefix is charged its extra attention before its first interval runs.
 
 Two ways to run an iteration: two calls (a DECODE step, then an interval: no executables
 beyond the split-prefill set) or, with --multiplex_fused, one executable in which the
@@ -59,8 +61,11 @@ class IntervalPolicy:
     """Layers for the next interval of a split prefill (see the module docstring)."""
 
     def __init__(self, fixed_layers: int | None, itl_target_s: float,
-                 decode_factor: float = 2.0) -> None:
-        self.fixed, self.target, self.factor = fixed_layers, itl_target_s, decode_factor
+                 decode_slowdown: float = 2.0) -> None:
+        if decode_slowdown <= 1:
+            raise ValueError(f"multiplex_decode_slowdown={decode_slowdown} must be > 1: at 1 "
+                             "no layer of a prefill fits beside a decode step")
+        self.fixed, self.target, self.factor = fixed_layers, itl_target_s, decode_slowdown
 
     def layers(self, remaining: int, decode_cost: float | None,
                layer_cost: float | None) -> int:

@@ -29,7 +29,7 @@ class DeviceCosts:
         self._cost: dict[str, float] = {}
         self._lock = threading.Lock()
         # (key, launch time, output, layers); None stops the watcher.
-        self._queue: queue.SimpleQueue[tuple[str, float, _Awaitable, int] | None] = \
+        self._queue: queue.SimpleQueue[tuple[str, float, _Awaitable, float] | None] = \
             queue.SimpleQueue()
         self._last_ready = 0.0
         self._thread: threading.Thread | None = None
@@ -47,9 +47,9 @@ class DeviceCosts:
         with self._lock:
             return dict(self._cost)
 
-    def watch(self, key: str, output: _Awaitable, per: int = 1) -> None:
+    def watch(self, key: str, output: _Awaitable, per: float = 1.0) -> None:
         """Charge `key` for the device work that produces `output`, launched just now,
-        divided by `per` (an interval of k layers records its cost per layer)."""
+        divided by `per` (an interval of k layers records its cost per unit of layer work)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="device-costs", daemon=True)
             self._thread.start()

@@ -49,7 +49,11 @@ flags.DEFINE_bool("enable_multiplexing", _D.enable_multiplexing, "interleave dec
                   "with split-prefill intervals, so a long prompt never freezes running "
                   "streams (implies --enable_split_prefill)")
 flags.DEFINE_float("multiplex_itl_target_ms", _D.multiplex_itl_target_ms, "inter-token "
-                   "latency one multiplexed iteration aims for (0: twice the decode step)")
+                   "latency one multiplexed iteration aims for (0: "
+                   "--multiplex_decode_slowdown x the running batch's decode step)")
+flags.DEFINE_float("multiplex_decode_slowdown", _D.multiplex_decode_slowdown, "with "
+                   "--multiplex_itl_target_ms=0: how many times its decode step a running "
+                   "stream's inter-token latency may grow while a prompt prefills")
 flags.DEFINE_integer("split_prefill_min_tokens", _D.split_prefill_min_tokens, "prefill "
                      "buckets with fewer tokens run whole, not split (fewer executables)")
 flags.DEFINE_bool("multiplex_fused", _D.multiplex_fused, "run each multiplexed "
@@ -125,6 +129,7 @@ def server_args() -> ServerArgs:
         split_prefill_layers=FLAGS.split_prefill_layers,
         enable_multiplexing=FLAGS.enable_multiplexing,
         multiplex_itl_target_ms=FLAGS.multiplex_itl_target_ms,
+        multiplex_decode_slowdown=FLAGS.multiplex_decode_slowdown,
         multiplex_fused=FLAGS.multiplex_fused,
         split_prefill_min_tokens=FLAGS.split_prefill_min_tokens,
         trace_dir=FLAGS.trace_dir or None, trace_buffer_steps=FLAGS.trace_buffer_steps)

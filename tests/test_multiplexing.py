@@ -207,6 +207,10 @@ def test_interval_policy():
     assert auto.layers(30, 0.05, 0.2) == 1  # always progress
     target = IntervalPolicy(None, 0.2)
     assert target.layers(30, 0.05, 0.01) == 15 and target.layers(7, 0.05, 0.01) == 7
+    # slowdown 3: 100 ms beside a 50 ms decode step.
+    assert IntervalPolicy(None, 0.0, 3.0).layers(30, 0.05, 0.01) == 10
+    with pytest.raises(ValueError, match="multiplex_decode_slowdown=1"):
+        IntervalPolicy(None, 0.0, 1.0)
 
 
 def test_abort_mid_split_frees_pages_at_once():

@@ -17,7 +17,7 @@ from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner, StepKey
 from runtime.request import Req, ReqStatus, SamplingParams
 from runtime.schedule_batch import BatchRow, ScheduleBatch
-from runtime.split_prefill import interval_sizes, next_interval
+from runtime.split_prefill import interval_sizes, layer_work, next_interval
 from tests.model_utils import TINY
 
 # Nine layers: intervals of 1, 4 (4 + 4 + 1), 7 (7 + 2) and 9 (all) all leave remainders.
@@ -182,3 +182,21 @@ def test_launch_whole_is_the_extend_step(runner):
     whole = runner.launch(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, [])).result()
     np.testing.assert_array_equal(whole.next_token_ids, plain.next_token_ids)
     assert runner.can_split(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, []))
+
+
+def test_layer_work_charges_a_chunk_its_prefix():
+    """A chunk's layer work is its padded tokens plus its attention pairs at their FLOP
+    worth: on SmolLM2's shape a 512-token chunk over 1,536 cached tokens is ~1.5x the
+    first chunk, and padding rows add nothing but their tokens."""
+    cfg = dataclasses.replace(TINY, hidden_size=576, intermediate_size=1536, num_heads=9,
+                              num_kv_heads=3, head_dim=64)
+    req = Req(rid="r", prompt_ids=[3] * 2048, sampling=SamplingParams())
+
+    def chunk(start: int) -> BatchRow:
+        return BatchRow(req, [3] * 512, start, [], sample=False)
+
+    linear = 2 * 576 * (2 * 576 + 2 * 192) + 6 * 576 * 1536
+    first = layer_work(cfg, 512, [chunk(0)])
+    assert first == pytest.approx(512 + 512 * 256.5 * 4 * 576 / linear)
+    assert layer_work(cfg, 512, [chunk(1536)]) / first == pytest.approx(1.46, abs=0.01)
+    assert layer_work(cfg, 512, []) == 512
