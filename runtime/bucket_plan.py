@@ -122,7 +122,7 @@ class BucketPlan:
                      f"{len(c.decode_buckets)} decode_buckets x {kv}"),
             PlanPart("SPLIT_PREFILL", split, FORWARD_COST,
                      "--enable_split_prefill / --enable_multiplexing: extend buckets x "
-                     "interval sizes (powers of two to the depth) + embed and head"),
+                     "interval sizes (even, to 8, and the depth) + embed and head"),
             PlanPart("FUSED", fused, FORWARD_COST,
                      "--multiplex_fused: extend buckets x decode_buckets x interval sizes"),
             PlanPart("sampler", samplers, SAMPLER_COST,

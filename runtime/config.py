@@ -247,7 +247,7 @@ class RunnerConfig:
     cpu_matmul: str = "xla"
     # Compile SPLIT_PREFILL executables (runtime/split_prefill.py) for every extend bucket.
     enable_split_prefill: bool = False
-    # An interval size compiled besides the powers of two and the depth (fixed k).
+    # An interval size compiled besides the even sizes to 8 and the depth (fixed k).
     split_prefill_layers: int | None = None
     # Compile the fused decode + interval programs (runtime/fused_step.py).
     multiplex_fused: bool = False
@@ -320,7 +320,7 @@ class ServerArgs:
     split_prefill_layers: int | None = None  # None: chosen per iteration (IntervalPolicy)
     split_prefill_min_tokens: int = 256  # smaller prefill buckets run whole, unsplit
     multiplex_itl_target_ms: float = 0.0  # 0: multiplex_decode_slowdown x the decode step
-    multiplex_decode_slowdown: float = 2.0  # the ITL target as a multiple of the decode step
+    multiplex_decode_slowdown: float = 3.0  # the ITL target as a multiple of the decode step
     multiplex_fused: bool = False  # one fused executable per iteration, not two calls
     # Execution trace (runtime/exec_trace.py): steps and finished requests kept in its
     # ring (0: off), and where the server writes Chrome trace / Perfetto JSON (None: not).

@@ -61,7 +61,7 @@ class IntervalPolicy:
     """Layers for the next interval of a split prefill (see the module docstring)."""
 
     def __init__(self, fixed_layers: int | None, itl_target_s: float,
-                 decode_slowdown: float = 2.0) -> None:
+                 decode_slowdown: float = 3.0) -> None:
         if decode_slowdown <= 1:
             raise ValueError(f"multiplex_decode_slowdown={decode_slowdown} must be > 1: at 1 "
                              "no layer of a prefill fits beside a decode step")

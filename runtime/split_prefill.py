@@ -5,7 +5,7 @@ One split prefill is three kinds of executable, all compiled at warm-up per exte
 bucket: `embed` (ids -> hidden [T, D]), `interval` (layers [s, s + k) over the carried
 hidden state, s traced and k static, writing those layers' K/V as it goes) and `head`
 (final norm + logits of the sampled rows; the runner's shared sampler follows). The
-interval sizes k are the powers of two from 2 to 8 below the depth, the depth and an
+interval sizes k are the even numbers from 2 to 8 below the depth, the depth and an
 optional fixed size (1 only where parity needs it), so any remaining run of layers is a
 sum of compiled sizes and no remainder needs a trace of its own. Extend buckets below
 RunnerConfig.split_min_tokens get no split programs: such a prefill is cheap enough to
@@ -33,14 +33,16 @@ from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.schedule_batch import ScheduleBatch
 
-# Largest power-of-two interval compiled (besides the depth): while streams decode, an
-# interval is sized to fit beside a decode step, which on SmolLM2 at 256-512 prefill
-# tokens per chunk is 2-8 layers; bigger remainders run as several intervals.
-_MAX_POW2 = 8
+# Largest interval compiled besides the depth: while streams decode, an interval is sized
+# to fit beside a decode step, which on SmolLM2 at 256-512 prefill tokens per chunk is 2-8
+# layers; bigger remainders run as several intervals. Every even size up to it is compiled
+# (not only powers of two): with 2, 4, 8 the policy could only jump from 4 layers to 8,
+# and slowdown targets of 2.5x and 3x the decode step ran the same 4-layer intervals.
+_MAX_EVEN = 8
 
 
 def interval_sizes(num_layers: int, fixed: int | None = None) -> list[int]:
-    """Compiled interval sizes: the powers of two from 2 up to _MAX_POW2 below the depth,
+    """Compiled interval sizes: the even numbers from 2 up to _MAX_EVEN below the depth,
     the depth itself (a prefill with nothing to interleave runs in one call), a fixed size
     if one is asked for (--split_prefill_layers), and 1 only where parity needs it (an odd
     depth or fixed size), so every remainder is a sum of compiled sizes.
@@ -51,10 +53,7 @@ def interval_sizes(num_layers: int, fixed: int | None = None) -> list[int]:
     so the policy's smallest step is two layers."""
     if fixed is not None and not 1 <= fixed <= num_layers:
         raise ValueError(f"split_prefill_layers={fixed} must be in [1, {num_layers}]")
-    sizes, k = {num_layers}, 2
-    while k < num_layers and k <= _MAX_POW2:
-        sizes.add(k)
-        k *= 2
+    sizes = {num_layers} | {k for k in range(2, min(num_layers, _MAX_EVEN + 1), 2)}
     if fixed is not None:
         sizes.add(fixed)
     if num_layers % 2 or (fixed is not None and fixed % 2):

@@ -114,8 +114,9 @@ def _setup(num_pages=200, chunk=None, overlap=True, prefix=True, policy=None,
                           disable_prefix_cache=not prefix)
     sched = Scheduler(cfg, eos_token_ids=[EOS])
     runner = FakeSplitRunner(sched, num_pages, 4, max_running + 1)
-    loop = MultiplexLoop(sched, runner, policy or IntervalPolicy(None, 0.0), overlap, interleave,
-                         fused)
+    # Slowdown 2 at the fake's costs: two-layer intervals, which the fake also runs fused.
+    loop = MultiplexLoop(sched, runner, policy or IntervalPolicy(None, 0.0, 2.0), overlap,
+                         interleave, fused)
     return sched, runner, loop
 
 
@@ -200,15 +201,15 @@ def test_without_interleave_a_prefill_runs_whole_before_decode():
 def test_interval_policy():
     fixed = IntervalPolicy(4, 0.0)
     assert fixed.layers(30, 0.05, 0.01) == 4 and fixed.layers(3, 0.05, 0.01) == 3
-    auto = IntervalPolicy(None, 0.0)
+    auto = IntervalPolicy(None, 0.0, 2.0)
     assert auto.layers(30, None, 0.01) == 1 and auto.layers(30, 0.05, None) == 1
     # target = 2 x 50 ms: 50 ms left for layers of 10 ms.
     assert auto.layers(30, 0.05, 0.01) == 5
     assert auto.layers(30, 0.05, 0.2) == 1  # always progress
     target = IntervalPolicy(None, 0.2)
     assert target.layers(30, 0.05, 0.01) == 15 and target.layers(7, 0.05, 0.01) == 7
-    # slowdown 3: 100 ms beside a 50 ms decode step.
-    assert IntervalPolicy(None, 0.0, 3.0).layers(30, 0.05, 0.01) == 10
+    # the default slowdown, 3: 100 ms beside a 50 ms decode step.
+    assert IntervalPolicy(None, 0.0).layers(30, 0.05, 0.01) == 10
     with pytest.raises(ValueError, match="multiplex_decode_slowdown=1"):
         IntervalPolicy(None, 0.0, 1.0)
 

@@ -26,9 +26,10 @@ PAGE = 4
 
 
 def test_interval_sizes_cover_any_remainder():
-    assert interval_sizes(30) == [2, 4, 8, 30]  # no one-layer calls (slow on XLA CPU)
-    assert interval_sizes(30, fixed=9) == [1, 2, 4, 8, 9, 30]
-    assert interval_sizes(9, fixed=7) == [1, 2, 4, 7, 8, 9]
+    assert interval_sizes(30) == [2, 4, 6, 8, 30]  # no one-layer calls (slow on XLA CPU)
+    assert interval_sizes(30, fixed=9) == [1, 2, 4, 6, 8, 9, 30]
+    assert interval_sizes(9, fixed=7) == [1, 2, 4, 6, 7, 8, 9]
+    assert interval_sizes(4) == [2, 4]
     with pytest.raises(ValueError, match="split_prefill_layers=10"):
         interval_sizes(9, fixed=10)
     sizes = interval_sizes(30, fixed=7)
