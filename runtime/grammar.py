@@ -152,7 +152,7 @@ def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> 
 
 
 def schema_text(schema: object) -> str:
-    """A JSON schema given as an object or as text, as canonical text (the cache key)."""
+    """A JSON schema given as an object or as text, as compact text (the cache key)."""
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -160,4 +160,5 @@ def schema_text(schema: object) -> str:
             raise GrammarError(f"json_schema is not valid JSON: {e}") from e
     if not isinstance(schema, dict | bool):
         raise GrammarError("json_schema must be a JSON object")
-    return json.dumps(schema, sort_keys=True)
+    # Key order kept: JSON output follows the order the schema lists its properties.
+    return json.dumps(schema)
