@@ -273,7 +273,7 @@ class Bench:
                 **a, "requests": [r.to_json(t0) for r in run_res + long_res]}
 
 
-    async def constrained(self) -> list[dict[str, Any]]:
+    async def constrained(self) -> dict[str, Any]:
         return await serving_structured.constrained(
             self, [float(x) for x in FLAGS.constrained_share], FLAGS.vocab_size,
             FLAGS.prompt_kind)

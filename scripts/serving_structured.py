@@ -52,12 +52,15 @@ def _pick(n: int, share: float) -> set[int]:
 
 
 async def constrained(bench: BenchLike, shares: list[float], vocab: int,
-                      prompt_kind: str) -> list[dict[str, Any]]:
+                      prompt_kind: str) -> dict[str, Any]:
+    """Every share in turn, as often as listed (repeat them, interleaved, for medians)."""
     out = []
     lengths = wl.LengthSpec(bench.load.input_len, bench.load.output_len)
     schema = array_schema(bench.load.output_len)
     for c in bench.load.concurrency:
         base = wl.requests(bench._rng(500), lengths, c, prompt_kind, vocab)
+        # Unrecorded: the first batch this wide after start-up pays first-touch costs.
+        await bench._send_all(base, [0.0] * c, f"constrained warm-up {c}")
         for share in shares:
             chosen = _pick(c, share)
             specs = [dataclasses.replace(s, json_schema=schema if i in chosen else None,
@@ -72,12 +75,30 @@ async def constrained(bench: BenchLike, shares: list[float], vocab: int,
                    f"tok/s, ITL p50 {s['itl_ms']['p50']:.0f} ms, failed "
                    f"{s['requests'] - s['completed']}")
             out.append({"concurrency": c, "share": share, **s, "by_kind": per_tag})
-    for row in out:  # ratios to the unconstrained run of the same concurrency
-        free = next((r for r in out if r["concurrency"] == row["concurrency"]
-                     and r["share"] == 0), None)
-        if free and free["output_tok_s"]:
-            row["throughput_vs_free"] = row["output_tok_s"] / free["output_tok_s"]
-            row["itl_p50_vs_free"] = row["itl_ms"]["p50"] / free["itl_ms"]["p50"]
+    return {"runs": out, "by_share": by_share(out)}
+
+
+def by_share(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Medians over the repeated runs of each (concurrency, share), and their ratios to
+    the unconstrained runs' (the shares run interleaved, so drift on a shared machine hits
+    every share alike)."""
+    out = []
+    for c in sorted({r["concurrency"] for r in rows}):
+        med = {}
+        for share in sorted({r["share"] for r in rows if r["concurrency"] == c}):
+            runs = [r for r in rows if r["concurrency"] == c and r["share"] == share]
+            med[share] = {"runs": len(runs),
+                          "output_tok_s": statistics.median(r["output_tok_s"] for r in runs),
+                          "itl_p50_ms": statistics.median(r["itl_ms"]["p50"] for r in runs),
+                          "itl_p99_ms": statistics.median(r["itl_ms"]["p99"] for r in runs)}
+        free = med.get(0.0)
+        for share, m in med.items():
+            if free:
+                m["throughput_vs_free"] = m["output_tok_s"] / free["output_tok_s"]
+                m["itl_p50_vs_free"] = m["itl_p50_ms"] / free["itl_p50_ms"]
+            out.append({"concurrency": c, "share": share, **m})
+            bc.log(f"  median of {m['runs']}: share {share:.2f} of {c}: "
+                   f"{m['output_tok_s']:.1f} tok/s, ITL p50 {m['itl_p50_ms']:.0f} ms")
     return out
 
 
@@ -86,8 +107,10 @@ async def schema_ttft(bench: BenchLike, n: int, vocab: int) -> dict[str, Any]:
     warm = await bench._send_all([_spec(bench, vocab, cached, 0)], [0.0])  # compiles it
     ttft: dict[str, list[float]] = {"new": [], "cached": []}
     for i in range(n):  # alternating, one at a time: both kinds see the same machine
-        for kind, schema in (("new", array_schema(4, f"new-{i}")), ("cached", cached)):
-            (r,) = await bench._send_all([_spec(bench, vocab, schema, i + 1)], [0.0])
+        pair = (("new", array_schema(4, f"new-{i}")), ("cached", cached))
+        for j, (kind, schema) in enumerate(pair):
+            # A prompt of its own each: a shared one would hit the prefix cache.
+            (r,) = await bench._send_all([_spec(bench, vocab, schema, 2 * i + j + 1)], [0.0])
             if r.ok and r.ttft is not None:
                 ttft[kind].append(1e3 * r.ttft)
     med = {k: statistics.median(v) if v else None for k, v in ttft.items()}
