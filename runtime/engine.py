@@ -21,12 +21,15 @@ from typing import Any
 
 import jax
 
+from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
 from runtime.engine_setup import load_model, runner_config, serving_mesh, size_kv_pool
 from runtime.exec_trace import ExecutionTrace
-from runtime.model_runner import ModelRunner
+from runtime.grammar import GrammarCache, RequestGrammar
+from runtime.model_runner import LaunchedForward, ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.request import Req, SamplingParams
+from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler
 from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from runtime.traced_launch import TracedStep, launch_traced, read_back
@@ -87,6 +90,8 @@ class StepLoop:
     def step(self) -> list[ReqEvent]:
         t0 = time.perf_counter()
         batch = self.scheduler.next_batch()
+        if batch is not None and self._pending is not None and _constrained(batch):
+            return self._step_deferred(batch, t0)
         launched = (launch_traced(self.trace, self.runner, batch, t0)
                     if batch is not None else None)
         if self.overlap:
@@ -95,9 +100,43 @@ class StepLoop:
             done = launched
         if done is None:
             return []
+        return self._process(done)
+
+    def _process(self, done: TracedStep) -> list[ReqEvent]:
         events = self.scheduler.process_results(done.pending.batch, read_back(self.trace, done))
         self.trace.processed(done.record, time.perf_counter())
         return events
+
+    def _step_deferred(self, batch: ScheduleBatch, t0: float) -> list[ReqEvent]:
+        """Overlap with grammar rows: their masks need the tokens of the step in flight.
+        Launch this batch's forward, consume the previous step's tokens while it runs,
+        then launch its sampling with the masks (SGLang's order)."""
+        fwd = self.runner.launch_forward(batch)
+        assert self._pending is not None
+        events = self._process(self._pending)
+        self._pending = launch_traced(self.trace, _SampleLauncher(self.runner, fwd), batch, t0)
+        return events
+
+
+class _SampleLauncher:
+    """launch_traced's runner for a batch whose forward is already launched."""
+
+    def __init__(self, runner: ModelRunner, fwd: LaunchedForward) -> None:
+        self._runner, self._fwd = runner, fwd
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self._runner.compiles_after_warmup
+
+    def launch(self, batch: ScheduleBatch) -> PendingStep:
+        return self._runner.launch_sample(self._fwd)
+
+    def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
+        return self._fwd.shape
+
+
+def _constrained(batch: ScheduleBatch) -> bool:
+    return any(r.req.grammar is not None for r in batch.rows)
 
 
 class Engine:
@@ -167,6 +206,8 @@ class Engine:
             self.loop = StepLoop(self.scheduler, runner, overlap, self.trace)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
+        self.grammars = (GrammarCache(tokenizer.backend.to_str(), self.model_cfg.vocab_size,
+                                      eos) if tokenizer is not None else None)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -186,11 +227,26 @@ class Engine:
             if bad:
                 raise ValueError(f"input_ids {bad[:5]} outside [0, {self.model_cfg.vocab_size})")
         rid = rid or f"req-{next(self._ids)}"
-        req = Req(rid=rid, prompt_ids=ids, sampling=sampling)
+        req = Req(rid=rid, prompt_ids=ids, sampling=sampling,
+                  grammar=self._grammar(sampling))
         self.scheduler.add(req)
         tracked = self._tracked[rid] = _Tracked(req, self.tokenizer)
         self.trace.add_request(rid, tracked.created)
         return rid
+
+    def _grammar(self, sampling: SamplingParams) -> RequestGrammar | None:
+        """The request's matcher (GrammarError, a ValueError, if its constraint can't
+        compile); a cache hit when the server compiled it beforehand."""
+        spec = sampling.grammar
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise ValueError("constrained decoding needs a tokenizer")
+        if not isinstance(self.loop, StepLoop):
+            raise ValueError("json_schema / regex / ebnf are not supported with split "
+                             "prefill or multiplexing yet (start without "
+                             "--enable_split_prefill / --enable_multiplexing)")
+        return self.grammars.matcher(spec)
 
     def abort(self, rid: str) -> None:
         """Abort a request wherever it is; its pages are freed at once."""

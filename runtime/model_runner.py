@@ -42,9 +42,11 @@ from runtime.executable_budget import (
 )
 from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.fused_step import FusedExecutables
+from runtime.grammar import mask_width
 from runtime.kv_pool import KVPool, init_kv_pool, kv_pool_shape
+from runtime.request import MAX_LOGIT_BIAS
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
-from runtime.slot_state import SlotState, init_slot, sampling_columns
+from runtime.slot_state import SlotState, constraint_columns, init_slot, sampling_columns
 from runtime.split_prefill import SplitExecutables, SplitPrefill, layer_work, redirect_finished
 from runtime.step_costs import DeviceCosts
 
@@ -69,6 +71,13 @@ class PendingStep:
         top = (out.top_ids[o], out.top_logprobs[o]) if self._top_n else None
         return StepOutput(next_token_ids=out.next_tokens[o], logprobs=out.logprobs[o],
                           top_logprobs=top)
+
+
+class LaunchedForward:
+    """A launched forward whose sampling is not launched yet (logits stay on device)."""
+
+    def __init__(self, batch: ScheduleBatch, shape: BucketShape, logits: jax.Array) -> None:
+        self.batch, self.shape, self.logits = batch, shape, logits
 
 
 class ModelRunner:
@@ -207,7 +216,7 @@ class ModelRunner:
     def _abstract_sample_inputs(self, b: int) -> tuple:
         rep = self._replicated
         sp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-                          sampling.SamplingBatch.create(b))
+                          self._sampling_batch(b))
         return (jax.ShapeDtypeStruct((b, self.model_cfg.vocab_size), jnp.float32, sharding=rep),
                 jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rep),
                 jax.ShapeDtypeStruct((b,), bool, sharding=rep), sp)
@@ -335,6 +344,12 @@ class ModelRunner:
     def launch(self, batch: ScheduleBatch) -> PendingStep:
         """Dispatch one step asynchronously; the returned PendingStep reads it back. A
         SPLIT_PREFILL batch too small to split (can_split) runs whole as an EXTEND step."""
+        return self.launch_sample(self.launch_forward(batch))
+
+    def launch_forward(self, batch: ScheduleBatch) -> LaunchedForward:
+        """The forward half of `launch`. The sampling half (launch_sample) may follow once
+        the host knows the rows' grammar masks, i.e. after the previous step's tokens are
+        consumed: the device runs this forward meanwhile."""
         shape = self.bucket_for(batch)
         mode = ForwardMode.EXTEND if batch.mode is ForwardMode.SPLIT_PREFILL else batch.mode
         exe = self._executables[StepKey(mode, shape)]
@@ -343,8 +358,13 @@ class ModelRunner:
         row_slots = self._row_slots(batch, shape)[0]
         logits, self.kv = exe(self.params, self.kv, self.state.last_tokens, arrays, row_slots)
         self.step_counts[mode] += 1
-        pending = self._sample(batch, shape, logits)
-        self.costs.watch(_cost_key(mode, shape), pending.out.next_tokens)
+        return LaunchedForward(batch, shape, logits)
+
+    def launch_sample(self, fwd: LaunchedForward) -> PendingStep:
+        pending = self._sample(fwd.batch, fwd.shape, fwd.logits)
+        mode = (ForwardMode.EXTEND if fwd.batch.mode is ForwardMode.SPLIT_PREFILL
+                else fwd.batch.mode)
+        self.costs.watch(_cost_key(mode, fwd.shape), pending.out.next_tokens)
         return pending
 
     def step_cost(self, batch: ScheduleBatch) -> float | None:
@@ -450,7 +470,7 @@ class ModelRunner:
     def _sample(self, batch: ScheduleBatch, shape: BucketShape, logits: jax.Array
                 ) -> PendingStep:
         row_slots, sample_mask, padded = self._row_slots(batch, shape)
-        sp = sampling.SamplingBatch.create(len(padded), **sampling_columns(padded))
+        sp = self._sampling_batch(len(padded), padded)
         out, self.state = self._samplers[len(padded)](self.state, logits, row_slots,
                                                       sample_mask, sp)
         self.check_no_compiles()
@@ -458,6 +478,15 @@ class ModelRunner:
         order = np.r_[np.arange(len(batch.extend_rows)),
                       shape.num_extend_seqs + np.arange(len(batch.decode_rows))]
         return PendingStep(batch, out, order, self.cfg.max_top_logprobs)
+
+
+    def _sampling_batch(self, b: int, padded: Sequence[BatchRow | None] = ()
+                        ) -> sampling.SamplingBatch:
+        """Every step passes the full bitmask and bias widths: one sampler trace per B."""
+        v = self.model_cfg.vocab_size
+        cols = {**sampling_columns(padded), **constraint_columns(padded, v)} if padded else {}
+        return sampling.SamplingBatch.create(b, mask_width=mask_width(v),
+                                             bias_slots=MAX_LOGIT_BIAS, **cols)
 
 
 def _cost_key(mode: ForwardMode, shape: BucketShape) -> str:

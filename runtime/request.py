@@ -9,11 +9,17 @@ import random
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from runtime.grammar import GrammarSpec
+
 if TYPE_CHECKING:
+    from runtime.grammar import RequestGrammar
     from runtime.prefix_cache import Node
 
 MAX_NEW_TOKENS_LIMIT = 1 << 20
 MAX_TOP_LOGPROBS = 20
+# logit_bias entries per request: OpenAI's documented limit; the sampler's static width.
+MAX_LOGIT_BIAS = 300
+_CONSTRAINTS = ("json_schema", "regex", "ebnf")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +28,8 @@ class SamplingParams:
 
     temperature 0 means greedy; top_k -1 means the whole vocabulary. `ignore_eos` ignores
     only the model's EOS ids: explicit `stop_token_ids` and `stop` strings still apply.
+    At most one of `json_schema` (text), `regex` and `ebnf` constrains the output
+    (runtime/grammar.py); `logit_bias` is (token id, bias) pairs added to the logits.
     """
 
     max_new_tokens: int = 128
@@ -39,6 +47,18 @@ class SamplingParams:
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    @property
+    def grammar(self) -> GrammarSpec | None:
+        for kind in _CONSTRAINTS:
+            source = getattr(self, kind)
+            if source is not None:
+                return GrammarSpec(kind, source)  # type: ignore[arg-type]
+        return None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
@@ -50,7 +70,9 @@ class SamplingParams:
         d = dict(d)
         if isinstance(d.get("stop"), str):
             d["stop"] = (d["stop"],)
-        for key in ("stop", "stop_token_ids"):
+        if isinstance(d.get("logit_bias"), dict):
+            d["logit_bias"] = tuple((int(k), float(v)) for k, v in d["logit_bias"].items())
+        for key in ("stop", "stop_token_ids", "logit_bias"):
             if d.get(key) is None:
                 d.pop(key, None)
             else:
@@ -86,6 +108,15 @@ class SamplingParams:
             yield "stop_token_ids", f"every id must be in [0, vocab_size={vocab_size})"
         if not 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS:
             yield "top_logprobs", f"must be in [0, {MAX_TOP_LOGPROBS}]"
+        given = [k for k in _CONSTRAINTS if getattr(self, k) is not None]
+        if len(given) > 1:
+            yield given[1], f"only one of {', '.join(_CONSTRAINTS)} may be set, got {given}"
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            yield "logit_bias", f"at most {MAX_LOGIT_BIAS} entries"
+        if any(not 0 <= t < vocab_size for t, _ in self.logit_bias):
+            yield "logit_bias", f"every token id must be in [0, vocab_size={vocab_size})"
+        if any(not -100 <= b <= 100 for _, b in self.logit_bias):
+            yield "logit_bias", "every bias must be in [-100, 100]"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +187,8 @@ class Req:
     rng_seed: int = -1
     # Split-prefill intervals its prefill (all chunks, all admissions) ran in.
     prefill_intervals: int = 0
+    # The matcher of its output constraint, advanced by every token it keeps.
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         if self.rng_seed < 0:
@@ -187,8 +220,14 @@ class Req:
     def check_finished(
         self, eos_token_ids: frozenset[int], decode_fn: Callable[[list[int]], str] | None
     ) -> FinishReason | None:
-        """Finish reason after the last output token, checked in SGLang's order."""
+        """Finish reason after the last output token, checked in SGLang's order; a grammar
+        that refuses the token (a dead end) or has ended finishes the request first."""
         sp, tok = self.sampling, self.output_ids[-1]
+        if self.grammar is not None:
+            if not self.grammar.accept(tok):
+                return FinishReason("abort", message=f"grammar dead end: {self.grammar.error}")
+            if self.grammar.done:  # EOS taken, or nothing may follow: stop even if ignore_eos
+                return FinishReason("stop", matched=tok if tok in eos_token_ids else None)
         if len(self.output_ids) >= sp.max_new_tokens:
             return FinishReason("length")
         if tok in sp.stop_token_ids or (not sp.ignore_eos and tok in eos_token_ids):

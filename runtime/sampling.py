@@ -5,7 +5,8 @@ data, not trace-time constants: a batch mixing greedy, temperature, top-k, top-p
 and penalty rows runs one compiled program. Only the batch bucket and the static
 arguments of `sample` (`num_top_logprobs`, `candidate_tiers`) select a trace.
 
-Per row, in vLLM/SGLang order: penalties -> temperature -> top-k -> top-p -> min-p ->
+Per row, in vLLM/SGLang order: logit bias and the grammar's token mask -> penalties ->
+temperature -> top-k -> top-p -> min-p ->
 categorical draw. Each filter becomes one cutoff value per row (keep scaled logits >=
 cutoff), so tokens tied at a cutoff are all kept, as in vLLM. top-p keeps the shortest
 head of the ranking whose mass reaches top_p (the token that crosses it included) and acts
@@ -55,6 +56,14 @@ _COLUMNS: dict[str, tuple[float, type[np.generic]]] = {
     "step": (0, np.int32),
     "logprobs": (False, np.bool_),
 }
+# 2-D columns [B, width]: the width is the caller's (0 = the feature is compiled out), the
+# neutral value fills padding rows and missing columns. An all-ones row of the bitmask
+# allows every token; a bias id of -1 is no entry (turned into V, which the scatter drops).
+_WIDE_COLUMNS: dict[str, tuple[float, type[np.generic]]] = {
+    "token_bitmask": (-1, np.int32),
+    "bias_ids": (-1, np.int32),
+    "bias_values": (0.0, np.float32),
+}
 
 
 @flax.struct.dataclass
@@ -75,14 +84,20 @@ class SamplingBatch:
     seed: jax.Array  # [B] u32
     step: jax.Array  # [B] i32, tokens the request has generated so far
     logprobs: jax.Array  # [B] bool, the request wants logprobs (chosen and/or top-n)
+    token_bitmask: jax.Array  # [B, W] i32, bit t % 32 of word t // 32: token t allowed
+    bias_ids: jax.Array  # [B, K] i32, OpenAI logit_bias token ids; -1 = no entry
+    bias_values: jax.Array  # [B, K] f32, added to those tokens' logits
 
     @classmethod
-    def create(cls, batch_size: int, **columns: npt.ArrayLike) -> SamplingBatch:
+    def create(cls, batch_size: int, *, mask_width: int = 0, bias_slots: int = 0,
+               **columns: npt.ArrayLike) -> SamplingBatch:
         """Host-side builder: given columns fill the first rows, the rest get neutral values.
 
-        Rows past the given ones (bucket padding) are greedy and unpenalized.
+        Rows past the given ones (bucket padding) are greedy, unpenalized and unconstrained.
+        mask_width (words of the token bitmask) and bias_slots (logit-bias entries per row)
+        are part of the trace: a runner passes the same ones every step.
         """
-        unknown = sorted(set(columns) - set(_COLUMNS))
+        unknown = sorted(set(columns) - set(_COLUMNS) - set(_WIDE_COLUMNS))
         if unknown:
             raise TypeError(f"unknown sampling columns: {unknown}")
         arrays = {}
@@ -91,6 +106,14 @@ class SamplingBatch:
             if given.ndim != 1 or len(given) > batch_size:
                 raise ValueError(f"{name}: expected at most {batch_size} rows, got {given.shape}")
             arrays[name] = np.full(batch_size, neutral, dtype)
+            arrays[name][: len(given)] = given
+        widths = {"token_bitmask": mask_width, "bias_ids": bias_slots, "bias_values": bias_slots}
+        for name, (neutral, dtype) in _WIDE_COLUMNS.items():
+            arrays[name] = np.full((batch_size, widths[name]), neutral, dtype)
+            given = np.asarray(columns.get(name, np.zeros((0, widths[name]))), dtype)
+            if given.ndim != 2 or len(given) > batch_size or given.shape[1] != widths[name]:
+                raise ValueError(f"{name}: expected at most [{batch_size}, {widths[name]}], "
+                                 f"got {given.shape}")
             arrays[name][: len(given)] = given
         return cls(**arrays)
 
@@ -143,6 +166,7 @@ def sample(
         cutoffs before a full sort. Any ladder gives the same tokens, only the cost moves.
     """
     logits = logits.astype(jnp.float32)
+    constrained = constrain(logits, params)  # [B, V]
     # Most batches carry no penalty; skipping the pass saves reading two [B, V] arrays.
     penalized = lax.cond(
         jnp.any(
@@ -150,8 +174,8 @@ def sample(
             | (params.frequency_penalty != 0.0)
             | (params.presence_penalty != 0.0)
         ),
-        lambda: apply_penalties(logits, params, token_counts, prompt_mask),
-        lambda: logits,
+        lambda: apply_penalties(constrained, params, token_counts, prompt_mask),
+        lambda: constrained,
     )  # [B, V]
     # Picked at run time, so one executable serves both: start-up compiles no greedy-only
     # twin (B=32 on 2 CPU cores: argmax 3.9 ms, the general path 7.8 ms).
@@ -159,7 +183,8 @@ def sample(
                       lambda: _argmax(penalized),
                       lambda: _sample_rows(penalized, params, candidate_tiers))  # [B]
     # Logprobs describe the raw model distribution (vLLM's default "raw_logprobs"), before
-    # penalties, temperature and filters, so they do not move with sampling parameters.
+    # bias, grammar mask, penalties, temperature and filters, so they do not move with
+    # sampling parameters.
     # Computed only when some row asks (zeros otherwise): the log-sum-exp and top-n pass
     # over [B, V] cost 1.3-3.7 ms of a B=32 step on 2 CPU cores (more with top-n).
     b, n = logits.shape[0], num_top_logprobs
@@ -176,6 +201,30 @@ def sample(
 
     chosen, top_ids, top_logprobs = lax.cond(jnp.any(params.logprobs), raw_logprobs, none)
     return SampleOutput(tokens, chosen, top_ids, top_logprobs)
+
+
+def constrain(logits: jax.Array, params: SamplingBatch) -> jax.Array:
+    """Logit bias, then the token bitmask (disallowed tokens -> -inf): [B, V] -> [B, V].
+
+    Each pass runs only when some row uses it (`lax.cond`), so unconstrained batches pay
+    for neither; a width of 0 compiles the pass out. A masked logit stays -inf through
+    penalties and temperature, so no later filter can bring it back.
+    """
+    b, vocab = logits.shape
+    if params.bias_ids.shape[1]:
+        ids = jnp.where(params.bias_ids < 0, vocab, params.bias_ids)  # [B, K]
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)  # [B, K]
+        logits = lax.cond(jnp.any(params.bias_values != 0),
+                          lambda: logits.at[rows, ids].add(params.bias_values, mode="drop"),
+                          lambda: logits)
+    if params.token_bitmask.shape[1]:
+        def masked() -> jax.Array:
+            bits = (params.token_bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1
+            allowed = bits.reshape(b, -1)[:, :vocab] != 0  # [B, V]
+            return jnp.where(allowed, logits, -jnp.inf)
+
+        logits = lax.cond(jnp.any(params.token_bitmask != -1), masked, lambda: logits)
+    return logits
 
 
 @functools.partial(jax.jit, donate_argnums=0)

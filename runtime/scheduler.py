@@ -119,6 +119,14 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not self.waiting and not self.running
 
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix (SGLang's /flush_cache); only when idle, since running
+        requests hold cached pages. Returns whether it flushed."""
+        if not self.is_idle():
+            return False
+        self.prefix_cache.evict(self.prefix_cache.evictable_pages)
+        return True
+
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),

@@ -10,6 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from runtime.grammar import fill_bitmask
+from runtime.request import MAX_LOGIT_BIAS
 from runtime.schedule_batch import BatchRow
 
 
@@ -42,6 +44,22 @@ def sampling_columns(rows: Sequence[BatchRow | None]) -> dict[str, np.ndarray]:
         cols["step"].append(r.end_pos if r is not None else 0)
         cols["logprobs"].append(bool(sp and (sp.logprobs or sp.top_logprobs)))
     return {k: np.asarray(v) for k, v in cols.items()}
+
+
+def constraint_columns(rows: Sequence[BatchRow | None], vocab_size: int
+                       ) -> dict[str, np.ndarray]:
+    """Each row's token bitmask (from its grammar's current state: call it once the
+    request's previous token is consumed) and its logit-bias entries."""
+    ids = np.full((len(rows), MAX_LOGIT_BIAS), -1, np.int32)
+    values = np.zeros((len(rows), MAX_LOGIT_BIAS), np.float32)
+    for i, r in enumerate(rows):
+        bias = r.req.sampling.logit_bias if r is not None else ()
+        if bias:
+            ids[i, :len(bias)] = [t for t, _ in bias]
+            values[i, :len(bias)] = [b for _, b in bias]
+    grammars = [r.req.grammar if r is not None and not r.req.finished else None for r in rows]
+    return {"token_bitmask": fill_bitmask(grammars, vocab_size), "bias_ids": ids,
+            "bias_values": values}
 
 
 def init_slot(state: SlotState, slot: jax.Array, ids: jax.Array, is_out: jax.Array) -> SlotState:

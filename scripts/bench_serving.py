@@ -25,6 +25,9 @@ Scenarios (--scenarios, each run on every target in turn):
                       their steady ITL before, and the long prompts' TTFT. With several
                       targets this is the frontier plot: ITL p99 during prefill against
                       the long prompts' TTFT, one point per configuration.
+  constrained         --concurrency at once, --constrained_share of them JSON-schema
+                      constrained (--backend=generate); schema_ttft: TTFT of a new schema
+                      against a cached one (scripts/serving_structured.py).
 Requests are greedy with EOS ignored (every request makes the tokens asked for); prompts
 are random token ids (or --prompt_kind=words), generated locally. Only loopback servers
 may be targeted; every loop is bounded by a request count and a timeout. Writes
@@ -47,12 +50,14 @@ import bench_servers as bs
 import numpy as np
 import serving_metrics as sm
 import serving_plots
+import serving_structured
 import serving_workloads as wl
 from absl import app, flags
 from serving_client import RequestResult, RequestSpec, make_client, new_result, run_at, send
 
 FLAGS = flags.FLAGS
-SCENARIOS = ("concurrent", "poisson", "shared_prefix", "long_during_decode")
+SCENARIOS = ("concurrent", "poisson", "shared_prefix", "long_during_decode", "constrained",
+             "schema_ttft")
 DEFAULT_CONFIGS = ["plain=--chunked_prefill_size=-1", "chunk128=--chunked_prefill_size=128",
                    "chunk512=--chunked_prefill_size=512",
                    "chunk512_mixed=--chunked_prefill_size=512 --enable_mixed_chunk",
@@ -94,6 +99,9 @@ flags.DEFINE_integer("num_prompts", 64, "requests per Poisson rate")
 flags.DEFINE_list("request_rates", ["1", "2", "4", "inf"], "Poisson rates (req/s; inf: "
                   "all at once)")
 flags.DEFINE_list("concurrency", ["1", "8", "32"], "concurrent scenario sizes")
+flags.DEFINE_list("constrained_share", ["0", "0.5", "1"], "constrained: shares of the "
+                  "requests that are JSON-schema constrained, run side by side")
+flags.DEFINE_integer("schema_ttft_n", 8, "schema_ttft: requests of each kind")
 flags.DEFINE_integer("ldd_running", 16, "long_during_decode: streams decoding")
 flags.DEFINE_integer("ldd_running_input_len", 64, "their prompt tokens")
 flags.DEFINE_integer("ldd_running_max_tokens", 2048, "their token limit (they are stopped "
@@ -131,6 +139,8 @@ class Load:
         what a llama-server's slots and per-slot context must hold."""
         spread = 4 if length_dist == "sharegpt" else 1  # lengths are capped at 4x the mean
         per = {"concurrent": (max(self.concurrency), self.input_len + self.output_len),
+               "constrained": (max(self.concurrency), self.input_len + self.output_len),
+               "schema_ttft": (1, self.input_len + 8),
                "poisson": (self.num_prompts, spread * (self.input_len + self.output_len)),
                "shared_prefix": (self.sp[0] * self.sp[1],
                                  self.sp[2] + self.sp[3] + self.output_len),
@@ -261,6 +271,16 @@ class Bench:
                 "long_len": long_len, "long_output_len": long_out, "steady_s": steady_s,
                 "steady_from_s": steady_from - t0, "window_start_s": window_start - t0,
                 **a, "requests": [r.to_json(t0) for r in run_res + long_res]}
+
+
+    async def constrained(self) -> dict[str, Any]:
+        return await serving_structured.constrained(
+            self, [float(x) for x in FLAGS.constrained_share], FLAGS.vocab_size,
+            FLAGS.prompt_kind)
+
+    async def schema_ttft(self) -> dict[str, Any]:
+        return await serving_structured.schema_ttft(self, FLAGS.schema_ttft_n,
+                                                    FLAGS.vocab_size)
 
 
 def _ms(v: float | None) -> str:

@@ -51,6 +51,7 @@ class RequestSpec:
     input_len: int
     output_len: int
     tag: str = ""
+    json_schema: str | None = None  # constrain the output (SGLang's /generate only)
 
 
 @dataclasses.dataclass
@@ -95,13 +96,18 @@ class RequestResult:
 
 def _payload(backend: str, spec: RequestSpec, model: str) -> tuple[str, dict[str, Any]]:
     if backend == "openai":
+        if spec.json_schema is not None:
+            raise ClientError("constrained requests need --backend=generate")
         return "/v1/completions", {
             "model": model, "prompt": spec.prompt, "max_tokens": spec.output_len,
             "temperature": 0.0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
     key = "text" if isinstance(spec.prompt, str) else "input_ids"
-    return "/generate", {key: spec.prompt, "stream": True, "sampling_params": {
-        "max_new_tokens": spec.output_len, "temperature": 0.0, "ignore_eos": True}}
+    sampling: dict[str, Any] = {"max_new_tokens": spec.output_len, "temperature": 0.0,
+                                "ignore_eos": True}
+    if spec.json_schema is not None:
+        sampling["json_schema"] = spec.json_schema
+    return "/generate", {key: spec.prompt, "stream": True, "sampling_params": sampling}
 
 
 class _Progress:

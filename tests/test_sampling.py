@@ -325,3 +325,64 @@ def test_create_pads_with_greedy_unpenalized_rows() -> None:
         SamplingBatch.create(2, temprature=[1.0])
     with pytest.raises(ValueError, match="at most 2"):
         SamplingBatch.create(2, top_p=[1.0, 1.0, 1.0])
+
+
+# ---- grammar bitmask and logit bias ---------------------------------------------------------
+
+
+def _bitmask(allowed: list[list[int] | None], vocab: int) -> np.ndarray:
+    """llguidance's layout: bit t % 32 of int32 word t // 32; None = every token."""
+    words = np.full((len(allowed), (vocab + 31) // 32), -1, np.int32)
+    for i, ids in enumerate(allowed):
+        if ids is not None:
+            bits = np.zeros(words.shape[1] * 32, bool)
+            bits[ids] = True
+            words[i] = np.packbits(bits.reshape(-1, 32)[:, ::-1], axis=1).view(">i4")[:, 0]
+    return words
+
+
+def test_bitmask_restricts_greedy_and_sampled_rows_only():
+    vocab = 300  # not a multiple of 32: the last word's spare bits are ignored
+    logits = _logits(4, vocab, seed=3)
+    allowed = [[5, 77, 299], None, [290], None]
+    params = SamplingBatch.create(4, mask_width=10, temperature=[0.0, 0.0, 1.0, 1.0],
+                                  seed=[1, 2, 3, 4], token_bitmask=_bitmask(allowed, vocab))
+    out = _sample(logits, params)
+    assert out.next_tokens[0] == max([5, 77, 299], key=lambda t: logits[0, t])
+    assert out.next_tokens[2] == 290
+    free = _sample(logits, SamplingBatch.create(4, mask_width=10, temperature=[0.0, 0.0, 1.0, 1.0],
+                                                seed=[1, 2, 3, 4]))
+    # Unconstrained rows draw what they draw alone: the mask is per row.
+    np.testing.assert_array_equal(out.next_tokens[[1, 3]], free.next_tokens[[1, 3]])
+    for s in range(20):  # every sampled token of a constrained row is allowed
+        p = SamplingBatch.create(4, mask_width=10, temperature=[1.0] * 4, step=[s] * 4,
+                                 token_bitmask=_bitmask(allowed, vocab))
+        assert _sample(logits, p).next_tokens[0] in (5, 77, 299)
+
+
+def test_logit_bias_is_sparse_per_row():
+    logits = _logits(3, 64, seed=4)
+    ids = np.array([[7, -1], [-1, -1], [3, 9]], np.int32)
+    values = np.array([[100.0, 0.0], [0.0, 0.0], [-100.0, 100.0]], np.float32)
+    params = SamplingBatch.create(3, bias_slots=2, bias_ids=ids, bias_values=values)
+    out = _sample(logits, params, num_top_logprobs=1)
+    assert out.next_tokens.tolist()[0] == 7 and out.next_tokens.tolist()[2] == 9
+    assert out.next_tokens[1] == np.argmax(logits[1])
+    # Logprobs stay those of the raw model distribution.
+    none = _sample(logits, SamplingBatch.create(3, bias_slots=2), num_top_logprobs=1)
+    np.testing.assert_array_equal(out.top_ids, none.top_ids)
+
+
+def test_mask_and_bias_run_in_one_trace():
+    """Constrained, biased and plain batches of one shape share one compiled program."""
+    vocab = 96
+    logits = jnp.asarray(_logits(2, vocab))
+    zeros = jnp.zeros((2, vocab), jnp.int32), jnp.zeros((2, vocab), bool)
+    batches = [SamplingBatch.create(2, mask_width=3, bias_slots=2),
+               SamplingBatch.create(2, mask_width=3, bias_slots=2,
+                                    token_bitmask=_bitmask([[1], None], vocab)),
+               SamplingBatch.create(2, mask_width=3, bias_slots=2, bias_ids=[[4, -1]],
+                                    bias_values=[[50.0, 0.0]])]
+    compiled = sample.lower(logits, batches[0], *zeros).compile()
+    got = [int(compiled(logits, b, *zeros).next_tokens[0]) for b in batches]
+    assert got[1:] == [1, 4]

@@ -28,7 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from runtime.config import ServerArgs
 from runtime.engine import Engine
 from runtime.metrics import CONTENT_TYPE, ServerMetrics
-from runtime.server import debug_api, native_api, openai_api
+from runtime.server import debug_api, native_api, openai_api, sglang_api
 from runtime.server.engine_loop import EngineLoop
 from runtime.server.errors import error_body, install_error_handlers
 from runtime.server.serving import RETRY_AFTER_S, ServerContext
@@ -76,6 +76,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app.include_router(native_api.router)
     app.include_router(openai_api.router)
     app.include_router(debug_api.router)
+    app.include_router(sglang_api.router)
 
     @app.get("/health")
     async def health() -> Response:

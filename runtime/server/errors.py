@@ -22,6 +22,9 @@ from runtime.metrics import ServerMetrics
 logger = logging.getLogger(__name__)
 
 MAX_BODY_BYTES = 8 << 20
+# Deeper bodies are refused before validation: the JSON parser and pydantic both recurse,
+# and a JSON schema or tool definition never needs more.
+MAX_JSON_DEPTH = 64
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error",
@@ -85,13 +88,32 @@ async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict[s
             raise _too_large(len(body), max_bytes)
     try:
         data = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except RecursionError as e:
+        raise APIError(400, f"the request body is nested too deeply for the JSON parser (at "
+                       f"most {MAX_JSON_DEPTH} levels)", code="invalid_json") from e
+    except ValueError as e:  # JSONDecodeError, bad UTF-8, an integer past 4,300 digits
         raise APIError(400, f"the request body is not valid JSON: {e}",
                        code="invalid_json") from e
+    if _depth_over(data, MAX_JSON_DEPTH):
+        raise APIError(400, f"the request body is nested more than {MAX_JSON_DEPTH} levels "
+                       f"deep", code="invalid_json")
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not "
                        f"{type(data).__name__}", code="invalid_json")
     return data
+
+
+def _depth_over(data: Any, limit: int) -> bool:
+    """Whether containers nest deeper than `limit` (iterative: no recursion to overflow)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if isinstance(value, dict | list):
+            if depth > limit:
+                return True
+            children = value.values() if isinstance(value, dict) else value
+            stack.extend((c, depth + 1) for c in children if isinstance(c, dict | list))
+    return False
 
 
 def _too_large(size: int, limit: int) -> APIError:

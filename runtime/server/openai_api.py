@@ -8,12 +8,14 @@ of all its tokens), a usage chunk if `stream_options.include_usage`, then `data:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator, Sequence
 from typing import Any, TypeVar
 
 import pydantic
 from fastapi import APIRouter, Request
 
+from runtime import tool_calls as tools
 from runtime.engine import RequestOutput
 from runtime.request import SamplingParams
 from runtime.server import openai_format as fmt
@@ -27,6 +29,7 @@ from runtime.server.serving import (
     check_prompt,
     check_sampling,
     collect,
+    compile_constraints,
     new_id,
     sse,
     submit,
@@ -35,6 +38,9 @@ from runtime.server.serving import (
 router = APIRouter()
 
 _NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "top_logprobs"}
+# A grammar that fails to compile, named as the client wrote it (ebnf carries forced tool
+# calls too, whose grammar comes from the tools' parameter schemas).
+_CONSTRAINT_NAMES = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}
 _Req = TypeVar("_Req", bound=pydantic.BaseModel)
 
 
@@ -72,17 +78,40 @@ async def completions(request: Request) -> Any:
 async def chat_completions(request: Request) -> Any:
     ctx: ServerContext = request.app.state.ctx
     req = await _parse(request, ChatCompletionRequest)
-    messages = [m.to_template() for m in req.messages]
-    try:
-        ids = ctx.tokenizer.apply_chat_template(messages, tokenize=True)
-    except (ValueError, TypeError) as e:
-        raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
-    assert isinstance(ids, list)
+    template = ctx.tokenizer.chat_template
+    use_tools = bool(req.tools) and req.tool_choice != "none"
+    tool_fmt = tools.tool_format(template) if use_tools else None
+    ids = _chat_prompt(ctx, req, tool_fmt)
     top = req.top_logprobs or 0
     samplings = _expand(ctx, req, [ids], req.max_new_tokens, "messages",
                         req.logprobs, top, _NAMES)
+    forced = req.forced_tools
+    if forced is not None and tool_fmt is not None:
+        grammar = tools.forced_call_grammar([t.model_dump(exclude_none=True) for t in forced],
+                                            tool_fmt)
+        samplings = [dataclasses.replace(sp, ebnf=grammar) for sp in samplings]
     return await _respond(request, ctx, req, [ids], samplings, fmt.ChatFormat(
-        new_id("chatcmpl"), ctx.model_name, ctx.tokenizer, req.logprobs, top))
+        new_id("chatcmpl"), ctx.model_name, ctx.tokenizer, req.logprobs, top, tools=tool_fmt))
+
+
+def _chat_prompt(ctx: ServerContext, req: ChatCompletionRequest,
+                 tool_fmt: tools.ToolFormat | None) -> list[int]:
+    """The rendered chat; tools go to the template, or to a system message where the
+    template never reads them (tool_calls.template_messages)."""
+    messages = [m.to_template() for m in req.messages]
+    extra: dict[str, Any] = {}
+    try:
+        if tool_fmt is not None and req.tools:
+            tool_dicts = [t.model_dump(exclude_none=True) for t in req.tools]
+            if tools.template_reads_tools(ctx.tokenizer.chat_template):
+                extra["tools"] = tool_dicts
+            else:
+                messages = tools.template_messages(messages, tool_dicts, tool_fmt)
+        ids = ctx.tokenizer.apply_chat_template(messages, tokenize=True, **extra)
+    except (ValueError, TypeError, KeyError) as e:
+        raise APIError(400, f"messages: {e}", param="messages", code="invalid_value") from e
+    assert isinstance(ids, list)
+    return ids
 
 
 def _completion_prompts(ctx: ServerContext, prompt: Any) -> list[list[int]]:
@@ -106,7 +135,10 @@ def _expand(ctx: ServerContext, req: OpenAISampling, prompts: Sequence[list[int]
     for ids in prompts:
         max_new = check_prompt(ctx, ids, max_tokens, param, "max_tokens")
         for j in range(req.n):
-            sp = req.to_params(max_new, j, logprobs, top)
+            try:
+                sp = req.to_params(max_new, j, logprobs, top)
+            except ValueError as e:  # a logit_bias key that is not a token id
+                raise APIError(400, str(e), param="logit_bias", code="invalid_value") from e
             check_sampling(ctx, sp, names)
             out.append(sp)
     return out
@@ -116,6 +148,7 @@ async def _respond(request: Request, ctx: ServerContext, req: OpenAISampling,
                    prompts: Sequence[list[int]], samplings: list[SamplingParams],
                    form: fmt.Formatter) -> Any:
     expanded = [ids for ids in prompts for _ in range(req.n)]
+    await compile_constraints(ctx, samplings, _CONSTRAINT_NAMES)
     group = await submit(ctx, form.id, expanded, samplings)
     prompt_tokens = sum(len(p) for p in prompts)
     if req.stream:
@@ -135,10 +168,9 @@ async def _events(group: RequestGroup, form: fmt.Formatter, prompt_tokens: int, 
             yield sse(form.chunk([opening]) | extra)
     finals: dict[int, RequestOutput] = {}
     async for index, out in group.stream():
-        choice = form.stream_choice(index, out)
         if out.finished:
             finals[index] = out
-        if choice is not None:
+        for choice in form.stream_choices(index, out):
             yield sse(form.chunk([choice]) | extra)
     if include_usage:
         outs = [finals[i] for i in range(len(group.rids))]

@@ -9,6 +9,7 @@ from typing import Any
 from runtime.engine import RequestOutput
 from runtime.server.serving import finite
 from runtime.tokenizer import Tokenizer
+from runtime.tool_calls import StreamingToolParser, ToolFormat, parse_calls
 
 
 def finish_reason(out: RequestOutput) -> str | None:
@@ -55,6 +56,11 @@ class Formatter:
     def stream_choice(self, index: int, out: RequestOutput) -> dict[str, Any] | None:
         raise NotImplementedError
 
+    def stream_choices(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        """The choices to stream for one engine output (tool calls may need several)."""
+        choice = self.stream_choice(index, out)
+        return [] if choice is None else [choice]
+
     def final_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -97,12 +103,40 @@ class CompletionFormat(Formatter):
 
 
 class ChatFormat(Formatter):
+    """Chat replies; with `tools` (a ToolFormat) replies are parsed for tool calls, which
+    become `tool_calls` and finish_reason "tool_calls"."""
+
     object_name = "chat.completion"
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, *args: Any, tools: ToolFormat | None = None) -> None:
+        super().__init__(*args)
+        self.tools = tools
+        self._parsers: dict[int, StreamingToolParser] = {}
+
     def final_choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
-        return {"index": index, "message": {"role": "assistant", "content": out.text},
-                "logprobs": self._logprobs(out), "finish_reason": finish_reason(out)}
+        message: dict[str, Any] = {"role": "assistant", "content": out.text}
+        reason = finish_reason(out)
+        if self.tools is not None:
+            content, calls = parse_calls(out.text, self.tools)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": calls}
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": index, "message": message, "logprobs": self._logprobs(out),
+                "finish_reason": reason}
+
+    def stream_choices(self, index: int, out: RequestOutput) -> list[dict[str, Any]]:
+        if self.tools is None:
+            return super().stream_choices(index, out)
+        parser = self._parsers.setdefault(index, StreamingToolParser(self.tools))
+        choices = [{"index": index, "delta": d, "logprobs": None, "finish_reason": None}
+                   for d in parser.update(out.text, out.finished)]
+        if out.finished:
+            reason = finish_reason(out)
+            choices.append({"index": index, "delta": {}, "logprobs": self._logprobs(out),
+                            "finish_reason": "tool_calls" if parser.called and reason == "stop"
+                            else reason})
+        return choices
 
     def opening_choice(self, index: int) -> dict[str, Any] | None:
         return {"index": index, "delta": {"role": "assistant", "content": ""},

@@ -22,6 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtime.engine import Engine, RequestOutput
+from runtime.grammar import GrammarError
 from runtime.metrics import ServerMetrics
 from runtime.request import SamplingParams
 from runtime.server.engine_loop import EngineLoop, EngineUnavailable, RequestGroup
@@ -117,15 +118,39 @@ def check_sampling(ctx: ServerContext, sp: SamplingParams, names: dict[str, str]
         raise APIError(400, message, param=param, code="invalid_value") from e
 
 
-async def submit(ctx: ServerContext, rid: str, prompts: Sequence[list[int]],
+async def compile_constraints(ctx: ServerContext, samplings: Sequence[SamplingParams],
+                              names: dict[str, str]) -> None:
+    """Compile each distinct grammar in a worker thread (the compiler drops the GIL), so
+    the engine thread only hits the cache and a slow schema stalls nobody else; a grammar
+    that cannot compile is a 400 naming the problem."""
+    specs = {sp.grammar for sp in samplings} - {None}
+    if not specs:
+        return
+    cache = ctx.engine.grammars
+    if cache is None:
+        raise APIError(400, "constrained decoding needs a tokenizer", code="invalid_value")
+    for spec in specs:
+        assert spec is not None
+        if cache.contains(spec):
+            continue
+        try:
+            await asyncio.to_thread(cache.compile, spec)
+        except GrammarError as e:
+            param = names.get(spec.kind, spec.kind)
+            raise APIError(400, f"{param}: the grammar does not compile: {e}", param=param,
+                           code="invalid_grammar") from e
+
+
+async def submit(ctx: ServerContext, rid: str | list[str], prompts: Sequence[list[int]],
                  samplings: Sequence[SamplingParams]) -> RequestGroup:
     """Hand the prompts to the engine thread; 503 when the queue is full, 400 when the
-    engine refuses one (then none of them runs)."""
+    engine refuses one (then none of them runs). `rid`: a prefix (members get -0, -1, ...)
+    or every member's id."""
     queued, limit = ctx.engine_loop.num_queued(), ctx.max_queued_requests
     if queued + len(prompts) > limit:
         raise unavailable(f"the server is overloaded: {queued} requests are queued "
                           f"(limit {limit}); retry later")
-    rids = [f"{rid}-{i}" for i in range(len(prompts))]
+    rids = rid if isinstance(rid, list) else [f"{rid}-{i}" for i in range(len(prompts))]
     try:
         group = ctx.engine_loop.submit(rids, prompts, samplings, time.perf_counter())
     except EngineUnavailable as e:
