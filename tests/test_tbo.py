@@ -10,16 +10,18 @@ import json
 import time
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import registry
+from models import moe_overlap, registry
 from runtime import two_batch_overlap
 from runtime.batch_builder import BucketShape
 from runtime.bucket_plan import StepKey
 from runtime.config import CacheConfig, RunnerConfig
 from runtime.exec_trace import ExecutionTrace
 from runtime.forward_mode import ForwardMode
+from runtime.kv_pool import init_kv_pool
 from runtime.model_runner import ModelRunner
 from runtime.perfetto import chrome_trace
 from runtime.request import Req, SamplingParams
@@ -28,6 +30,7 @@ from runtime.sharding import make_mesh
 from runtime.tbo_step import compiler_options
 from runtime.traced_launch import launch_traced, read_back
 from tests import hlo_graph
+from tests.model_utils import SimpleRow, make_batch
 from tests.trace_utils import check_chrome_trace, lanes
 
 CFG, PARAMS = registry.load_preset("tiny-moe")
@@ -229,3 +232,18 @@ def test_dense_model_or_per_layer_weights_is_a_startup_error():
         ModelRunner(CFG, PARAMS, CacheConfig(page_size=PAGE, num_pages=8),
                     RunnerConfig(enable_two_batch_overlap=True, per_layer_weights=True),
                     max_running_requests=2)
+
+
+def test_tbo_forward_lowers_for_cuda():
+    """The GPU program (checked for overlap by tests/test_tbo_gpu.py) lowers from here:
+    three all_to_all per micro-batch and layer, no CPU-only op."""
+    shape = BucketShape(0, 0, 2, W)
+    batch = make_batch(D, [], [SimpleRow([3], 5, [1, 2])], shape, PAGE)
+    kv = init_kv_pool(CFG, CacheConfig(page_size=PAGE, num_pages=8), jnp.float32)
+
+    def fwd(p, kv, a, b):
+        return moe_overlap.forward(p, kv, (a, b), CFG, "xla", make_mesh(ep=4))
+
+    text = jax.jit(fwd).trace(PARAMS, kv, batch, batch).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert text.count("stablehlo.all_to_all") == 6
