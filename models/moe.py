@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -131,18 +132,64 @@ def combine(back: jax.Array, where: Dispatch, w: jax.Array) -> jax.Array:
     return jnp.einsum("tkd,tk->td", ys, w.astype(ys.dtype))
 
 
+Stage = Callable[[dict], dict]
+
+
+def moe_stages(lp: dict, cfg: ModelConfig, axis: str | None = None,
+               num_ranks: int = 1) -> list[Stage]:
+    """One rank's MoE MLP as an operation list (SGLang's per-layer stages): each stage
+    takes and returns a micro-batch's state dict, starting from {"x": [T, D]} and ending
+    with "out" [T, D]. Communication (exchange) opens the dispatch and combine stages, so
+    an overlapped schedule can put the other micro-batch's compute beside it
+    (models/moe_overlap.py); moe_block runs the list in order."""
+    n_local = lp["we_gate"].shape[0]
+
+    def prepare(s: dict) -> dict:  # gate, select experts, pack the per-peer buffers
+        w, ids = route(s["x"], lp["router"], cfg)
+        send_x, send_e, where = dispatch(s["x"], ids, num_ranks, n_local)
+        return {**s, "w": w, "where": where, "send_x": send_x, "send_e": send_e}
+
+    def dispatch_shared(s: dict) -> dict:  # tokens out; the shared expert needs none of them
+        out = {**s, "recv_x": exchange(s["send_x"], axis), "recv_e": exchange(s["send_e"], axis)}
+        if "ws_gate" in lp:
+            x = s["x"]
+            shared = gated_mlp(x, lp["ws_gate"], lp["ws_up"], lp["ws_down"])  # [T, D]
+            out["shared"] = jax.nn.sigmoid(x @ lp["ws_router"]) * shared
+        return out
+
+    def run_experts(s: dict) -> dict:
+        return {**s, "y": experts(s["recv_x"], s["recv_e"], lp)}  # [R, C, D]
+
+    def combine_send(s: dict) -> dict:  # results back to the tokens' ranks
+        return {**s, "back": exchange(s["y"], axis)}
+
+    def output(s: dict) -> dict:
+        out = combine(s["back"], s["where"], s["w"])  # [T, D]
+        return {"out": out + s["shared"] if "shared" in s else out}
+
+    return [prepare, dispatch_shared, run_experts, combine_send, output]
+
+
 def moe_block(lp: dict, x: jax.Array, cfg: ModelConfig, axis: str | None = None,
               num_ranks: int = 1) -> jax.Array:
     """One rank's MoE MLP over its tokens x [T, D] -> [T, D]; with `axis`, inside a
     shard_map over it, lp holding this rank's experts."""
-    w, ids = route(x, lp["router"], cfg)
-    send_x, send_e, where = dispatch(x, ids, num_ranks, lp["we_gate"].shape[0])
-    recv_x, recv_e = exchange(send_x, axis), exchange(send_e, axis)
-    out = combine(exchange(experts(recv_x, recv_e, lp), axis), where, w)
-    if "ws_gate" in lp:
-        shared = gated_mlp(x, lp["ws_gate"], lp["ws_up"], lp["ws_down"])  # [T, D]
-        out = out + jax.nn.sigmoid(x @ lp["ws_router"]) * shared
-    return out
+    state = {"x": x}
+    for stage in moe_stages(lp, cfg, axis, num_ranks):
+        state = stage(state)
+    return state["out"]
+
+
+def expert_parallel(mesh: Mesh, body: Callable, lp: dict, *xs: jax.Array) -> tuple:
+    """body(lp, *xs) under shard_map over the `ep` axis: each x [T, D] padded to a multiple
+    of ep and split over it, the expert weights split over it, the rest replicated;
+    returns each output [T, D] with the padding cut off."""
+    ep = mesh.shape[EP_AXIS]
+    padded = [jnp.pad(x, ((0, -x.shape[0] % ep), (0, 0))) for x in xs]  # [T', D] each
+    specs = {k: P(EP_AXIS) if k in EXPERT_KEYS else P() for k in lp}
+    f = shard_map(body, mesh=mesh, in_specs=(specs, *[P(EP_AXIS)] * len(xs)),
+                  out_specs=tuple(P(EP_AXIS) for _ in xs))
+    return tuple(y[:x.shape[0]] for y, x in zip(f(lp, *padded), xs, strict=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -155,18 +202,17 @@ class MoeMlp:
 
     @property
     def ep(self) -> int:
-        return 1 if self.mesh is None else self.mesh.shape.get(EP_AXIS, 1)
+        return ep_size(self.mesh)
 
     def __call__(self, lp: dict, x: jax.Array) -> jax.Array:
         if self.ep == 1:
             return moe_block(lp, x, self.cfg)
-        t = x.shape[0]
-        xp = jnp.pad(x, ((0, -t % self.ep), (0, 0)))  # [T', D], T' a multiple of ep
-        specs = {k: P(EP_AXIS) if k in EXPERT_KEYS else P() for k in lp}
         body = functools.partial(moe_block, cfg=self.cfg, axis=EP_AXIS, num_ranks=self.ep)
-        f = shard_map(body, mesh=self.mesh, in_specs=(specs, P(EP_AXIS)),
-                      out_specs=P(EP_AXIS))
-        return f(lp, xp)[:t]
+        return expert_parallel(self.mesh, lambda lp, x: (body(lp, x),), lp, x)[0]
+
+
+def ep_size(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape.get(EP_AXIS, 1)
 
 
 def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,

@@ -28,6 +28,14 @@ PRESETS: dict[str, ModelConfig] = {
         tie_word_embeddings=True, attention_bias=True, architecture="qwen2_moe",
         bos_token_id=1, eos_token_ids=(2,), num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    # A bigger MoE for CPU benchmarks (two-batch overlap, expert parallelism): ~90M
+    # parameters, 16 experts top-4 in 8 layers.
+    "small-moe": ModelConfig(
+        vocab_size=49152, hidden_size=512, intermediate_size=1024, num_layers=8,
+        num_heads=8, num_kv_heads=4, head_dim=64, rope_theta=10000.0,
+        max_position_embeddings=2048, tie_word_embeddings=True, attention_bias=True,
+        architecture="qwen2_moe", bos_token_id=1, eos_token_ids=(2,), num_experts=16,
+        num_experts_per_tok=4, moe_intermediate_size=256, shared_expert_intermediate_size=512),
 }
 PRESET_SEED = 0
 

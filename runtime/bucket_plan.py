@@ -107,7 +107,7 @@ class BucketPlan:
         return self.cfg.kv_len_buckets[-1]
 
     def plan_parts(self, counts: dict[ForwardMode, int], split: int, fused: int,
-                   samplers: int) -> list[PlanPart]:
+                   samplers: int, tbo: int = 0) -> list[PlanPart]:
         """The plan's groups with the flags that multiply each (for the budget check)."""
         c = self.cfg
         kv = f"{len(c.kv_len_buckets)} kv_len_buckets"
@@ -125,6 +125,9 @@ class BucketPlan:
                      "interval sizes (even, to 8, and the depth) + embed and head"),
             PlanPart("FUSED", fused, FORWARD_COST,
                      "--multiplex_fused: extend buckets x decode_buckets x interval sizes"),
+            PlanPart("TBO", tbo, FORWARD_COST,
+                     "--enable_two_batch_overlap: one per DECODE / EXTEND / MIXED bucket of "
+                     "at least tbo_min_tokens / 2 tokens"),
             PlanPart("sampler", samplers, SAMPLER_COST,
                      "one per distinct batch-row count of the buckets above"),
         ]

@@ -253,6 +253,11 @@ class RunnerConfig:
     multiplex_fused: bool = False
     # Extend buckets with fewer tokens get no split programs (they prefill whole).
     split_min_tokens: int = 0
+    # Two-batch overlap (runtime/two_batch_overlap.py, runtime/tbo_step.py): MoE batches
+    # of at least tbo_min_tokens tokens run as two overlapped micro-batches.
+    enable_two_batch_overlap: bool = False
+    tbo_token_distribution_threshold: float = 0.48
+    tbo_min_tokens: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16"):
@@ -266,6 +271,9 @@ class RunnerConfig:
                              "expected 'xla', 'cpu' or 'pallas'")
         if self.attention_backend == "cpu" and self.dtype != "float32":
             raise ValueError(f"attention_backend='cpu' needs dtype float32, not {self.dtype}")
+        if not 0 <= self.tbo_token_distribution_threshold <= 0.5:
+            raise ValueError(f"tbo_token_distribution_threshold="
+                             f"{self.tbo_token_distribution_threshold} must be in [0, 0.5]")
         for name in ("decode_buckets", "extend_token_buckets", "extend_seq_buckets",
                      "kv_len_buckets"):
             b = getattr(self, name)
@@ -326,3 +334,9 @@ class ServerArgs:
     # ring (0: off), and where the server writes Chrome trace / Perfetto JSON (None: not).
     trace_buffer_steps: int = 4096
     trace_dir: str | None = None
+    # Two-batch overlap (docs/tbo.md): MoE batches split into two micro-batches whose
+    # expert-parallel all_to_all overlaps the other's compute. tbo_min_tokens None: 128
+    # tokens per ep rank (smaller batches run the plain path).
+    enable_two_batch_overlap: bool = False
+    tbo_token_distribution_threshold: float = 0.48
+    tbo_min_tokens: int | None = None

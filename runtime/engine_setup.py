@@ -22,6 +22,9 @@ logger = logging.getLogger(__name__)
 # A CPU pool sized from mem_fraction would be most of the machine's RAM; this many
 # tokens is plenty for a CPU server and keeps start-up allocation cheap.
 _CPU_DEFAULT_KV_TOKENS = 32768
+# Two-batch overlap pays off from about this many tokens per expert-parallel rank
+# (docs/tbo.md: SGLang's -27% at 32 and +25% at 256 tokens per device, and the cost model).
+TBO_MIN_TOKENS_PER_RANK = 128
 
 
 def on_gpu() -> bool:
@@ -154,13 +157,18 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         enable_mixed=args.enable_mixed_chunk,
         max_top_logprobs=args.max_top_logprobs,
         strict_compile=args.strict_compile,
-        per_layer_weights=(not on_gpu() if args.per_layer_weights is None
-                           else args.per_layer_weights),
+        # Two-batch overlap scans the stacked weights (models/moe_overlap.py).
+        per_layer_weights=(not on_gpu() and not args.enable_two_batch_overlap
+                           if args.per_layer_weights is None else args.per_layer_weights),
         cpu_matmul=default_cpu_matmul(args, model_cfg),
         enable_split_prefill=args.enable_split_prefill or args.enable_multiplexing,
         split_prefill_layers=args.split_prefill_layers,
         multiplex_fused=args.multiplex_fused,
         split_min_tokens=args.split_prefill_min_tokens,
+        enable_two_batch_overlap=args.enable_two_batch_overlap,
+        tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
+        tbo_min_tokens=(TBO_MIN_TOKENS_PER_RANK * args.ep if args.tbo_min_tokens is None
+                        else args.tbo_min_tokens),
     )
 
 

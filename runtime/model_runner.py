@@ -27,11 +27,12 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.registry import model_module
-from runtime import sampling, sharding
+from runtime import sampling, sharding, two_batch_overlap
 from runtime.batch_builder import BucketShape, pack_rows
 from runtime.bucket_plan import BucketPlan, StepKey, smallest_fitting
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig
+from runtime.exec_trace import TboSplit
 from runtime.executable_budget import (
     ExecutableStat,
     PlanPart,
@@ -49,6 +50,7 @@ from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
 from runtime.slot_state import SlotState, constraint_columns, init_slot, sampling_columns
 from runtime.split_prefill import SplitExecutables, SplitPrefill, layer_work, redirect_finished
 from runtime.step_costs import DeviceCosts
+from runtime.tbo_step import TboExecutables, compiler_options
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +62,10 @@ class PendingStep:
                  top_n: int) -> None:
         # order: padded-row index of each real row (extend rows, then decode rows).
         self.batch, self.out, self._order, self._top_n = batch, out, order, top_n
+        # A two-batch-overlap step: its split, and the shape it computed (both children's
+        # padded rows and tokens), for the execution trace.
+        self.tbo: TboSplit | None = None
+        self.padded_shape: BucketShape | None = None
 
     def is_ready(self) -> bool:
         """Whether the device has finished this step (readback would not block)."""
@@ -123,6 +129,7 @@ class ModelRunner:
             and k.shape.num_extend_tokens >= runner_cfg.split_min_tokens],
             runner_cfg.split_prefill_layers) if runner_cfg.enable_split_prefill else None)
         self.fused = self._fused_executables() if runner_cfg.multiplex_fused else None
+        self.tbo = self._tbo_executables() if runner_cfg.enable_two_batch_overlap else None
         self._samplers: dict[int, Callable] = {}
         self.exec_stats: list[ExecutableStat] = []
         self._warm_compiles: int | None = None
@@ -137,9 +144,11 @@ class ModelRunner:
         return self.buckets.step_keys()
 
     def sampler_sizes(self) -> list[int]:
-        """Row counts B of the step keys: one sampler executable each."""
+        """Row counts B of the step keys (and of the TBO steps' merged rows): one sampler
+        executable each."""
+        tbo = {self.tbo.rows(k) for k in self.tbo.keys} if self.tbo else set()
         return sorted({k.shape.num_extend_seqs + k.shape.num_decode_seqs
-                       for k in self.step_keys()})
+                       for k in self.step_keys()} | tbo)
 
     def plan(self) -> list[PlanPart]:
         """The executables warm-up compiles, grouped with the flags that multiply them."""
@@ -147,7 +156,23 @@ class ModelRunner:
         n = {m: sum(k.mode is m for k in keys) for m in ForwardMode}
         return self.buckets.plan_parts(n, len(self.split.names) if self.split else 0,
                                        len(self.fused.names) if self.fused else 0,
-                                       len(self.sampler_sizes()))
+                                       len(self.sampler_sizes()),
+                                       len(self.tbo.names) if self.tbo else 0)
+
+    def _tbo_executables(self) -> TboExecutables:
+        """TBO programs for the buckets a split child can need: the children of a batch of
+        at least tbo_min_tokens tokens hold at least half of them each (the larger one)."""
+        _check_tbo(self.model_cfg, self.cfg, self.mesh)
+        modes = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED)
+        keys = [k for k in self.step_keys() if k.mode in modes and 2 * (
+            k.shape.num_extend_tokens + k.shape.num_decode_seqs) >= self.cfg.tbo_min_tokens]
+        options = compiler_options(jax.default_backend())
+        if options:
+            logger.info("two-batch overlap: %d executables compiled with %s", len(keys),
+                        options)
+        return TboExecutables(self.model_cfg, self.cfg.attention_backend, self.mesh, keys,
+                              self.max_running, self._out(self._replicated, self._kv_sh),
+                              options)
 
     def _fused_executables(self) -> FusedExecutables:
         if self.split is None:
@@ -236,6 +261,10 @@ class ModelRunner:
         if self.fused is not None:
             yield from self.fused.lowerings(params, kv, state.last_tokens,
                                             lambda s: self._abstract_inputs(s)[0], self.dtype)
+        if self.tbo is not None:
+            yield from self.tbo.lowerings(params, kv, state.last_tokens, self._abstract_inputs,
+                                          lambda n: jax.ShapeDtypeStruct(
+                                              (n,), jnp.int32, sharding=self._replicated))
         sample = self._sample_fn()
         for b in self.sampler_sizes():
             yield f"sample/B{b}", functools.partial(sample.lower, state,
@@ -263,7 +292,7 @@ class ModelRunner:
         compiled = compile_all(self._lowerings(), total, self.exec_stats, progress)
         self._executables = {k: compiled[_key_name(k)] for k in self.step_keys()}
         self._samplers = {b: compiled[f"sample/B{b}"] for b in self.sampler_sizes()}
-        for group in (self.split, self.fused):
+        for group in (self.split, self.fused, self.tbo):
             if group is not None:
                 group.install(compiled)
         self._init_slot_exec = {n: compiled[f"init_slot/N{n}"]
@@ -306,7 +335,8 @@ class ModelRunner:
 
     @property
     def num_executables(self) -> int:
-        extra = sum(len(g.names) for g in (self.split, self.fused) if g and self._executables)
+        extra = sum(len(g.names) for g in (self.split, self.fused, self.tbo)
+                    if g and self._executables)
         return len(self._executables) + len(self._samplers) + len(self._init_slot_exec) + extra
 
     @property
@@ -343,7 +373,10 @@ class ModelRunner:
 
     def launch(self, batch: ScheduleBatch) -> PendingStep:
         """Dispatch one step asynchronously; the returned PendingStep reads it back. A
-        SPLIT_PREFILL batch too small to split (can_split) runs whole as an EXTEND step."""
+        SPLIT_PREFILL batch too small to split (can_split) runs whole as an EXTEND step.
+        With two-batch overlap, a batch it splits runs as two micro-batches (launch_tbo)."""
+        if self.tbo is not None and (pending := self.launch_tbo(batch)) is not None:
+            return pending
         return self.launch_sample(self.launch_forward(batch))
 
     def launch_forward(self, batch: ScheduleBatch) -> LaunchedForward:
@@ -365,6 +398,37 @@ class ModelRunner:
         mode = (ForwardMode.EXTEND if fwd.batch.mode is ForwardMode.SPLIT_PREFILL
                 else fwd.batch.mode)
         self.costs.watch(_cost_key(mode, fwd.shape), pending.out.next_tokens)
+        return pending
+
+    def launch_tbo(self, batch: ScheduleBatch) -> PendingStep | None:
+        """Run `batch` as two overlapped micro-batches (runtime/two_batch_overlap.py); None
+        when it is not split (too few tokens, or no TBO program for its children's
+        bucket), for the plain path to run."""
+        split = two_batch_overlap.split_batch(batch, self.cfg.tbo_token_distribution_threshold,
+                                              self.cfg.tbo_min_tokens)
+        if split is None:
+            return None
+        shape = two_batch_overlap.common_shape(split, self.bucket_for)
+        key = StepKey(batch.mode, shape)
+        if not self.tbo.has(key):
+            return None
+        self.init_slots(batch.extend_rows)
+        children = (split.a, split.b)
+        arrays = [pack_rows(c.extend_rows, c.decode_rows, shape, self.cache_cfg.page_size)
+                  for c in children]
+        slots = [self._row_slots(c, shape)[0] for c in children]
+        order = np.asarray(split.merge_order(shape), np.int32)
+        logits, self.kv = self.tbo(key, self.params, self.kv, self.state.last_tokens, *arrays,
+                                   *slots, order)
+        self.step_counts[batch.mode] += 1
+        padded = [*batch.rows, *[None] * (self.tbo.rows(key) - len(batch.rows))]
+        pending = self._sample_rows(batch, padded, logits, np.arange(len(batch.rows)))
+        pending.tbo = TboSplit(split.tokens(), split.rows(), split.point.seq_index,
+                               split.point.two_chunk)
+        pending.padded_shape = BucketShape(*(2 * getattr(shape, f) for f in (
+            "num_extend_tokens", "num_extend_seqs", "num_decode_seqs")),
+            shape.num_pages_per_seq)
+        self.costs.watch(self.tbo.names[self.tbo.keys.index(key)], pending.out.next_tokens)
         return pending
 
     def step_cost(self, batch: ScheduleBatch) -> float | None:
@@ -460,23 +524,32 @@ class ModelRunner:
             padded[i] = r
         for i, r in enumerate(batch.decode_rows):
             padded[shape.num_extend_seqs + i] = r
-        row_slots = np.full(b, self.max_running, np.int32)
-        sample_mask = np.zeros(b, bool)
+        return (*self._slots_of(padded), padded)
+
+    def _slots_of(self, padded: list[BatchRow | None]) -> tuple[np.ndarray, np.ndarray]:
+        row_slots = np.full(len(padded), self.max_running, np.int32)
+        sample_mask = np.zeros(len(padded), bool)
         for i, r in enumerate(padded):
             if r is not None:
                 row_slots[i], sample_mask[i] = r.req.req_slot, r.sample
-        return row_slots, sample_mask, padded
+        return row_slots, sample_mask
 
     def _sample(self, batch: ScheduleBatch, shape: BucketShape, logits: jax.Array
                 ) -> PendingStep:
-        row_slots, sample_mask, padded = self._row_slots(batch, shape)
+        padded = self._row_slots(batch, shape)[2]
+        # Rows come back in padded order; compact them to extend rows then decode rows.
+        order = np.r_[np.arange(len(batch.extend_rows)),
+                      shape.num_extend_seqs + np.arange(len(batch.decode_rows))]
+        return self._sample_rows(batch, padded, logits, order)
+
+    def _sample_rows(self, batch: ScheduleBatch, padded: list[BatchRow | None],
+                     logits: jax.Array, order: np.ndarray) -> PendingStep:
+        """Sample logits [len(padded), V] whose row i is padded[i] (None: padding)."""
+        row_slots, sample_mask = self._slots_of(padded)
         sp = self._sampling_batch(len(padded), padded)
         out, self.state = self._samplers[len(padded)](self.state, logits, row_slots,
                                                       sample_mask, sp)
         self.check_no_compiles()
-        # Rows come back in padded order; compact them to extend rows then decode rows.
-        order = np.r_[np.arange(len(batch.extend_rows)),
-                      shape.num_extend_seqs + np.arange(len(batch.decode_rows))]
         return PendingStep(batch, out, order, self.cfg.max_top_logprobs)
 
 
@@ -501,6 +574,18 @@ def _key_name(key: StepKey) -> str:
     s = key.shape
     return (f"{key.mode.value}/te{s.num_extend_tokens}_be{s.num_extend_seqs}"
             f"_bd{s.num_decode_seqs}_np{s.num_pages_per_seq}")
+
+
+def _check_tbo(model_cfg: ModelConfig, cfg: RunnerConfig, mesh: Mesh | None) -> None:
+    """What two-batch overlap needs, as a start-up error."""
+    if not model_cfg.is_moe:
+        raise ValueError("two-batch overlap is for MoE models (it overlaps the expert-"
+                         f"parallel all_to_all); {model_cfg.architecture} is dense")
+    if cfg.per_layer_weights:
+        raise ValueError("two-batch overlap runs the stacked layer weights: "
+                         "per_layer_weights=False")
+    if mesh is not None and mesh.shape.get("tp", 1) > 1:
+        raise ValueError("two-batch overlap runs on an ep mesh without tp")
 
 
 def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None) -> None:

@@ -43,8 +43,11 @@ def launch_traced(trace: ExecutionTrace, runner: TracedRunner, batch: ScheduleBa
     """runner.launch(batch), recorded (scheduling ran from sched_start until now)."""
     sched_end = time.perf_counter()
     pending = runner.launch(batch)
-    rec = step_record(batch, runner.bucket_for(batch), sched_start, sched_end,
-                      time.perf_counter(), runner.compiles_after_warmup)
+    # A two-batch-overlap step (the runner's PendingStep.tbo) computed both micro-batches
+    # at its own padded shape; a fake runner's pending has neither attribute.
+    shape = getattr(pending, "padded_shape", None) or runner.bucket_for(batch)
+    rec = step_record(batch, shape, sched_start, sched_end, time.perf_counter(),
+                      runner.compiles_after_warmup, tbo=getattr(pending, "tbo", None))
     return TracedStep(pending, trace.record(rec))
 
 

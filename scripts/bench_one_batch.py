@@ -21,6 +21,12 @@ to back; the table gives each one's speed-up over the last pair.
 --model takes anything ServerArgs.model does (a preset such as tiny-moe too); --tp / --ep
 put the runner on a mesh (on a CPU host the devices are XLA_FLAGS' fakes). The MoE layer's
 per-op split (dispatch, exchange, experts, combine) is scripts/bench_moe_ops.py.
+A variant may end in `+tbo`: two-batch overlap on, at every point (tbo_min_tokens 1, so
+the crossover shows), e.g. on the 4 fake devices of one CPU:
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 .venv/bin/python \
+      scripts/bench_one_batch.py --model=tiny-moe --ep=4 --variants=xla+xla+tbo,xla+xla
+With any +tbo variant every variant scans the stacked weights (per_layer_weights off),
+so the ratio is TBO's alone.
 Writes bench_one_batch.json and bench_one_batch.png to --out_dir.
 """
 
@@ -35,8 +41,10 @@ import bench_common as bc
 import numpy as np
 from absl import app, flags
 
+from runtime import two_batch_overlap
 from runtime.batch_builder import BucketShape
-from runtime.config import CacheConfig, ModelConfig, ServerArgs
+from runtime.bucket_plan import BucketPlan
+from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
 from runtime.engine_setup import load_model, runner_config, serving_mesh, size_kv_pool
 from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner, StepKey
@@ -59,7 +67,8 @@ flags.DEFINE_integer("iters", 10, "timed calls per point")
 flags.DEFINE_integer("warmup", 2, "untimed calls per point first")
 flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
 flags.DEFINE_list("variants", [], "MATMUL+ATTENTION pairs to time side by side, e.g. "
-                  "packed+cpu,xla+xla (default: the server's choice alone)")
+                  "packed+cpu,xla+xla, each optionally +tbo (two-batch overlap on) "
+                  "(default: the server's choice alone)")
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 
@@ -136,18 +145,43 @@ def _base_args() -> ServerArgs:
 
 def _variants() -> list[str | None]:
     for v in FLAGS.variants:
-        matmul, _, attention = v.partition("+")
-        if matmul not in ("packed", "xla") or attention not in ("cpu", "xla", "pallas"):
-            raise app.UsageError(f"--variants: {v!r} is not MATMUL+ATTENTION with MATMUL "
-                                 "packed / xla and ATTENTION cpu / xla / pallas")
+        matmul, attention, *tbo = v.split("+")
+        if (matmul not in ("packed", "xla") or attention not in ("cpu", "xla", "pallas")
+                or tbo not in ([], ["tbo"])):
+            raise app.UsageError(f"--variants: {v!r} is not MATMUL+ATTENTION[+tbo] with "
+                                 "MATMUL packed / xla and ATTENTION cpu / xla / pallas")
     return list(FLAGS.variants) or [None]
 
 
 def _variant_args(args: ServerArgs, variant: str | None) -> ServerArgs:
     if variant is None:
         return args
-    matmul, _, attention = variant.partition("+")
-    return dataclasses.replace(args, cpu_matmul=matmul, attention_backend=attention)
+    matmul, attention, *tbo = variant.split("+")
+    stacked = any(v.endswith("+tbo") for v in FLAGS.variants)
+    args = dataclasses.replace(args, cpu_matmul=matmul, attention_backend=attention,
+                               enable_two_batch_overlap=bool(tbo), tbo_min_tokens=1,
+                               per_layer_weights=False if stacked else args.per_layer_weights)
+    if not tbo:
+        return args
+    # Buckets for the micro-batches too (half of each point, rounded up), so a child is
+    # padded to its own size, not to its parent's.
+    def halves(b: tuple[int, ...]) -> tuple[int, ...]:
+        return tuple(sorted(set(b) | {-(-n // 2) for n in b}))
+
+    return dataclasses.replace(args, decode_buckets=halves(args.decode_buckets),
+                               extend_token_buckets=halves(args.extend_token_buckets))
+
+
+def _wanted(rcfg: RunnerConfig, page_size: int, batches: list[ScheduleBatch]
+            ) -> set[tuple[ForwardMode, BucketShape]]:
+    """The buckets of `batches` and, with TBO, the common bucket of their micro-batches."""
+    plan = BucketPlan(rcfg, page_size)
+    wanted = {(b.mode, plan.bucket_for(b)) for b in batches}
+    for b in batches if rcfg.enable_two_batch_overlap else []:
+        split = two_batch_overlap.split_batch(b, rcfg.tbo_token_distribution_threshold)
+        if split is not None:
+            wanted.add((b.mode, two_batch_overlap.common_shape(split, plan.bucket_for)))
+    return wanted
 
 
 class _Pages:
@@ -189,9 +223,12 @@ def _make_runner(args: ServerArgs, model: tuple[ModelConfig, dict], batches: lis
     rcfg = runner_config(args, cfg)
     pages = max(num_pages, size_kv_pool(args, cfg, rcfg.dtype))
     cache = CacheConfig(page_size=args.page_size, num_pages=pages)
-    runner = _BenchRunner(cfg, params, cache, rcfg, args.max_running_requests,
-                          mesh=serving_mesh(args, cfg))
-    runner.wanted = {(b.mode, runner.bucket_for(b)) for b in batches}
+    # The wanted buckets are a class attribute: the runner's constructor already asks for
+    # its step keys (the TBO programs are chosen from them).
+    runner_cls = type("_Runner", (_BenchRunner,), {"wanted": _wanted(rcfg, args.page_size,
+                                                                       batches)})
+    runner = runner_cls(cfg, params, cache, rcfg, args.max_running_requests,
+                        mesh=serving_mesh(args, cfg))
     bc.log(f"compiling {len(runner.step_keys())} executables")
     secs = runner.warmup(progress=False)
     bc.log(f"compiled in {secs:.1f} s")
@@ -203,14 +240,18 @@ def _time_point(runner: ModelRunner, batch: ScheduleBatch, iters: int,
     """(launch seconds, launch + result seconds) per call: the first is host work
     (bucketing, packing, dispatch); the difference is the device step and read-back."""
     host: list[float] = []
+    ran_tbo: list[bool] = []
 
     def call() -> None:
         t0 = time.perf_counter()
         pending = runner.launch(batch)
         host.append(time.perf_counter() - t0)
         pending.result()
+        ran_tbo.append(pending.tbo is not None)
 
     total = bc.time_calls(call, iters, warmup)
+    if runner.cfg.enable_two_batch_overlap and not all(ran_tbo):
+        raise RuntimeError(f"{batch.mode.value} batch ran the plain path with TBO on")
     return host[warmup:], total
 
 
@@ -351,7 +392,9 @@ def main(argv: list[str]) -> None:
               "model": bc.model_summary(cfg, name, runner.cfg.dtype),
               "runner": dataclasses.asdict(runner.cfg),
               "variants": {str(v): {"cpu_matmul": runners[v].cfg.cpu_matmul,
-                                    "attention_backend": runners[v].cfg.attention_backend}
+                                    "attention_backend": runners[v].cfg.attention_backend,
+                                    "two_batch_overlap":
+                                        runners[v].cfg.enable_two_batch_overlap}
                            for v in variants},
               "roofline": roof.to_json(),
               "roofline_probes": [r.to_json() for r in probes],

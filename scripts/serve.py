@@ -96,6 +96,14 @@ flags.DEFINE_integer("tp", _D.tp, "tensor-parallel devices (must divide the quer
                      "heads); on a mesh attention and matmuls run through XLA")
 flags.DEFINE_integer("ep", _D.ep, "expert-parallel devices for a MoE model (must divide "
                      "the experts)")
+flags.DEFINE_bool("enable_two_batch_overlap", _D.enable_two_batch_overlap, "MoE: split "
+                  "each batch into two micro-batches whose expert-parallel all_to_all "
+                  "overlaps the other's compute (docs/tbo.md)")
+flags.DEFINE_float("tbo_token_distribution_threshold", _D.tbo_token_distribution_threshold,
+                   "cut one sequence in two when the best sequence boundary leaves less "
+                   "than this share of the tokens on one side")
+flags.DEFINE_integer("tbo_min_tokens", None, "smaller batches run unsplit (default: 128 per "
+                     "ep rank)")
 flags.DEFINE_integer("dp", _D.dp, "data-parallel attention (not implemented: only 1)")
 
 FLAGS = flags.FLAGS
@@ -132,6 +140,9 @@ def server_args() -> ServerArgs:
         multiplex_decode_slowdown=FLAGS.multiplex_decode_slowdown,
         multiplex_fused=FLAGS.multiplex_fused,
         split_prefill_min_tokens=FLAGS.split_prefill_min_tokens,
+        enable_two_batch_overlap=FLAGS.enable_two_batch_overlap,
+        tbo_token_distribution_threshold=FLAGS.tbo_token_distribution_threshold,
+        tbo_min_tokens=FLAGS.tbo_min_tokens,
         trace_dir=FLAGS.trace_dir or None, trace_buffer_steps=FLAGS.trace_buffer_steps)
 
 

@@ -1,0 +1,111 @@
+"""Two-batch overlap (TBO) for the MoE decoders: one forward over two micro-batches A and
+B (runtime/two_batch_overlap.py splits a batch into them) in which A's expert-parallel
+all_to_all never waits for B's compute, nor B's for A's, so XLA's latency-hiding
+scheduler can run one micro-batch's communication under the other's compute.
+
+Per layer (one scan step, weights stacked):
+  attention  A then B, each writing its K/V into the pool as it ends, so B reads A's K/V
+             of this layer (the two-chunk split: B continues a sequence A began). A's
+             attention reads the pool as the previous layer left it.
+  MoE        both micro-batches' stages (models/moe.py moe_stages: prepare, dispatch +
+             shared expert, experts, combine send, output) in one shard_map over `ep`,
+             traced as an overlapped operation list with B one stage behind A: every
+             exchange of one micro-batch sits beside a compute stage of the other.
+XLA orders by dataflow, not by trace order, so the list is what the dependence structure
+looks like, not a schedule; the proof of independence is the HLO (tests/test_tbo.py),
+the proof of overlap a GPU compile (async all-to-all start/done pairs with the other
+micro-batch's compute between them; tests/test_tbo_gpu.py).
+
+Every op of micro-batch X is under the named scope `mb_x/<stage>` (HLO metadata op_name),
+which is how the tests tell the chains apart.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+
+from models import layers, moe
+from runtime.config import ModelConfig
+from runtime.forward_batch import ForwardBatch
+from runtime.kv_pool import KVPool, write_kv
+
+# B runs each stage one step after A: A's dispatch beside B's prepare, A's experts beside
+# B's dispatch, A's combine send beside B's experts, B's combine send beside A's output.
+STAGE_DELAY = 1
+MICRO_BATCHES = ("mb_a", "mb_b")
+
+
+def run_overlapped(stages: list[moe.Stage], states: tuple[dict, dict],
+                   delay: int = STAGE_DELAY) -> tuple[dict, dict]:
+    """Both micro-batches through the same operation list, B `delay` stages behind A."""
+    a, b = states
+    for step in range(len(stages) + delay):
+        if step < len(stages):
+            with jax.named_scope(f"{MICRO_BATCHES[0]}/{stages[step].__name__}"):
+                a = stages[step](a)
+        if 0 <= step - delay < len(stages):
+            with jax.named_scope(f"{MICRO_BATCHES[1]}/{stages[step - delay].__name__}"):
+                b = stages[step - delay](b)
+    return a, b
+
+
+def moe_pair(lp: dict, xa: jax.Array, xb: jax.Array, cfg: ModelConfig,
+             mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
+    """The MoE MLP of both micro-batches, xa [Ta, D], xb [Tb, D] -> same shapes."""
+    n = moe.ep_size(mesh)
+
+    def body(lp: dict, xa: jax.Array, xb: jax.Array) -> tuple[jax.Array, jax.Array]:
+        stages = moe.moe_stages(lp, cfg, moe.EP_AXIS if n > 1 else None, n)
+        a, b = run_overlapped(stages, ({"x": xa}, {"x": xb}))
+        return a["out"], b["out"]
+
+    if n == 1:
+        return body(lp, xa, xb)
+    return moe.expert_parallel(mesh, body, lp, xa, xb)
+
+
+def _attention(lp: dict, h: jax.Array, kv: KVPool, layer: jax.Array, batch: ForwardBatch,
+               rope: tuple[jax.Array, jax.Array], cfg: ModelConfig,
+               attention_backend: str) -> tuple[jax.Array, KVPool]:
+    """One micro-batch's attention with its residual, h [T, D] -> [T, D]; its K/V are in
+    the returned pool."""
+    q, k, v = layers.qkv(lp, h, *rope, cfg)  # [T, Hq, Dh], [T, Hkv, Dh] x 2
+    o = layers.attend(q, k, v, kv, layer, batch, cfg, attention_backend)  # [T, Hq*Dh]
+    kv = write_kv(kv, layer[None], batch.out_cache_loc, k[None], v[None])
+    return h + layers.linear(o, lp["wo"]), kv
+
+
+def forward(params: dict, kv: KVPool, batches: tuple[ForwardBatch, ForwardBatch],
+            cfg: ModelConfig, attention_backend: str = "xla", mesh: Mesh | None = None
+            ) -> tuple[jax.Array, jax.Array, KVPool]:
+    """Both micro-batches through every layer: logits [Ba, V], [Bb, V] and the pool."""
+    if "layers" not in params:
+        raise ValueError("two-batch overlap runs the stacked layer weights "
+                         "(per_layer_weights=False)")
+    if mesh is not None and mesh.shape.get("tp", 1) > 1:
+        raise ValueError("two-batch overlap runs expert parallelism without tp")
+    a, b = batches
+    ropes = tuple(layers.rope_cos_sin(x.positions, layers.rope_inv_freq(
+        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)) for x in batches)
+    attention = functools.partial(_attention, cfg=cfg, attention_backend=attention_backend)
+
+    def layer_step(carry: tuple, layer: jax.Array) -> tuple[tuple, None]:
+        (ha, hb), kv = carry
+        lp = jax.tree.map(lambda w: w[layer], params["layers"])
+        with jax.named_scope(f"{MICRO_BATCHES[0]}/attention"):
+            ha, kv = attention(lp, ha, kv, layer, a, ropes[0])
+        with jax.named_scope(f"{MICRO_BATCHES[1]}/attention"):
+            hb, kv = attention(lp, hb, kv, layer, b, ropes[1])
+        norm = functools.partial(layers.rms_norm, w=lp["mlp_norm"], eps=cfg.rms_norm_eps)
+        ya, yb = moe_pair(lp, norm(ha), norm(hb), cfg, mesh)
+        return ((ha + ya, hb + yb), kv), None
+
+    h0 = (moe.embed(params, a.input_ids), moe.embed(params, b.input_ids))  # [Ta, D], [Tb, D]
+    ((ha, hb), kv), _ = jax.lax.scan(layer_step, (h0, kv),
+                                     jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    return (moe.compute_logits(params, ha, a.logits_indices, cfg),
+            moe.compute_logits(params, hb, b.logits_indices, cfg), kv)
