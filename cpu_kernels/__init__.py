@@ -3,7 +3,9 @@
 `packed_matmul`: x [M, K] @ W [K, N] with W packed once at load (`pack`) into 64-column
 panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized M.
 `decode_attention`, `extend_attention`: paged attention of decode rows / of prefill
-(extend) tokens, reading the pool in place; see attention.cc.
+(extend) tokens, reading the pool (float32 or bfloat16) in place; see attention.cc.
+`write_kv`: this step's K/V into the pool in place (write_kv.cc: XLA CPU's scatter
+converts a whole bf16 pool every step).
 
 The library is compiled on first use with the machine's C++ compiler (`$CXX`, else g++)
 for this CPU (-march=native) and cached under ~/.cache/xlaserve/cpu_kernels, keyed by the
@@ -34,13 +36,15 @@ log = logging.getLogger(__name__)
 
 PANEL = 64  # panel width, kNR in packed_matmul.cc
 _SOURCES = [pathlib.Path(__file__).with_name(n)
-            for n in ("packed_matmul.cc", "attention.cc", "parallel.h")]
+            for n in ("packed_matmul.cc", "attention.cc", "write_kv.cc", "parallel.h")]
 _TARGETS = {"xlaserve_packed_matmul": "XlaservePackedMatmul",
             "xlaserve_packed_matmul_bf16": "XlaservePackedMatmulBf16",
             "xlaserve_decode_attention": "XlaserveDecodeAttention",
             "xlaserve_extend_attention": "XlaserveExtendAttention",
             "xlaserve_decode_attention_bf16": "XlaserveDecodeAttentionBf16",
-            "xlaserve_extend_attention_bf16": "XlaserveExtendAttentionBf16"}
+            "xlaserve_extend_attention_bf16": "XlaserveExtendAttentionBf16",
+            "xlaserve_write_kv": "XlaserveWriteKv",
+            "xlaserve_write_kv_bf16": "XlaserveWriteKvBf16"}
 _CACHE = pathlib.Path(os.environ.get("XLASERVE_CPU_KERNELS_CACHE",
                                      "~/.cache/xlaserve/cpu_kernels")).expanduser()
 
@@ -234,3 +238,20 @@ def extend_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: j
                            jnp.asarray(layer, jnp.int32).reshape(()), page_table,
                            query_start, positions, sm_scale=sm_scale,
                            sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def write_kv(k_pool: jax.Array, v_pool: jax.Array, layers: jax.Array, slots: jax.Array,
+             k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """runtime.kv_pool.write_kv's contract on pools of float32 or bfloat16, in place:
+    k, v [N, T, Hkv, Dh] of layers [N] into flat slots [T] (page * S + slot) of pools
+    [L, Hkv, P, S, Dh]; slots outside the pool are dropped. The pools are aliased to the
+    results, so under a donating jit no copy of them is made."""
+    load()
+    if k_pool.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"write_kv writes float32 or bfloat16 pages, not {k_pool.dtype}")
+    suffix = "_bf16" if k_pool.dtype == jnp.bfloat16 else ""
+    pool = jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype)
+    return jax.ffi.ffi_call("xlaserve_write_kv" + suffix, (pool, pool),
+                            input_output_aliases={0: 0, 1: 1})(
+        k_pool, v_pool, layers.astype(jnp.int32), slots.astype(jnp.int32),
+        k.astype(k_pool.dtype), v.astype(k_pool.dtype))

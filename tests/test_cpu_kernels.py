@@ -137,18 +137,17 @@ def test_packed_model_matches_unpacked():
 
 
 def test_config_choices():
-    assert default_cpu_matmul(ServerArgs()) == "packed"  # CPU, float32, kernels build
-    assert default_cpu_matmul(ServerArgs(dtype="bfloat16")) == "xla"
+    for dtype in ("float32", "bfloat16"):  # CPU, kernels build: ours in both dtypes
+        assert default_cpu_matmul(ServerArgs(dtype=dtype)) == "packed"
+        assert default_attention_backend(ServerArgs(dtype=dtype)) == "cpu"
     assert default_cpu_matmul(ServerArgs(cpu_matmul="xla")) == "xla"
-    assert default_attention_backend(ServerArgs()) == "cpu"
-    assert default_attention_backend(ServerArgs(dtype="bfloat16")) == "xla"
     assert default_attention_backend(ServerArgs(attention_backend="pallas")) == "pallas"
-    with pytest.raises(ValueError, match="needs the CPU kernels: dtype bfloat16"):
-        default_cpu_matmul(ServerArgs(dtype="bfloat16", cpu_matmul="packed"))
-    with pytest.raises(ValueError, match="float32"):
-        RunnerConfig(dtype="bfloat16", cpu_matmul="packed")
-    with pytest.raises(ValueError, match="float32"):
-        RunnerConfig(dtype="bfloat16", attention_backend="cpu")
+    cfg = RunnerConfig(dtype="bfloat16", cpu_matmul="packed", attention_backend="cpu")
+    assert (cfg.kv_dtype, cfg.activation_dtype) == ("bfloat16", "float32")
+    cfg = RunnerConfig(dtype="bfloat16", kv_cache_dtype="float32")
+    assert (cfg.kv_dtype, cfg.activation_dtype) == ("float32", "bfloat16")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2'"):
+        RunnerConfig(kv_cache_dtype="fp8_e5m2")
 
 
 def test_fallback_where_the_kernels_cannot_build(monkeypatch, caplog):
@@ -297,3 +296,23 @@ def test_out_of_range_page_ids_stay_inside_the_pool():
     out = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.125))(
         q, kv, kv, pool, pool, jnp.int32(0), table, jnp.full((2,), 30, jnp.int32))
     assert np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_write_kv_matches_the_scatter(dtype):
+    """The kernel-side pool write equals runtime.kv_pool.write_kv bitwise (values rounded
+    to the pool's dtype, out-of-pool slots dropped), in place under a donating jit."""
+    from runtime.kv_pool import KVPool, write_kv
+
+    rng = np.random.default_rng(6)
+    shape = (3, 2, 5, 4, 64)  # [L, Hkv, P, S, Dh]
+    pools = [jnp.asarray(rng.standard_normal(shape), dtype) for _ in "kv"]
+    layers = jnp.asarray([2, 0], jnp.int32)
+    slots = jnp.asarray([4, 19, 7, 20, -1], jnp.int32)  # 20 and -1: outside the 20 slots
+    k, v = (jnp.asarray(rng.standard_normal((2, 5, 2, 64)), jnp.float32) for _ in "kv")
+    want = write_kv(KVPool(*pools), layers, slots, k, v)
+    f = jax.jit(cpu_kernels.write_kv, donate_argnums=(0, 1))
+    got = f(*[p.copy() for p in pools], layers, slots, k, v)
+    for g, w in zip(got, (want.k, want.v), strict=True):
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
