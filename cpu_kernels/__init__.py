@@ -104,13 +104,20 @@ def _build(extra_flags: tuple[str, ...] = ()) -> pathlib.Path:
     return lib
 
 
+# The bf16 matmul serves with weights widened to f32 and FMA'd, also where the CPU has
+# avx512_bf16: on this project's Zen 4 machines vdpbf16ps measured slower (K=576,
+# N=3072, medians of 15 interleaved rounds: M=1 1046 vs 804 us, M=32 1926 vs 1353,
+# M=128 23.8 vs 17.8 ms; f32 at M=32 1386 us). dot_bf16_target() builds the other one.
+_SERVING_FLAGS = ("-mno-avx512bf16",)
+
+
 @functools.cache
 def load() -> None:
     """Build (if needed) and register the FFI targets; raises when unavailable."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"xlaserve CPU kernels unavailable: {reason}")
-    lib = ctypes.cdll.LoadLibrary(str(_build()))
+    lib = ctypes.cdll.LoadLibrary(str(_build(_SERVING_FLAGS)))
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
@@ -161,7 +168,7 @@ def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -
 
     Float32 panels take x as float32; bfloat16 panels take x rounded to bfloat16 (the
     products are exact in f32 and accumulate there). `target`: another registration of
-    the bf16 kernel (tests: widening_bf16_target)."""
+    the bf16 kernel (tests, measurements: dot_bf16_target)."""
     if w.panels.ndim != (3 if w.dtype == jnp.float32 else 4):
         raise ValueError(f"packed_matmul takes one matrix, got panels {w.panels.shape}")
     load()
@@ -178,13 +185,13 @@ def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -
 
 
 @functools.cache
-def widening_bf16_target() -> str:
-    """The bf16 matmul as CPUs without avx512_bf16 build it (weights widened to f32 and
-    FMA'd), registered under its own name, so tests on a CPU that has the instructions
-    cover the fallback too; returns the target name."""
+def dot_bf16_target() -> str:
+    """The bf16 matmul built with this CPU's own flags: vdpbf16ps where it has
+    avx512_bf16 (see _SERVING_FLAGS for why it does not serve), registered under its own
+    name so tests cover it and benchmarks can compare; returns the target name."""
     load()
-    lib = ctypes.cdll.LoadLibrary(str(_build(("-mno-avx512bf16",))))
-    name = "xlaserve_packed_matmul_bf16_widening"
+    lib = ctypes.cdll.LoadLibrary(str(_build()))
+    name = "xlaserve_packed_matmul_bf16_dot"
     jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.XlaservePackedMatmulBf16),
                                 platform="cpu")
     return name

@@ -3,9 +3,10 @@
 //   float32: wp[P, K, 64].
 //   bfloat16: wp[P, K2, 64, 2], K2 = ceil(K / 2): rows k and k + 1 interleaved per column,
 //     the operand layout of vdpbf16ps; x comes rounded to bf16 as [M, 2 * K2], and
-//     products accumulate in f32. With avx512_bf16 (-march=native defines
-//     __AVX512BF16__) one vdpbf16ps does two k steps of 16 columns; elsewhere the
-//     weights are widened to f32 (a shift) and FMA'd, the same products in another order.
+//     products accumulate in f32. Built with __AVX512BF16__, one vdpbf16ps does two k
+//     steps of 16 columns; without, the weights are widened to f32 (a shift) and FMA'd,
+//     the same products in another order. The widening build serves (measured faster on
+//     Zen 4, see cpu_kernels/__init__.py); the other is kept for CPUs where it wins.
 //
 // Why: XLA CPU's GEMM re-packs the weight operand on every call. A decode step multiplies
 // a few rows by every weight, so the packing pass (a read and a write of all weights)
