@@ -3,7 +3,9 @@
 `packed_matmul`: x [M, K] @ W [K, N] with W packed once at load (`pack`) into 64-column
 panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized M.
 `decode_attention`, `extend_attention`: paged attention of decode rows / of prefill
-(extend) tokens, reading the pool in place; see attention.cc.
+(extend) tokens, reading the pool (float32 or bfloat16) in place; see attention.cc.
+`write_kv`: this step's K/V into the pool in place (write_kv.cc: XLA CPU's scatter
+converts a whole bf16 pool every step).
 
 The library is compiled on first use with the machine's C++ compiler (`$CXX`, else g++)
 for this CPU (-march=native) and cached under ~/.cache/xlaserve/cpu_kernels, keyed by the
@@ -34,10 +36,15 @@ log = logging.getLogger(__name__)
 
 PANEL = 64  # panel width, kNR in packed_matmul.cc
 _SOURCES = [pathlib.Path(__file__).with_name(n)
-            for n in ("packed_matmul.cc", "attention.cc", "parallel.h")]
+            for n in ("packed_matmul.cc", "attention.cc", "write_kv.cc", "parallel.h")]
 _TARGETS = {"xlaserve_packed_matmul": "XlaservePackedMatmul",
+            "xlaserve_packed_matmul_bf16": "XlaservePackedMatmulBf16",
             "xlaserve_decode_attention": "XlaserveDecodeAttention",
-            "xlaserve_extend_attention": "XlaserveExtendAttention"}
+            "xlaserve_extend_attention": "XlaserveExtendAttention",
+            "xlaserve_decode_attention_bf16": "XlaserveDecodeAttentionBf16",
+            "xlaserve_extend_attention_bf16": "XlaserveExtendAttentionBf16",
+            "xlaserve_write_kv": "XlaserveWriteKv",
+            "xlaserve_write_kv_bf16": "XlaserveWriteKvBf16"}
 _CACHE = pathlib.Path(os.environ.get("XLASERVE_CPU_KERNELS_CACHE",
                                      "~/.cache/xlaserve/cpu_kernels")).expanduser()
 
@@ -68,12 +75,13 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _build() -> pathlib.Path:
-    """Compile the library once per (source, compiler, headers, CPU); return its path."""
+def _build(extra_flags: tuple[str, ...] = ()) -> pathlib.Path:
+    """Compile the library once per (source, compiler, flags, headers, CPU); return its
+    path. -march=native turns on avx512_bf16 (vdpbf16ps) where the CPU has it."""
     cxx = _compiler()
     include = jax.ffi.include_dir()
-    flags = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-w",
-             f"-I{include}"]
+    flags = [cxx, "-O3", "-march=native", *extra_flags, "-std=c++17", "-shared", "-fPIC",
+             "-w", f"-I{include}"]
     cmd = [*flags, *(str(src) for src in _SOURCES if src.suffix == ".cc")]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([
@@ -96,13 +104,20 @@ def _build() -> pathlib.Path:
     return lib
 
 
+# The bf16 matmul serves with weights widened to f32 and FMA'd, also where the CPU has
+# avx512_bf16: on this project's Zen 4 machines vdpbf16ps measured slower (K=576,
+# N=3072, medians of 15 interleaved rounds: M=1 1046 vs 804 us, M=32 1926 vs 1353,
+# M=128 23.8 vs 17.8 ms; f32 at M=32 1386 us). dot_bf16_target() builds the other one.
+_SERVING_FLAGS = ("-mno-avx512bf16",)
+
+
 @functools.cache
 def load() -> None:
     """Build (if needed) and register the FFI targets; raises when unavailable."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"xlaserve CPU kernels unavailable: {reason}")
-    lib = ctypes.cdll.LoadLibrary(str(_build()))
+    lib = ctypes.cdll.LoadLibrary(str(_build(_SERVING_FLAGS)))
     for target, symbol in _TARGETS.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
@@ -111,53 +126,107 @@ def load() -> None:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """W [..., K, N] as panels [..., P, K, 64], P = ceil(N / 64), zero-padded."""
+    """W [..., K, N] as panels, P = ceil(N / 64), zero-padded (packed_matmul.cc):
+    float32 [..., P, K, 64]; bfloat16 [..., P, K2, 64, 2] with K2 = ceil(K / 2), rows
+    k and k + 1 interleaved per column (vdpbf16ps's operand layout)."""
 
     panels: jax.Array
     n: int = dataclasses.field(metadata=dict(static=True))
+    k: int = dataclasses.field(metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
         """The unpacked shape [..., K, N]."""
-        return (*self.panels.shape[:-3], self.panels.shape[-2], self.n)
+        lead = self.panels.shape[:-3] if self.dtype == jnp.float32 else self.panels.shape[:-4]
+        return (*lead, self.k, self.n)
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.panels.dtype
 
 
 def pack(w: jax.Array) -> PackedWeight:
-    """W [..., K, N] (float32) -> PackedWeight."""
+    """W [..., K, N] (float32 or bfloat16) -> PackedWeight of the same dtype."""
     *lead, k, n = w.shape
     p = -(-n // PANEL)
-    w = jnp.pad(w, [(0, 0)] * (len(lead) + 1) + [(0, p * PANEL - n)])
-    panels = jnp.swapaxes(w.reshape(*lead, k, p, PANEL), -3, -2)  # [..., P, K, 64]
-    return PackedWeight(panels=panels, n=n)
+    if w.dtype == jnp.float32:
+        w = jnp.pad(w, [(0, 0)] * (len(lead) + 1) + [(0, p * PANEL - n)])
+        panels = jnp.swapaxes(w.reshape(*lead, k, p, PANEL), -3, -2)  # [..., P, K, 64]
+        return PackedWeight(panels=panels, n=n, k=k)
+    if w.dtype != jnp.bfloat16:
+        raise ValueError(f"pack takes float32 or bfloat16 weights, not {w.dtype}")
+    k2 = -(-k // 2)
+    w = jnp.pad(w, [(0, 0)] * len(lead) + [(0, 2 * k2 - k), (0, p * PANEL - n)])
+    w = w.reshape(*lead, k2, 2, p, PANEL)  # [..., K2, 2, P, 64]
+    nd = len(lead)
+    panels = w.transpose(*range(nd), nd + 2, nd, nd + 3, nd + 1)  # [..., P, K2, 64, 2]
+    return PackedWeight(panels=panels, n=n, k=k)
 
 
-def packed_matmul(x: jax.Array, w: PackedWeight) -> jax.Array:
-    """x [..., K] (float32) @ W -> [..., N] through the FFI kernel."""
-    if w.panels.ndim != 3:
+def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -> jax.Array:
+    """x [..., K] @ W -> [..., N] float32 through the FFI kernel.
+
+    Float32 panels take x as float32; bfloat16 panels take x rounded to bfloat16 (the
+    products are exact in f32 and accumulate there). `target`: another registration of
+    the bf16 kernel (tests, measurements: dot_bf16_target)."""
+    if w.panels.ndim != (3 if w.dtype == jnp.float32 else 4):
         raise ValueError(f"packed_matmul takes one matrix, got panels {w.panels.shape}")
     load()
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    y = jax.ffi.ffi_call("xlaserve_packed_matmul",
-                         jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(x2, w.panels)
+    if w.dtype == jnp.float32:
+        name, x2 = "xlaserve_packed_matmul", x2.astype(jnp.float32)
+    else:
+        name = target or "xlaserve_packed_matmul_bf16"
+        x2 = jnp.pad(x2.astype(jnp.bfloat16), [(0, 0), (0, 2 * w.panels.shape[-3] - w.k)])
+    y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(
+        x2, w.panels)
     return y.reshape(*lead, w.n)
+
+
+@functools.cache
+def dot_bf16_target() -> str:
+    """The bf16 matmul built with this CPU's own flags: vdpbf16ps where it has
+    avx512_bf16 (see _SERVING_FLAGS for why it does not serve), registered under its own
+    name so tests cover it and benchmarks can compare; returns the target name."""
+    load()
+    lib = ctypes.cdll.LoadLibrary(str(_build()))
+    name = "xlaserve_packed_matmul_bf16_dot"
+    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.XlaservePackedMatmulBf16),
+                                platform="cpu")
+    return name
+
+
+def _attention_call(name: str, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
+                    k_pool: jax.Array, v_pool: jax.Array, *rest: jax.Array,
+                    sm_scale: float, sliding_window: int | None,
+                    soft_cap: float | None) -> jax.Array:
+    """One attention kernel on pools of float32 or bfloat16: q in f32, this step's K/V
+    rounded to the pool's dtype (what the pool will hold, so a key reads the same whether
+    it is new or cached), the output in q's dtype."""
+    load()
+    if k_pool.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"CPU attention reads float32 or bfloat16 pages, not {k_pool.dtype}")
+    suffix = "_bf16" if k_pool.dtype == jnp.bfloat16 else ""
+    out = jax.ffi.ffi_call(name + suffix, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q.astype(jnp.float32), k_new.astype(k_pool.dtype), v_new.astype(k_pool.dtype),
+        k_pool, v_pool.astype(k_pool.dtype), *rest, sm_scale=np.float32(sm_scale),
+        soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int64(sliding_window or 0))
+    return out.astype(q.dtype)
 
 
 def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array,
                      v_pool: jax.Array, layer: jax.Array, page_table: jax.Array,
                      seq_lens: jax.Array, *, sm_scale: float, sliding_window: int | None = None,
                      soft_cap: float | None = None) -> jax.Array:
-    """Decode rows' attention, float32 (the contract of attention_ref._decode).
+    """Decode rows' attention, f32 arithmetic (the contract of attention_ref._decode).
 
     q [B, Hq, Dh]; k_new, v_new [B, Hkv, Dh] (each row's own new key, at seq_len - 1);
-    pools [L, Hkv, P, S, Dh] holding the earlier context; layer [] int32;
-    page_table [B, Np] int32; seq_lens [B] int32 -> [B, Hq, Dh]."""
-    load()
-    return jax.ffi.ffi_call("xlaserve_decode_attention",
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k_new, v_new, k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(()),
-        page_table, seq_lens, sm_scale=np.float32(sm_scale),
-        soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int64(sliding_window or 0))
+    pools [L, Hkv, P, S, Dh] (float32 or bfloat16) holding the earlier context; layer []
+    int32; page_table [B, Np] int32; seq_lens [B] int32 -> [B, Hq, Dh]."""
+    return _attention_call("xlaserve_decode_attention", q, k_new, v_new, k_pool, v_pool,
+                           jnp.asarray(layer, jnp.int32).reshape(()), page_table, seq_lens,
+                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
 
 
 def extend_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array,
@@ -165,15 +234,31 @@ def extend_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: j
                      query_start: jax.Array, positions: jax.Array, *, sm_scale: float,
                      sliding_window: int | None = None,
                      soft_cap: float | None = None) -> jax.Array:
-    """Extend tokens' attention, float32 (the contract of attention_ref._extend).
+    """Extend tokens' attention, f32 arithmetic (the contract of attention_ref._extend).
 
     q [T, Hq, Dh] of B rows laid back to back (query_start [B + 1]; tokens past the last
-    row are padding and give 0); k_new, v_new [T, Hkv, Dh]; pools [L, Hkv, P, S, Dh];
-    page_table [B, Np] (may be width 0) listing each row's cached prefix, which ends at
-    the position of the row's first new token; positions [T] -> [T, Hq, Dh]."""
+    row are padding and give 0); k_new, v_new [T, Hkv, Dh]; pools [L, Hkv, P, S, Dh]
+    (float32 or bfloat16); page_table [B, Np] (may be width 0) listing each row's cached
+    prefix, which ends at the position of the row's first new token; positions [T]
+    -> [T, Hq, Dh]."""
+    return _attention_call("xlaserve_extend_attention", q, k_new, v_new, k_pool, v_pool,
+                           jnp.asarray(layer, jnp.int32).reshape(()), page_table,
+                           query_start, positions, sm_scale=sm_scale,
+                           sliding_window=sliding_window, soft_cap=soft_cap)
+
+
+def write_kv(k_pool: jax.Array, v_pool: jax.Array, layers: jax.Array, slots: jax.Array,
+             k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """runtime.kv_pool.write_kv's contract on pools of float32 or bfloat16, in place:
+    k, v [N, T, Hkv, Dh] of layers [N] into flat slots [T] (page * S + slot) of pools
+    [L, Hkv, P, S, Dh]; slots outside the pool are dropped. The pools are aliased to the
+    results, so under a donating jit no copy of them is made."""
     load()
-    return jax.ffi.ffi_call("xlaserve_extend_attention",
-                            jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-        q, k_new, v_new, k_pool, v_pool, jnp.asarray(layer, jnp.int32).reshape(()),
-        page_table, query_start, positions, sm_scale=np.float32(sm_scale),
-        soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int64(sliding_window or 0))
+    if k_pool.dtype not in (jnp.float32, jnp.bfloat16):
+        raise ValueError(f"write_kv writes float32 or bfloat16 pages, not {k_pool.dtype}")
+    suffix = "_bf16" if k_pool.dtype == jnp.bfloat16 else ""
+    pool = jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype)
+    return jax.ffi.ffi_call("xlaserve_write_kv" + suffix, (pool, pool),
+                            input_output_aliases={0: 0, 1: 1})(
+        k_pool, v_pool, layers.astype(jnp.int32), slots.astype(jnp.int32),
+        k.astype(k_pool.dtype), v.astype(k_pool.dtype))

@@ -10,6 +10,9 @@
 // all its keys go to a per-thread buffer, then an exact two-pass softmax (max, then exp
 // and sum), then p @ V. Items are independent, so a row's result does not depend on the
 // rest of its batch.
+//
+// K/V (pool and new) are float32 or bfloat16 (`--kv_cache_dtype`); bf16 rows widen to
+// f32 as they load (a shift), and all arithmetic is f32 either way.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -45,28 +48,39 @@ inline __m512 Exp(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
-inline float Dot(const float* a, const float* b, int64_t d) {
+// 16 K/V elements as f32 (masked: lanes off m are 0); bf16 is f32's top half.
+inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 Load16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
+inline __m512 Widen(__m256i bf16) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+}
+inline __m512 Load16(const uint16_t* p) {
+  return Widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline __m512 Load16(__mmask16 m, const uint16_t* p) { return Widen(_mm256_maskz_loadu_epi16(m, p)); }
+
+template <typename T>
+inline float Dot(const float* a, const T* b, int64_t d) {
   __m512 acc = _mm512_setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16)
-    acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+  for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), Load16(b + i), acc);
   if (i < d) {
     const __mmask16 m = static_cast<__mmask16>((1u << (d - i)) - 1u);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), acc);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), Load16(m, b + i), acc);
   }
   return _mm512_reduce_add_ps(acc);
 }
 
 // out[0:d] += p * v[0:d]
-inline void Axpy(float p, const float* v, float* out, int64_t d) {
+template <typename T>
+inline void Axpy(float p, const T* v, float* out, int64_t d) {
   const __m512 pp = _mm512_set1_ps(p);
   int64_t i = 0;
   for (; i + 16 <= d; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pp, _mm512_loadu_ps(v + i),
-                                              _mm512_loadu_ps(out + i)));
+    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pp, Load16(v + i), _mm512_loadu_ps(out + i)));
   if (i < d) {
     const __mmask16 m = static_cast<__mmask16>((1u << (d - i)) - 1u);
-    _mm512_mask_storeu_ps(out + i, m, _mm512_fmadd_ps(pp, _mm512_maskz_loadu_ps(m, v + i),
+    _mm512_mask_storeu_ps(out + i, m, _mm512_fmadd_ps(pp, Load16(m, v + i),
                                                       _mm512_maskz_loadu_ps(m, out + i)));
   }
 }
@@ -84,7 +98,7 @@ struct Shapes {
 // kG, kDV > 0: G and D / 16 known at compile time, so the G queries and the G output rows
 // stay in registers; 0: any G and D (head dims not a multiple of 16, or too many
 // registers), through memory.
-template <int kG, int kDV, typename Keys>
+template <typename T, int kG, int kDV, typename Keys>
 void Attend(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& keys,
             std::vector<float>& scores) {
   const int64_t D = kDV > 0 ? 16 * kDV : s.D, G = kG > 0 ? kG : s.G;
@@ -98,9 +112,9 @@ void Attend(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& keys,
     __m512 qv[kG][kDV];
     for (int g = 0; g < kG; ++g)
       for (int c = 0; c < kDV; ++c) qv[g][c] = _mm512_loadu_ps(qb + g * D + 16 * c);
-    keys([&](int64_t i, const float* k, const float*) {
+    keys([&](int64_t i, const T* k, const T*) {
       __m512 kv[kDV];
-      for (int c = 0; c < kDV; ++c) kv[c] = _mm512_loadu_ps(k + 16 * c);
+      for (int c = 0; c < kDV; ++c) kv[c] = Load16(k + 16 * c);
       for (int g = 0; g < kG; ++g) {
         __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
         for (int c = 1; c < kDV; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
@@ -108,7 +122,7 @@ void Attend(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& keys,
       }
     }, false);
   } else {
-    keys([&](int64_t i, const float* k, const float*) {
+    keys([&](int64_t i, const T* k, const T*) {
       for (int64_t g = 0; g < G; ++g) scores[g * stride + i] = Dot(qb + g * D, k, D);
     }, false);
   }
@@ -147,9 +161,9 @@ void Attend(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& keys,
     __m512 acc[kG][kDV];
     for (int g = 0; g < kG; ++g)
       for (int c = 0; c < kDV; ++c) acc[g][c] = _mm512_setzero_ps();
-    keys([&](int64_t i, const float*, const float* v) {
+    keys([&](int64_t i, const T*, const T* v) {
       __m512 vv[kDV];
-      for (int c = 0; c < kDV; ++c) vv[c] = _mm512_loadu_ps(v + 16 * c);
+      for (int c = 0; c < kDV; ++c) vv[c] = Load16(v + 16 * c);
       for (int g = 0; g < kG; ++g) {
         const __m512 p = _mm512_set1_ps(scores[g * stride + i]);
         for (int c = 0; c < kDV; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
@@ -159,7 +173,7 @@ void Attend(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& keys,
       for (int c = 0; c < kDV; ++c) _mm512_storeu_ps(ob + g * D + 16 * c, acc[g][c]);
   } else {
     std::fill(ob, ob + G * D, 0.0f);
-    keys([&](int64_t i, const float*, const float* v) {
+    keys([&](int64_t i, const T*, const T* v) {
       for (int64_t g = 0; g < G; ++g) Axpy(scores[g * stride + i], v, ob + g * D, D);
     }, true);
   }
@@ -169,17 +183,17 @@ void Attend(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& keys,
 // by page (no division per token). Pages lie anywhere in the pool and the hardware
 // prefetcher stops at 4 KiB boundaries, so each page's tokens pull the next page into L1
 // (of V in the value pass, else of K), a share per token.
-template <typename F>
-void WalkPages(const Shapes& s, const float* k_pool, const float* v_pool,
+template <typename T, typename F>
+void WalkPages(const Shapes& s, const T* k_pool, const T* v_pool,
                const int32_t* table_row, int64_t h, int64_t first, int64_t end, bool values,
                F&& f) {
-  const float* ahead = values ? v_pool : k_pool;
+  const T* ahead = values ? v_pool : k_pool;
   const int64_t head_base = (s.layer * s.Hkv + h) * s.P;  // pool page index of page 0
-  const int64_t page_floats = s.S * s.D, lines = (page_floats * 4 + 63) / 64;
+  const int64_t page_elems = s.S * s.D, lines = (page_elems * sizeof(T) + 63) / 64;
   // Page ids are clipped into the pool, as the jnp path's gathers do: a bad table entry
   // reads a wrong page, never outside the pool.
   auto page_of = [&](int64_t tok) {
-    return (head_base + std::clamp<int64_t>(table_row[tok / s.S], 0, s.P - 1)) * page_floats;
+    return (head_base + std::clamp<int64_t>(table_row[tok / s.S], 0, s.P - 1)) * page_elems;
   };
   for (int64_t t = first; t < end;) {
     const int64_t slot = t % s.S, n_here = std::min(s.S - slot, end - t);
@@ -198,8 +212,10 @@ void WalkPages(const Shapes& s, const float* k_pool, const float* v_pool,
   }
 }
 
+template <typename T>
 struct Decode {
-  const float *q, *k_new, *v_new, *k_pool, *v_pool;
+  const float* q;
+  const T *k_new, *v_new, *k_pool, *v_pool;
   const int32_t *page_table, *seq_lens;
   float* out;
 
@@ -215,16 +231,18 @@ struct Decode {
     const int64_t own = (b * s.Hkv + h) * s.D;
     auto keys = [&](auto&& f, bool values) {
       WalkPages(s, k_pool, v_pool, page_table + b * s.W, h, first, ctx, values,
-                [&](int64_t t, const float* k, const float* v) { f(t - first, k, v); });
+                [&](int64_t t, const T* k, const T* v) { f(t - first, k, v); });
       f(ctx - first, k_new + own, v_new + own);
     };
     const int64_t qo = (b * s.Hq + h * s.G) * s.D;
-    Attend<kG, kDV>(s, q + qo, out + qo, ctx - first + 1, keys, scores);
+    Attend<T, kG, kDV>(s, q + qo, out + qo, ctx - first + 1, keys, scores);
   }
 };
 
+template <typename T>
 struct Extend {
-  const float *q, *k_new, *v_new, *k_pool, *v_pool;
+  const float* q;
+  const T *k_new, *v_new, *k_pool, *v_pool;
   const int32_t *page_table, *query_start, *positions, *token_row;
   int64_t rows;
   float* out;
@@ -236,7 +254,7 @@ struct Extend {
     const int64_t t = item / s.Hkv, h = item % s.Hkv, r = token_row[t];
     const int64_t qo = (t * s.Hq + h * s.G) * s.D;
     if (r >= rows) {  // a padding token past every row
-      Attend<kG, kDV>(s, q + qo, out + qo, 0, [](auto&&, bool) {}, scores);
+      Attend<T, kG, kDV>(s, q + qo, out + qo, 0, [](auto&&, bool) {}, scores);
       return;
     }
     const int64_t q_pos = positions[t], lo = s.window > 0 ? q_pos - s.window + 1 : INT64_MIN;
@@ -247,7 +265,7 @@ struct Extend {
     for (int64_t j = row0; j < row1; ++j) n += positions[j] <= q_pos && positions[j] >= lo;
     auto keys = [&](auto&& f, bool values) {
       WalkPages(s, k_pool, v_pool, page_table + r * s.W, h, first, prefix, values,
-                [&](int64_t i, const float* k, const float* v) { f(i - first, k, v); });
+                [&](int64_t i, const T* k, const T* v) { f(i - first, k, v); });
       int64_t i = prefix - first;
       for (int64_t j = row0; j < row1; ++j) {
         if (positions[j] > q_pos || positions[j] < lo) continue;
@@ -255,7 +273,7 @@ struct Extend {
         f(i++, k_new + kv, v_new + kv);
       }
     };
-    Attend<kG, kDV>(s, q + qo, out + qo, n, keys, scores);
+    Attend<T, kG, kDV>(s, q + qo, out + qo, n, keys, scores);
   }
 };
 
@@ -302,9 +320,9 @@ bool SameShape(const A& a, const B& b) {
 }
 
 // Checks the operands shared by both kernels; fills `s` (all but W).
-ffi::Error CheckCommon(const char* name, ffi::Buffer<ffi::F32>& q, ffi::Buffer<ffi::F32>& k_new,
-                       ffi::Buffer<ffi::F32>& v_new, ffi::Buffer<ffi::F32>& k_pool,
-                       ffi::Buffer<ffi::F32>& v_pool, ffi::Buffer<ffi::S32>& layer,
+template <typename KV>
+ffi::Error CheckCommon(const char* name, ffi::Buffer<ffi::F32>& q, KV& k_new, KV& v_new,
+                       KV& k_pool, KV& v_pool, ffi::Buffer<ffi::S32>& layer,
                        float sm_scale, float soft_cap, int64_t window, Shapes& s) {
   const auto qd = q.dimensions(), kd = k_new.dimensions(), pd = k_pool.dimensions();
   if (qd.size() != 3 || kd.size() != 3 || pd.size() != 5 || kd[0] != qd[0] ||
@@ -320,9 +338,10 @@ ffi::Error CheckCommon(const char* name, ffi::Buffer<ffi::F32>& q, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+template <ffi::DataType DT>
 ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                           ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                           ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                           ffi::Buffer<DT> k_new, ffi::Buffer<DT> v_new,
+                           ffi::Buffer<DT> k_pool, ffi::Buffer<DT> v_pool,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_table,
                            ffi::Buffer<ffi::S32> seq_lens, ffi::ResultBuffer<ffi::F32> out,
                            float sm_scale, float soft_cap, int64_t sliding_window) {
@@ -337,16 +356,17 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     return ffi::Error::InvalidArgument(
         "decode_attention: want page_table [B, W], seq_lens [B] for q [B, Hq, D]");
   s.W = td[1];
-  const Decode work{q.typed_data(), k_new.typed_data(), v_new.typed_data(),
+  const Decode<ffi::NativeType<DT>> work{q.typed_data(), k_new.typed_data(), v_new.typed_data(),
                     k_pool.typed_data(), v_pool.typed_data(), page_table.typed_data(),
                     seq_lens.typed_data(), out->typed_data()};
   RunItems(pool, s, B * s.Hkv, work);
   return ffi::Error::Success();
 }
 
+template <ffi::DataType DT>
 ffi::Error ExtendAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
-                           ffi::Buffer<ffi::F32> k_new, ffi::Buffer<ffi::F32> v_new,
-                           ffi::Buffer<ffi::F32> k_pool, ffi::Buffer<ffi::F32> v_pool,
+                           ffi::Buffer<DT> k_new, ffi::Buffer<DT> v_new,
+                           ffi::Buffer<DT> k_pool, ffi::Buffer<DT> v_pool,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_table,
                            ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> positions,
                            ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
@@ -370,7 +390,7 @@ ffi::Error ExtendAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
     while (r < rows && t >= qs[r + 1]) ++r;
     token_row[t] = static_cast<int32_t>(r);
   }
-  const Extend work{q.typed_data(), k_new.typed_data(), v_new.typed_data(),
+  const Extend<ffi::NativeType<DT>> work{q.typed_data(), k_new.typed_data(), v_new.typed_data(),
                     k_pool.typed_data(), v_pool.typed_data(), page_table.typed_data(),
                     qs, positions.typed_data(), token_row.data(), rows, out->typed_data()};
   RunItems(pool, s, T * s.Hkv, work);
@@ -378,17 +398,18 @@ ffi::Error ExtendAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }
 
 // The bindings both handlers share: the pool context and q, k_new, v_new, k_pool, v_pool,
-// layer, page_table first; then each its own operands; the attributes last.
+// layer, page_table first; then each its own operands; the attributes last. K/V are DT.
+template <ffi::DataType DT>
 auto BindLeading() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::F32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::S32>>();
+      .Arg<ffi::Buffer<DT>>()
+      .template Arg<ffi::Buffer<DT>>()
+      .template Arg<ffi::Buffer<DT>>()
+      .template Arg<ffi::Buffer<DT>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>();
 }
 
 template <typename Binding>
@@ -400,12 +421,25 @@ auto BindTrailing(Binding b) {  // Binding's methods take an rvalue
       .template Attr<int64_t>("sliding_window");
 }
 
+template <ffi::DataType DT>
+auto DecodeBinding() {
+  return BindTrailing(BindLeading<DT>().template Arg<ffi::Buffer<ffi::S32>>());
+}
+
+template <ffi::DataType DT>
+auto ExtendBinding() {
+  return BindTrailing(BindLeading<DT>()
+                          .template Arg<ffi::Buffer<ffi::S32>>()
+                          .template Arg<ffi::Buffer<ffi::S32>>());
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeAttention, DecodeAttention,
-                              BindTrailing(BindLeading().Arg<ffi::Buffer<ffi::S32>>()));
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveExtendAttention, ExtendAttention,
-                              BindTrailing(BindLeading()
-                                               .Arg<ffi::Buffer<ffi::S32>>()
-                                               .Arg<ffi::Buffer<ffi::S32>>()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeAttention, DecodeAttention<ffi::F32>,
+                              DecodeBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveExtendAttention, ExtendAttention<ffi::F32>,
+                              ExtendBinding<ffi::F32>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveDecodeAttentionBf16, DecodeAttention<ffi::BF16>,
+                              DecodeBinding<ffi::BF16>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaserveExtendAttentionBf16, ExtendAttention<ffi::BF16>,
+                              ExtendBinding<ffi::BF16>());

@@ -19,6 +19,7 @@ from jax import shard_map
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+import cpu_kernels
 from cpu_kernels import PackedWeight, packed_matmul
 from pallas_kernels import get_paged_attention_fn
 from runtime.config import ModelConfig, RopeScaling
@@ -143,7 +144,7 @@ def unstack_layers(params: dict) -> dict:
 
 
 def embed(params: dict, input_ids: jax.Array) -> jax.Array:
-    """input_ids [T] -> hidden [T, D]."""
+    """input_ids [T] -> hidden [T, D] (f32 on the packed CPU path, whose table is f32)."""
     return params["embed"][input_ids]
 
 
@@ -184,6 +185,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
 
     With a `tp` mesh axis each device attends with its own heads over its own KV pages
     (shard_map): left to GSPMD, the page gather all-gathers the whole pool every step."""
+    # This step's K/V as the pool will hold them: a key then reads the same whether it is
+    # new or cached, so chunking and prefix caching cannot change a bf16 pool's results.
+    k, v = k.astype(kv.k.dtype), v.astype(kv.v.dtype)
     attn = functools.partial(get_paged_attention_fn(attention_backend),
                              num_extend_tokens=batch.num_extend_tokens,
                              num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5)
@@ -196,8 +200,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
 
 
 def _write_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array,
-              mesh: Mesh | None) -> KVPool:
-    """write_kv; under tensor parallelism each device scatters its own heads' K/V."""
+              mesh: Mesh | None, attention_backend: str) -> KVPool:
+    """write_kv; under tensor parallelism each device scatters its own heads' K/V. With
+    the CPU kernels the kernel side writes in place (XLA CPU's scatter converts a whole
+    bf16 pool each step, see cpu_kernels/write_kv.cc)."""
+    if attention_backend == "cpu":
+        return KVPool(*cpu_kernels.write_kv(kv.k, kv.v, layers, slots, k, v))
     if _tp(mesh) == 1:
         return write_kv(kv, layers, slots, k, v)
     pool, new = KVPool(k=_POOL, v=_POOL), P(None, None, "tp")  # k, v [N, T, Hkv, Dh]
@@ -266,7 +274,7 @@ def run_decoder_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBat
     body = _layer_body(params, kv, batch, cfg, mlp, cos, sin, attention_backend, mesh)
     layers = jnp.arange(n, dtype=jnp.int32) + start
     h, (k, v) = jax.lax.scan(body, h, layers)  # k, v [n, T, Hkv, Dh]
-    return h, _write_kv(kv, layers, batch.out_cache_loc, k, v, mesh)
+    return h, _write_kv(kv, layers, batch.out_cache_loc, k, v, mesh, attention_backend)
 
 
 def run_decoder_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
@@ -282,7 +290,8 @@ def run_decoder_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: Forwa
         h, kv = carry
         body = _layer_body(params, kv, batch, cfg, mlp, cos, sin, attention_backend, mesh)
         h, (k, v) = body(h, layer)
-        return h, _write_kv(kv, layer[None], batch.out_cache_loc, k[None], v[None], mesh)
+        return h, _write_kv(kv, layer[None], batch.out_cache_loc, k[None], v[None], mesh,
+                            attention_backend)
 
     return jax.lax.fori_loop(start, stop, step, (h, kv))
 

@@ -45,7 +45,8 @@ def pack_for_cpu(params: dict) -> dict:
     """Weights for cpu_kernels.packed_matmul: per layer wq|wk|wv as `wqkv` and
     w_gate|w_up as `w_gate_up` (fewer, wider calls), wo and w_down packed, and the output
     head as a packed `lm_head` (for tied embeddings a transposed copy beside `embed`,
-    which the token lookup keeps using). Stacked or per-layer (unstack_layers) trees."""
+    which the token lookup keeps using, in f32). Weights keep their dtype (float32 or
+    bfloat16). Stacked or per-layer (unstack_layers) trees."""
     fused = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
              "w_down": ("w_down",)}
     dropped = {name for parts in fused.values() for name in parts}
@@ -63,6 +64,10 @@ def pack_for_cpu(params: dict) -> dict:
         out["layers"] = pack_layer(params["layers"])
     head = params["lm_head"] if "lm_head" in params else params["embed"].T  # [D, V]
     out["lm_head"] = cpu_kernels.pack(head)
+    # The lookup gathers a few rows, but XLA CPU gathers from a bf16 table by converting
+    # all of it to f32 first (49152 x 576: tens of ms a step); an f32 table holds the same
+    # values and is gathered in place.
+    out["embed"] = params["embed"].astype(jnp.float32)
     return out
 
 

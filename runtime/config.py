@@ -231,6 +231,8 @@ class RunnerConfig:
     """
 
     dtype: str = "float32"
+    # The KV pool's dtype; "auto": the weights' dtype (SGLang's --kv_cache_dtype).
+    kv_cache_dtype: str = "auto"
     attention_backend: str = "xla"
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     extend_token_buckets: tuple[int, ...] = (64, 256, 512)
@@ -242,8 +244,8 @@ class RunnerConfig:
     # Keep layer weights as separate per-layer buffers picked by lax.switch instead of
     # slicing the stacked arrays (models.llama.run_layers): XLA CPU copies every slice.
     per_layer_weights: bool = False
-    # "packed": matmuls through cpu_kernels (weights packed at load; float32, CPU only);
-    # "xla": XLA's own dot.
+    # "packed": matmuls through cpu_kernels (weights packed at load, float32 or bfloat16,
+    # activations float32 between ops; CPU only); "xla": XLA's own dot.
     cpu_matmul: str = "xla"
     # Compile SPLIT_PREFILL executables (runtime/split_prefill.py) for every extend bucket.
     enable_split_prefill: bool = False
@@ -264,21 +266,31 @@ class RunnerConfig:
             raise ValueError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
         if self.cpu_matmul not in ("xla", "packed"):
             raise ValueError(f"cpu_matmul={self.cpu_matmul!r}: expected 'xla' or 'packed'")
-        if self.cpu_matmul == "packed" and self.dtype != "float32":
-            raise ValueError(f"cpu_matmul='packed' needs dtype float32, not {self.dtype}")
         if self.attention_backend not in ("xla", "cpu", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: "
                              "expected 'xla', 'cpu' or 'pallas'")
-        if self.attention_backend == "cpu" and self.dtype != "float32":
-            raise ValueError(f"attention_backend='cpu' needs dtype float32, not {self.dtype}")
         if not 0 <= self.tbo_token_distribution_threshold <= 0.5:
             raise ValueError(f"tbo_token_distribution_threshold="
                              f"{self.tbo_token_distribution_threshold} must be in [0, 0.5]")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: expected 'auto', "
+                             "'float32' or 'bfloat16'")
         for name in ("decode_buckets", "extend_token_buckets", "extend_seq_buckets",
                      "kv_len_buckets"):
             b = getattr(self, name)
             if not b or list(b) != sorted(set(b)) or b[0] < 1:
                 raise ValueError(f"{name}={b}: need a non-empty increasing tuple of ints >= 1")
+
+    @property
+    def kv_dtype(self) -> str:
+        """The KV pool's dtype, "auto" resolved."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    @property
+    def activation_dtype(self) -> str:
+        """Hidden states' dtype between ops: float32 on the packed CPU path whatever the
+        weights (its matmuls accumulate and return f32), else the weights' dtype."""
+        return "float32" if self.cpu_matmul == "packed" else self.dtype
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +307,7 @@ class ServerArgs:
     port: int = 30000
     api_key: str | None = None
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
+    kv_cache_dtype: str = "auto"  # auto: as dtype; float32 / bfloat16
     page_size: int = 16
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.8

@@ -159,7 +159,7 @@ class Engine:
                 model_cfg, params = model
             rcfg = runner_config(args, model_cfg)
             cache = CacheConfig(page_size=args.page_size,
-                                num_pages=size_kv_pool(args, model_cfg, rcfg.dtype))
+                                num_pages=size_kv_pool(args, model_cfg, rcfg.kv_dtype))
             runner = ModelRunner(model_cfg, params, cache, rcfg, args.max_running_requests,
                                  mesh=serving_mesh(args, model_cfg))
             runner.warmup()

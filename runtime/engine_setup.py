@@ -45,8 +45,6 @@ def _cpu_kernels_off(args: ServerArgs) -> str | None:
         return "the backend is a GPU"
     if on_mesh(args):
         return f"a device mesh (tp={args.tp}, ep={args.ep}: the CPU kernels are single-device)"
-    if default_dtype(args) != "float32":
-        return f"dtype {default_dtype(args)} (the kernels are float32)"
     return cpu_kernels.unavailable_reason()
 
 
@@ -64,7 +62,7 @@ def _default_cpu_kernel_choice(args: ServerArgs, flag: str, value: str | None, o
 
 
 def default_cpu_matmul(args: ServerArgs, model_cfg: ModelConfig | None = None) -> str:
-    """`packed` (cpu_kernels) wherever it runs: CPU backend, float32, x86-64 with AVX-512
+    """`packed` (cpu_kernels) wherever it runs: CPU backend, x86-64 with AVX-512
     and a C++ compiler, a dense Llama-family model; else XLA's dot."""
     if args.cpu_matmul is None and model_cfg and not registry.has_packed_matmul(model_cfg):
         logger.info("cpu_matmul: xla (the packed CPU matmul covers dense Llama weights, not "
@@ -148,6 +146,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         raise ValueError(f"kv_len_buckets {kv} must be multiples of page_size {page}")
     return RunnerConfig(
         dtype=default_dtype(args),
+        kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=default_attention_backend(args),
         decode_buckets=args.decode_buckets or _powers(1, args.max_running_requests, 2),
         extend_token_buckets=args.extend_token_buckets or _powers(min(64, max_extend),

@@ -109,7 +109,8 @@ class ModelRunner:
             self.params = self.model.pack_for_cpu(self.params)
         kv_sh = None if mesh is None else sharding.kv_sharding(
             model_cfg, kv_pool_shape(model_cfg, cache_cfg), mesh)
-        self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, self.dtype, kv_sh)
+        self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, jnp.dtype(runner_cfg.kv_dtype),
+                                       kv_sh)
         s, v = max_running_requests + 1, model_cfg.vocab_size
         self.state = SlotState(last_tokens=jnp.zeros(s, jnp.int32),
                                token_counts=jnp.zeros((s, v), jnp.int32),
@@ -257,10 +258,11 @@ class ModelRunner:
                 *self._abstract_inputs(key.shape))
         if self.split is not None:
             yield from self.split.lowerings(params, kv, lambda s: self._abstract_inputs(s)[0],
-                                            self.dtype)
+                                            jnp.dtype(self.cfg.activation_dtype))
         if self.fused is not None:
             yield from self.fused.lowerings(params, kv, state.last_tokens,
-                                            lambda s: self._abstract_inputs(s)[0], self.dtype)
+                                            lambda s: self._abstract_inputs(s)[0],
+                                            jnp.dtype(self.cfg.activation_dtype))
         if self.tbo is not None:
             yield from self.tbo.lowerings(params, kv, state.last_tokens, self._abstract_inputs,
                                           lambda n: jax.ShapeDtypeStruct(

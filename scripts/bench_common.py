@@ -35,6 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from runtime.config import ModelConfig, ServerArgs  # noqa: E402
+from runtime.request import SamplingParams  # noqa: E402
 
 # A random model small enough that --smoke / --tiny runs compile and run in seconds.
 TINY_CONFIG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -99,6 +100,37 @@ def common_prefix(a: Sequence[Any], b: Sequence[Any]) -> int:
 
 def median(xs: Sequence[float]) -> float:
     return float(np.median(np.asarray(xs, np.float64))) if len(xs) else float("nan")
+
+
+# ---------------------------------------------------------------- xlaserve runs
+
+
+def greedy(n: int) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
+
+
+def xla_throughput(engine: Any, prompts: list[list[int]], n: int) -> dict[str, Any]:
+    """The Engine's offline throughput over `prompts`, n greedy tokens each."""
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, greedy(n))
+    secs = time.perf_counter() - t0
+    return throughput_record(secs, sum(map(len, prompts)), sum(len(o.output_ids) for o in outs))
+
+
+def xla_single(engine: Any, ids: list[int], n: int) -> dict[str, Any]:
+    """One stream's TTFT and decode tok/s (tokens after the first over their time)."""
+    out = engine.generate([ids], greedy(n))[0]
+    meta = out.meta_info
+    decode_s = meta["e2e_latency"] - meta["ttft"]
+    return {"prompt_tokens": len(ids), "new_tokens": len(out.output_ids),
+            "ttft_s": meta["ttft"], "e2e_s": meta["e2e_latency"],
+            "decode_tok_s": (len(out.output_ids) - 1) / decode_s,
+            "output_ids": out.output_ids}
+
+
+def throughput_record(secs: float, in_tokens: int, out_tokens: int) -> dict[str, Any]:
+    return {"wall_s": secs, "input_tokens": in_tokens, "output_tokens": out_tokens,
+            "output_tok_s": out_tokens / secs, "total_tok_s": (in_tokens + out_tokens) / secs}
 
 
 # ---------------------------------------------------------------- roofline

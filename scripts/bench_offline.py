@@ -39,7 +39,6 @@ from absl import app, flags
 
 from runtime.config import ModelConfig, ServerArgs
 from runtime.engine import Engine
-from runtime.request import SamplingParams
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
@@ -137,32 +136,6 @@ def _single_prompt_ids(engine: Engine) -> list[int]:
     return list(engine.tokenizer.apply_chat_template(msgs, tokenize=True))
 
 
-def _greedy(n: int) -> SamplingParams:
-    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True)
-
-
-def xla_throughput(engine: Engine, prompts: list[list[int]], n: int) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, _greedy(n))
-    secs = time.perf_counter() - t0
-    return _throughput(secs, sum(map(len, prompts)), sum(len(o.output_ids) for o in outs))
-
-
-def xla_single(engine: Engine, ids: list[int], n: int) -> dict[str, Any]:
-    out = engine.generate([ids], _greedy(n))[0]
-    meta = out.meta_info
-    decode_s = meta["e2e_latency"] - meta["ttft"]
-    return {"prompt_tokens": len(ids), "new_tokens": len(out.output_ids),
-            "ttft_s": meta["ttft"], "e2e_s": meta["e2e_latency"],
-            "decode_tok_s": (len(out.output_ids) - 1) / decode_s,
-            "output_ids": out.output_ids}
-
-
-def _throughput(secs: float, in_tokens: int, out_tokens: int) -> dict[str, Any]:
-    return {"wall_s": secs, "input_tokens": in_tokens, "output_tokens": out_tokens,
-            "output_tok_s": out_tokens / secs, "total_tok_s": (in_tokens + out_tokens) / secs}
-
-
 # ---------------------------------------------------------------- transformers
 
 
@@ -236,7 +209,7 @@ class HFReference:
             out, _ = self.generate(prompts[i:i + batch], n)
             made += out.numel()
         return {"batch_size": batch,
-                **_throughput(time.perf_counter() - t0, sum(map(len, prompts)), made)}
+                **bc.throughput_record(time.perf_counter() - t0, sum(map(len, prompts)), made)}
 
     def ttft(self, ids: list[int]) -> float:
         t0 = time.perf_counter()
@@ -275,18 +248,18 @@ def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
            f"{roof.mem_read_gbps:.1f} GB/s; load {rec['load_average']}")
     prompts = w.prompts(FLAGS.seed + r, cfg.vocab_size)
 
-    x = xla_throughput(engine, prompts, w.output_len)
+    x = bc.xla_throughput(engine, prompts, w.output_len)
     x["gflops"] = throughput_flops(cfg, w) / x["wall_s"] / 1e9
     x["frac_compute"] = x["gflops"] / roof.matmul_gflops
     bc.log(f"round {r}: xlaserve {w.num_prompts} requests: {x['output_tok_s']:.1f} output "
            f"tok/s, {x['total_tok_s']:.1f} total tok/s ({x['wall_s']:.1f} s, "
            f"{x['frac_compute']:.1%} of compute roofline)")
-    s = xla_single(engine, single_ids, w.single_new_tokens)
+    s = bc.xla_single(engine, single_ids, w.single_new_tokens)
     bc.log(f"round {r}: xlaserve single stream: {s['decode_tok_s']:.1f} decode tok/s, "
            f"ttft {s['ttft_s'] * 1e3:.0f} ms")
     pre_ids = np.random.default_rng(FLAGS.seed + 5000 + r).integers(
         3, cfg.vocab_size, w.prefill_len).tolist()
-    p = _prefill(cfg, roof, engine.generate([pre_ids], _greedy(1))[0].meta_info["ttft"],
+    p = _prefill(cfg, roof, engine.generate([pre_ids], bc.greedy(1))[0].meta_info["ttft"],
                  w.prefill_len)
     bc.log(f"round {r}: xlaserve {w.prefill_len}-token prefill: {p['prefill_tok_s']:.1f} "
            f"tok/s ({p['frac_compute']:.1%} of compute roofline)")
@@ -294,7 +267,7 @@ def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
     sweep = {c: w.prompts(FLAGS.seed + 1000 * (r + 1) + c, cfg.vocab_size, c)
              for c in w.concurrency}
     for c, ps in sweep.items():
-        t = xla_throughput(engine, ps, w.output_len)
+        t = bc.xla_throughput(engine, ps, w.output_len)
         rec["xlaserve"][f"c{c}"] = t
         bc.log(f"round {r}: xlaserve {c} concurrent: {t['output_tok_s']:.1f} output tok/s")
     if hf is not None:
@@ -363,7 +336,7 @@ def warm_up(engine: Engine, hf: HFReference | None, single_ids: list[int],
             llama: offline_peers.LlamaPeers | None) -> None:
     """First calls pay one-time costs (page faults on fresh buffers, lazy init in torch);
     keep them out of round 0."""
-    engine.generate([single_ids, single_ids[::-1]], _greedy(4))
+    engine.generate([single_ids, single_ids[::-1]], bc.greedy(4))
     if hf is not None:
         hf.generate([single_ids, single_ids[::-1]], 4)
     for v in llama.servers if llama is not None else ():

@@ -6,10 +6,12 @@ runs it, the tests only read what it writes:
   tests/fixtures/smollm2_reference.npz / .json  SmolLM2 chat prompts: prompt ids, f32
       last-position logits, greedy tokens (EOS ignored) with top-2 margins, teacher-forced
       top-1, and checksums of transformers' state_dict for the GGUF importer test.
+  tests/fixtures/smollm2_reference_bf16.npz      the same prompts with the same weights
+      rounded to bfloat16, run by transformers in bf16 (the --dtype=bfloat16 parity test).
   tests/fixtures/tiny_models/<name>/             seeded random HF models (safetensors +
       config.json) and ref_logits.npz: logits [T, V] of a fixed token sequence.
 
-Usage: .venv/bin/python scripts/make_reference.py [--only=smollm2|tiny|tiny_moe]
+Usage: .venv/bin/python scripts/make_reference.py [--only=smollm2|smollm2_bf16|tiny|tiny_moe]
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.checkpoint import default_gguf_path  # noqa: E402
 
 FLAGS = flags.DEFINE_string("out_dir", "tests/fixtures", "fixture folder")
-ONLY = flags.DEFINE_enum("only", None, ["smollm2", "tiny", "tiny_moe"],
+ONLY = flags.DEFINE_enum("only", None, ["smollm2", "smollm2_bf16", "tiny", "tiny_moe"],
                         "generate just one group")
 NUM_GREEDY = flags.DEFINE_integer("num_greedy", 32, "greedy tokens per prompt")
 
@@ -136,6 +138,25 @@ def make_smollm2(out_dir: str) -> None:
     np.savez_compressed(os.path.join(out_dir, "smollm2_reference.npz"), **arrays)
     with open(os.path.join(out_dir, "smollm2_reference.json"), "w") as f:
         json.dump(meta, f, indent=1)
+
+
+def make_smollm2_bf16(out_dir: str) -> None:
+    """transformers in bf16 on the GGUF's weights rounded to bf16 (as xlaserve's bf16
+    checkpoint rounds them): greedy tokens, margins and teacher-forced top-1."""
+    path = default_gguf_path()
+    folder, name = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model = model.to(torch.bfloat16).eval()
+    arrays: dict[str, np.ndarray] = {}
+    for i, messages in enumerate(PROMPTS):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tok(text, add_special_tokens=False).input_ids
+        res = greedy(model, prompt, NUM_GREEDY.value)
+        arrays.update({f"p{i}_{k}": v for k, v in res.items()})
+        print(f"prompt {i} (bf16): greedy {tok.decode(res['greedy_ids'].tolist())!r}, "
+              f"min margin {res['greedy_margins'].min():.4f}")
+    np.savez_compressed(os.path.join(out_dir, "smollm2_reference_bf16.npz"), **arrays)
 
 
 def tiny_configs() -> dict[str, tuple[type, object]]:
@@ -243,6 +264,8 @@ def main(argv: list[str]) -> None:
         make_tiny(out_dir, tiny_moe_configs(), seed0=100)
     if ONLY.value in (None, "smollm2"):
         make_smollm2(out_dir)
+    if ONLY.value in (None, "smollm2_bf16"):
+        make_smollm2_bf16(out_dir)
     print(f"fixtures written to {out_dir} in {time.perf_counter() - t0:.1f}s")
 
 

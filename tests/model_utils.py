@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -75,15 +76,17 @@ def dense_llama_logits(params: dict, cfg: ModelConfig, ids: list[int]) -> np.nda
 
 
 def all_position_logits(params: dict, cfg: ModelConfig, ids: list[int], page_size: int = 16,
-                        attention_backend: str = "xla") -> np.ndarray:
-    """Our forward over one sequence in a single EXTEND call -> logits [T, V] (f32)."""
+                        attention_backend: str = "xla", kv_dtype: Any = np.float32
+                        ) -> np.ndarray:
+    """Our forward over one sequence in a single EXTEND call -> logits [T, V] (f32);
+    `kv_dtype`: the pool's (its dtype rounds this step's K/V, see layers.attend)."""
     from models.registry import model_module
     from runtime.config import CacheConfig
     from runtime.kv_pool import init_kv_pool
 
     t = len(ids)
     n_pages = -(-t // page_size)
-    kv = init_kv_pool(cfg, CacheConfig(page_size=page_size, num_pages=n_pages + 1), np.float32)
+    kv = init_kv_pool(cfg, CacheConfig(page_size=page_size, num_pages=n_pages + 1), kv_dtype)
     batch = make_batch(ForwardMode.EXTEND, [SimpleRow(list(ids), 0, list(range(1, n_pages + 1)))],
                        [], BucketShape(t, 1, 0, n_pages), page_size)
 

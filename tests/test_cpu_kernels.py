@@ -1,4 +1,5 @@
-"""cpu_kernels.packed_matmul against numpy, its batch invariance, and where it is used."""
+"""cpu_kernels (packed matmul and paged attention, float32 and bfloat16) against numpy
+and the jnp path, their batch invariance, and where they are used."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -38,6 +40,50 @@ def test_matches_numpy(m, k, n):
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
+def _bf16(a: np.ndarray) -> np.ndarray:
+    """a rounded to bfloat16 (nearest even), back in float64 for the reference."""
+    return a.astype(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def _bf16_targets() -> list[str | None]:
+    """The bf16 matmul that serves (weights widened to f32) and the vdpbf16ps one (where
+    the CPU has avx512_bf16; elsewhere the same widening kernel again)."""
+    return [None, cpu_kernels.dot_bf16_target()]
+
+
+# The f32 test's shapes; K odd pads the last k pair with a zero row.
+@pytest.mark.parametrize("m,k,n", [(0, 8, 64), (1, 576, 576), (7, 100, 130), (5, 3, 17),
+                                   (97, 33, 65), (200, 1536, 576), (13, 64, 1), (32, 17, 192)])
+def test_bf16_matches_numpy(m, k, n):
+    """bf16(x) @ bf16(W) with f32 accumulation: the products are exact in f32, so the error
+    is f32 summation over K of terms of size |x||w|, the f32 test's tolerance."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32).astype(ml_dtypes.bfloat16)
+    pw = cpu_kernels.pack(jnp.asarray(w))
+    assert pw.dtype == jnp.bfloat16 and pw.shape == (k, n)
+    want = _bf16(x) @ _bf16(w)
+    for target in _bf16_targets():
+        f = jax.jit(functools.partial(cpu_kernels.packed_matmul, target=target))
+        y = f(jnp.asarray(x), pw)
+        assert y.shape == (m, n) and y.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def test_bf16_rows_do_not_depend_on_the_batch():
+    """As for f32: bitwise equal alone, in a tile, in a tail tile and a second work unit,
+    on both bf16 kernels."""
+    rng = np.random.default_rng(2)
+    w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((301, 200)), jnp.bfloat16))
+    x = jnp.asarray(rng.standard_normal((150, 301), np.float32))
+    for target in _bf16_targets():
+        f = jax.jit(functools.partial(cpu_kernels.packed_matmul, target=target))
+        full = np.asarray(f(x, w))
+        for i in (0, 5, 6, 95, 96, 149):
+            np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w))[0], full[i])
+        np.testing.assert_array_equal(np.asarray(f(x[3:10], w)), full[3:10])
+
+
 def test_leading_dims_and_stacked_weights():
     """x [A, B, K] flattens to rows; a stacked [L, K, N] weight packs per layer."""
     rng = np.random.default_rng(1)
@@ -51,6 +97,13 @@ def test_leading_dims_and_stacked_weights():
                                atol=1e-5)
     with pytest.raises(ValueError, match="one matrix"):
         cpu_kernels.packed_matmul(x, pw)
+    pb = cpu_kernels.pack(w.astype(jnp.bfloat16))
+    assert pb.panels.shape == (3, 2, 20, 64, 2) and pb.shape == (3, 40, 70)
+    y = cpu_kernels.packed_matmul(x, jax.tree.map(lambda a: a[1], pb))
+    np.testing.assert_allclose(np.asarray(y), _bf16(np.asarray(x)) @ _bf16(np.asarray(w[1])),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="one matrix"):
+        cpu_kernels.packed_matmul(x, pb)
 
 
 def test_row_results_do_not_depend_on_the_batch():
@@ -84,18 +137,17 @@ def test_packed_model_matches_unpacked():
 
 
 def test_config_choices():
-    assert default_cpu_matmul(ServerArgs()) == "packed"  # CPU, float32, kernels build
-    assert default_cpu_matmul(ServerArgs(dtype="bfloat16")) == "xla"
+    for dtype in ("float32", "bfloat16"):  # CPU, kernels build: ours in both dtypes
+        assert default_cpu_matmul(ServerArgs(dtype=dtype)) == "packed"
+        assert default_attention_backend(ServerArgs(dtype=dtype)) == "cpu"
     assert default_cpu_matmul(ServerArgs(cpu_matmul="xla")) == "xla"
-    assert default_attention_backend(ServerArgs()) == "cpu"
-    assert default_attention_backend(ServerArgs(dtype="bfloat16")) == "xla"
     assert default_attention_backend(ServerArgs(attention_backend="pallas")) == "pallas"
-    with pytest.raises(ValueError, match="needs the CPU kernels: dtype bfloat16"):
-        default_cpu_matmul(ServerArgs(dtype="bfloat16", cpu_matmul="packed"))
-    with pytest.raises(ValueError, match="float32"):
-        RunnerConfig(dtype="bfloat16", cpu_matmul="packed")
-    with pytest.raises(ValueError, match="float32"):
-        RunnerConfig(dtype="bfloat16", attention_backend="cpu")
+    cfg = RunnerConfig(dtype="bfloat16", cpu_matmul="packed", attention_backend="cpu")
+    assert (cfg.kv_dtype, cfg.activation_dtype) == ("bfloat16", "float32")
+    cfg = RunnerConfig(dtype="bfloat16", kv_cache_dtype="float32")
+    assert (cfg.kv_dtype, cfg.activation_dtype) == ("float32", "bfloat16")
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2'"):
+        RunnerConfig(kv_cache_dtype="fp8_e5m2")
 
 
 def test_fallback_where_the_kernels_cannot_build(monkeypatch, caplog):
@@ -117,7 +169,7 @@ def test_bad_operands_are_rejected_by_the_kernels():
     crashes."""
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((3, 10), np.float32))
-    bad = cpu_kernels.PackedWeight(panels=jnp.zeros((1, 12, 64), jnp.float32), n=64)
+    bad = cpu_kernels.PackedWeight(panels=jnp.zeros((1, 12, 64), jnp.float32), n=64, k=12)
     with pytest.raises(Exception, match="packed_matmul: want x"):
         jax.block_until_ready(jax.jit(cpu_kernels.packed_matmul)(x, bad))
     q = jnp.zeros((2, 6, 64), jnp.float32)
@@ -151,14 +203,27 @@ def _attention(batch, args, backend: str, **kw) -> np.ndarray:
     (16, 3, [(40, 0)], 37, None), (16, 3, [], None, 5.0), (16, 3, [(9, 30)], 20, 5.0),
     (16, 3, [(1, 0), (16, 0), (17, 3), (5, 16), (2, 31), (76, 33)], None, None),
     (64, 8, [(70, 0), (3, 100)], 37, 5.0)])
-def test_attention_matches_reference(page_size, group, extend, window, cap):
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_attention_matches_reference(page_size, group, extend, window, cap, kv_dtype):
+    """bfloat16 pages: the kernel widens them to f32 and rounds this step's K/V to bf16
+    (what the pool will hold); the jnp path in f32 on the same rounded values agrees to
+    f32 rounding."""
     from tests.test_pallas_attention import _batch, _inputs, _ragged_lens
 
     batch, n_pages = _batch(extend, _ragged_lens(page_size), page_size)
     args = _inputs(batch, n_pages, page_size, group, jnp.float32, seed=group)
     kw = dict(sliding_window=window, soft_cap=cap)
-    want = _attention(batch, args, "xla", **kw)
-    got = _attention(batch, args, "cpu", **kw)
+    if kv_dtype == "bfloat16":
+        kv = [jnp.asarray(a, jnp.bfloat16) for a in args[1:5]]  # k_new, v_new, pools
+        args = (args[0], *kv, *args[5:])
+        want = _attention(batch, (args[0], *[a.astype(jnp.float32) for a in kv], *args[5:]),
+                          "xla", **kw)
+        # This step's K/V come in f32; the kernel rounds them as the pool write does.
+        got = _attention(batch, (args[0], *[a.astype(jnp.float32) for a in kv[:2]], *kv[2:],
+                                 *args[5:]), "cpu", **kw)
+    else:
+        want = _attention(batch, args, "xla", **kw)
+        got = _attention(batch, args, "cpu", **kw)
     np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
@@ -176,7 +241,8 @@ def test_extend_attention_padding_in_last_row_and_no_page_table():
                                    rtol=2e-5)
 
 
-def test_decode_attention_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+def test_decode_attention_rows_do_not_depend_on_the_batch(kv_dtype):
     """Each row alone gives bitwise what it gives inside the batch."""
     from tests.test_pallas_attention import _batch, _inputs
 
@@ -184,6 +250,7 @@ def test_decode_attention_rows_do_not_depend_on_the_batch():
     batch, n_pages = _batch([], lens, 16)
     q, k_new, v_new, k_pool, v_pool, layer, table, seq_lens, _, _ = _inputs(
         batch, n_pages, 16, 3, jnp.float32, seed=5)
+    k_pool, v_pool = k_pool.astype(kv_dtype), v_pool.astype(kv_dtype)
     f = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.125))
     full = np.asarray(f(q, k_new, v_new, k_pool, v_pool, layer, table, seq_lens))
     for i in range(len(lens)):
@@ -193,10 +260,12 @@ def test_decode_attention_rows_do_not_depend_on_the_batch():
         np.testing.assert_array_equal(np.asarray(alone)[0], full[i])
 
 
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("group,dh", [(2, 128), (3, 128), (4, 128), (3, 48), (6, 64)])
-def test_decode_attention_head_shapes(group, dh):
+def test_decode_attention_head_shapes(group, dh, kv_dtype):
     """Register-resident variants (D = 64 with G <= 6, D = 128 with G <= 3) and the
-    general path (D = 48, D = 128 with G = 4) against the jnp decode."""
+    general path (D = 48, D = 128 with G = 4: masked bf16 tails) against the jnp decode
+    (in f32 on the same K/V values)."""
     from pallas_kernels.attention_ref import _decode
 
     rng = np.random.default_rng(group * dh)
@@ -204,13 +273,15 @@ def test_decode_attention_head_shapes(group, dh):
     lens = np.array([1, 2, 17, 64, 130], np.int32)
     table = (np.arange(b * 9).reshape(b, 9) % (n_pages - 1) + 1).astype(np.int32)
     q = jnp.asarray(2 * rng.standard_normal((b, hkv * group, dh)), jnp.float32)
-    k_new, v_new = (jnp.asarray(rng.standard_normal((b, hkv, dh)), jnp.float32) for _ in "kv")
-    pools = [jnp.asarray(rng.standard_normal((2, hkv, n_pages, s, dh)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((b, hkv, dh)), kv_dtype) for _ in "kv")
+    pools = [jnp.asarray(rng.standard_normal((2, hkv, n_pages, s, dh)), kv_dtype)
              for _ in "kv"]
-    args = (q, k_new, v_new, *pools, jnp.int32(1), jnp.asarray(table), jnp.asarray(lens))
+    rest = (jnp.int32(1), jnp.asarray(table), jnp.asarray(lens))
     kw = dict(sm_scale=dh ** -0.5, sliding_window=None, soft_cap=None)
-    want = jax.jit(functools.partial(_decode, **kw))(*args)
-    got = jax.jit(functools.partial(cpu_kernels.decode_attention, **kw))(*args)
+    f32 = [a.astype(jnp.float32) for a in (k_new, v_new, *pools)]
+    want = jax.jit(functools.partial(_decode, **kw))(q, *f32, *rest)
+    got = jax.jit(functools.partial(cpu_kernels.decode_attention, **kw))(
+        q, k_new, v_new, *pools, *rest)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
@@ -225,3 +296,25 @@ def test_out_of_range_page_ids_stay_inside_the_pool():
     out = jax.jit(functools.partial(cpu_kernels.decode_attention, sm_scale=0.125))(
         q, kv, kv, pool, pool, jnp.int32(0), table, jnp.full((2,), 30, jnp.int32))
     assert np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_write_kv_matches_the_scatter(dtype):
+    """The kernel-side pool write equals runtime.kv_pool.write_kv bitwise (values rounded
+    to the pool's dtype, out-of-pool slots dropped), in place under a donating jit."""
+    from runtime.kv_pool import KVPool, write_kv
+
+    rng = np.random.default_rng(6)
+    shape = (3, 2, 5, 4, 64)  # [L, Hkv, P, S, Dh]
+    pools = [jnp.asarray(rng.standard_normal(shape), dtype) for _ in "kv"]
+    layers = jnp.asarray([2, 0], jnp.int32)
+    # 20 and 25: past the 20 slots (the scatter drops them; it would wrap a negative one,
+    # which the engine never makes, where the kernel drops it too).
+    slots = jnp.asarray([4, 19, 7, 20, 25], jnp.int32)
+    k, v = (jnp.asarray(rng.standard_normal((2, 5, 2, 64)), jnp.float32) for _ in "kv")
+    want = write_kv(KVPool(*pools), layers, slots, k, v)
+    f = jax.jit(cpu_kernels.write_kv, donate_argnums=(0, 1))
+    got = f(*[p.copy() for p in pools], layers, slots, k, v)
+    for g, w in zip(got, (want.k, want.v), strict=True):
+        assert g.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))

@@ -26,18 +26,20 @@ PAGE = 4
 NEAR_TIE = 1e-3  # greedy steps whose top-2 logprob gap is smaller may legitimately flip
 
 
-@pytest.fixture(scope="module", params=[("packed", "cpu"), ("xla", "xla")],
-                ids=["cpu_kernels", "xla"])
+@pytest.fixture(scope="module", params=[("packed", "cpu", "float32"), ("xla", "xla", "float32"),
+                                        ("packed", "cpu", "bfloat16")],
+                ids=["cpu_kernels", "xla", "cpu_kernels_bf16"])
 def runner(request) -> ModelRunner:
     """Both CPU paths: our kernels for matmuls and attention (the CPU default), and
-    XLA's dot with jnp attention (CPUs without AVX-512; the GPU's matmul path)."""
-    matmul, attention = request.param
+    XLA's dot with jnp attention (CPUs without AVX-512; the GPU's matmul path); and our
+    kernels on bf16 weights and a bf16 KV pool (--dtype=bfloat16)."""
+    matmul, attention, dtype = request.param
     params = llama.init_params(CFG, jax.random.key(7))
     # Few buckets keep warm-up short; padding to them is itself under test.
     rcfg = RunnerConfig(decode_buckets=(4, 16), extend_token_buckets=(64, 256),
                         extend_seq_buckets=(1, 4), kv_len_buckets=(256,), enable_mixed=True,
                         max_top_logprobs=2, strict_compile=True, per_layer_weights=True,
-                        cpu_matmul=matmul, attention_backend=attention,
+                        cpu_matmul=matmul, attention_backend=attention, dtype=dtype,
                         enable_split_prefill=True, multiplex_fused=True)
     r = ModelRunner(CFG, params, CacheConfig(page_size=PAGE, num_pages=400), rcfg,
                     max_running_requests=16)

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -19,6 +20,9 @@ from tests.model_utils import all_position_logits
 
 FIXTURES = Path(__file__).parent / "fixtures"
 MIN_MARGIN = 0.05  # compare free-running greedy only up to the first near-tie
+# bf16 weights round each to 8 bits: top-2 margins below this may flip between two correct
+# bf16 implementations (ours keeps activations f32, transformers' are bf16).
+BF16_NOISE = 0.25
 
 
 def _ckpt_cache() -> str:
@@ -113,3 +117,69 @@ def test_smollm2_greedy_8_concurrent_match_transformers(smollm2, reference):
         n = _comparable_prefix(ref[f"p{i % 2}_greedy_margins"])
         assert out.output_ids[:n] == want[:n], (i, n, out.output_ids, want)
     eng.runner.check_no_compiles()
+
+
+# --dtype=bfloat16 on the CPU fast path (bf16 weights and KV pool, f32 activations and
+# accumulation) against transformers in bf16 (everything bf16) on the same bf16-rounded
+# weights (fixture: make_reference.py --only=smollm2_bf16).
+
+
+@pytest.fixture(scope="module")
+def smollm2_bf16():
+    path = checkpoint.ensure_default_checkpoint(_ckpt_cache(), "bfloat16")
+    return checkpoint.restore_checkpoint(path)
+
+
+@pytest.fixture(scope="module")
+def reference_bf16():
+    return np.load(FIXTURES / "smollm2_reference_bf16.npz")
+
+
+@pytest.mark.parametrize("p", [0, 1])
+def test_smollm2_bf16_teacher_forced_top1_matches_transformers_bf16(smollm2_bf16, reference,
+                                                                    reference_bf16, p):
+    """Teacher-forced on transformers-bf16's 32 greedy tokens: our top-1 equals its top-1
+    on every step where its margin clears bf16 noise; and our last logits stay near the f32
+    reference (bf16 weights move them by ~0.1, not by a wrong layer's units)."""
+    cfg, params = smollm2_bf16
+    ref = reference_bf16
+    prompt = ref[f"p{p}_prompt_ids"].tolist()
+    cont = ref[f"p{p}_greedy_ids"].tolist()
+    logits = all_position_logits(llama.pack_for_cpu(params), cfg, prompt + cont[:-1],
+                                 attention_backend="cpu", kv_dtype=jnp.bfloat16)
+    steps = logits[len(prompt) - 1:]  # [32, V]
+    clear = ref[f"p{p}_tf_margins"] > BF16_NOISE
+    agree = steps.argmax(-1) == ref[f"p{p}_tf_top1"]
+    print(f"prompt {p}: teacher-forced top-1 agreement {agree.mean():.0%} of all steps, "
+          f"{agree[clear].mean():.0%} of {clear.sum()} clear steps")
+    assert agree[clear].all()
+    err_f32 = np.abs(logits[len(prompt) - 1] - reference[1][f"p{p}_last_logits"]).max()
+    print(f"prompt {p}: last-logit max abs error vs transformers f32: {err_f32:.3f}")
+    assert err_f32 < 0.5
+
+
+def test_smollm2_bf16_greedy_8_concurrent_match_transformers_bf16(smollm2_bf16,
+                                                                  reference_bf16):
+    """8 concurrent requests through the Engine in bf16: 32 greedy tokens equal
+    transformers-bf16's up to the first step whose top-2 margin < 0.05."""
+    cfg, params = smollm2_bf16
+    ref = reference_bf16
+    args = ServerArgs(dtype="bfloat16", max_running_requests=8, decode_buckets=(8,),
+                      extend_token_buckets=(128,), kv_len_buckets=(128,),
+                      max_prefill_tokens=128, chunked_prefill_size=128, max_extend_seqs=4,
+                      max_total_tokens=4096, compilation_cache_dir=None, strict_compile=True,
+                      max_top_logprobs=0)
+    eng = Engine(args, model=(cfg, params))
+    r = eng.runner
+    assert (r.cfg.cpu_matmul, r.cfg.attention_backend, r.kv.k.dtype) == (
+        "packed", "cpu", jnp.bfloat16)
+    prompts = [ref[f"p{i % 2}_prompt_ids"].tolist() for i in range(8)]
+    outs = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=32,
+                                                ignore_eos=True))
+    for i, out in enumerate(outs):
+        want = ref[f"p{i % 2}_greedy_ids"].tolist()
+        n = _comparable_prefix(ref[f"p{i % 2}_greedy_margins"])
+        same = next((j for j in range(32) if out.output_ids[j] != want[j]), 32)
+        print(f"request {i}: {n} comparable steps, equal for {same}")
+        assert out.output_ids[:n] == want[:n], (i, n, out.output_ids, want)
+    r.check_no_compiles()
