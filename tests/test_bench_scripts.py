@@ -11,8 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 REPO = Path(__file__).resolve().parents[1]
 HAVE_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -80,9 +78,8 @@ def test_bench_offline_smoke(tmp_path: Path) -> None:
         assert s["ratios"]["single_stream_vs_hf"] > 0
 
 
-@pytest.mark.skipif(not HAVE_REFERENCE, reason="needs the reference extra")
 def test_bench_offline_reference_off(tmp_path: Path) -> None:
-    """--reference=off runs xlaserve alone (the path a machine without torch takes)."""
+    """--reference=off runs xlaserve alone, whether or not torch is installed."""
     r = _run("bench_offline.py", tmp_path, "--reference=off")
     assert "transformers" not in r["rounds"][0]
     assert r["summary"]["ratios"] == {}
