@@ -102,8 +102,7 @@ def _server_args(w: Workload) -> ServerArgs:
     """The server's defaults, except: KV-length buckets cut to the smallest default bucket
     these requests fit (no batch here could use a longer one; fewer executables to compile
     at start-up), and no top-logprobs (no request asks for them)."""
-    # The chat template makes the single-stream prompt 37 tokens; 64 leaves room.
-    longest = max(w.input_len + w.output_len, 64 + w.single_new_tokens, w.prefill_len + 1)
+    longest = _longest_request(w)
     kv = tuple(b for b in (256, 1024, 4096, 8192) if b >= longest)[:1] or (8192,)
     base = ServerArgs(dtype=FLAGS.dtype, max_running_requests=FLAGS.max_running_requests,
                       kv_len_buckets=kv, max_top_logprobs=0,
@@ -360,8 +359,16 @@ def want_llama() -> bool:
     return True
 
 
+def _longest_request(w: Workload) -> int:
+    """Tokens of the longest request any measurement sends (prompt + new tokens). The chat
+    template makes the single-stream prompt 37 tokens; 64 leaves room."""
+    return max(w.input_len + w.output_len, 64 + w.single_new_tokens, w.prefill_len + 1)
+
+
 def start_llama(w: Workload) -> offline_peers.LlamaPeers:
-    ctx = bc.pow2_at_least(max(w.input_len + w.output_len, 64 + w.single_new_tokens), 256)
+    # Each llama-server slot must hold the prefill measurement's prompt too (a 512-token
+    # prompt in a 256-token slot is a 400 from llama-server).
+    ctx = bc.pow2_at_least(_longest_request(w), 256)
     return offline_peers.LlamaPeers(FLAGS.llama_variants, max(w.concurrency, default=1), ctx,
                                     FLAGS.llama_threads, FLAGS.llama_server_cmd,
                                     FLAGS.checkpoint_cache_dir, Path(FLAGS.out_dir))
