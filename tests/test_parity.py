@@ -98,25 +98,35 @@ def test_tiny_models_match_transformers(name, path):
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=1e-4)
 
 
-def test_smollm2_greedy_8_concurrent_match_transformers(smollm2, reference):
-    """8 concurrent requests (the two fixture prompts, four times each) through the Engine:
-    32 greedy tokens equal transformers' up to the first step whose top-2 margin < 0.05."""
-    cfg, params = smollm2
-    _, ref = reference
-    args = ServerArgs(max_running_requests=8, decode_buckets=(8,), extend_token_buckets=(128,),
-                      kv_len_buckets=(128,), max_prefill_tokens=128, chunked_prefill_size=128,
-                      max_extend_seqs=4, max_total_tokens=4096, compilation_cache_dir=None,
-                      strict_compile=True, max_top_logprobs=0)
+def _engine_greedy_matches(cfg, params, ref, dtype: str, kv_dtype) -> None:
+    """8 concurrent requests (the two fixture prompts, four times each) through the Engine
+    on the CPU fast path: 32 greedy tokens equal ref's up to the first step whose top-2
+    margin < 0.05, with nothing compiled after warm-up."""
+    args = ServerArgs(dtype=dtype, max_running_requests=8, decode_buckets=(8,),
+                      extend_token_buckets=(128,), kv_len_buckets=(128,),
+                      max_prefill_tokens=128, chunked_prefill_size=128, max_extend_seqs=4,
+                      max_total_tokens=4096, compilation_cache_dir=None, strict_compile=True,
+                      max_top_logprobs=0)
     eng = Engine(args, model=(cfg, params))
-    assert (eng.runner.cfg.cpu_matmul, eng.runner.cfg.attention_backend) == ("packed", "cpu")
+    r = eng.runner
+    assert (r.cfg.cpu_matmul, r.cfg.attention_backend, r.kv.k.dtype) == ("packed", "cpu",
+                                                                         kv_dtype)
     prompts = [ref[f"p{i % 2}_prompt_ids"].tolist() for i in range(8)]
     outs = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=32,
                                                 ignore_eos=True))
     for i, out in enumerate(outs):
         want = ref[f"p{i % 2}_greedy_ids"].tolist()
         n = _comparable_prefix(ref[f"p{i % 2}_greedy_margins"])
+        same = next((j for j in range(32) if out.output_ids[j] != want[j]), 32)
+        print(f"request {i}: {n} comparable steps, equal for {same}")
         assert out.output_ids[:n] == want[:n], (i, n, out.output_ids, want)
-    eng.runner.check_no_compiles()
+    r.check_no_compiles()
+
+
+def test_smollm2_greedy_8_concurrent_match_transformers(smollm2, reference):
+    """f32: 32 greedy tokens of 8 concurrent requests equal transformers'."""
+    cfg, params = smollm2
+    _engine_greedy_matches(cfg, params, reference[1], "float32", jnp.float32)
 
 
 # --dtype=bfloat16 on the CPU fast path (bf16 weights and KV pool, f32 activations and
@@ -160,26 +170,7 @@ def test_smollm2_bf16_teacher_forced_top1_matches_transformers_bf16(smollm2_bf16
 
 def test_smollm2_bf16_greedy_8_concurrent_match_transformers_bf16(smollm2_bf16,
                                                                   reference_bf16):
-    """8 concurrent requests through the Engine in bf16: 32 greedy tokens equal
-    transformers-bf16's up to the first step whose top-2 margin < 0.05."""
+    """bf16 weights and pool: 32 greedy tokens of 8 concurrent requests equal
+    transformers-bf16's."""
     cfg, params = smollm2_bf16
-    ref = reference_bf16
-    args = ServerArgs(dtype="bfloat16", max_running_requests=8, decode_buckets=(8,),
-                      extend_token_buckets=(128,), kv_len_buckets=(128,),
-                      max_prefill_tokens=128, chunked_prefill_size=128, max_extend_seqs=4,
-                      max_total_tokens=4096, compilation_cache_dir=None, strict_compile=True,
-                      max_top_logprobs=0)
-    eng = Engine(args, model=(cfg, params))
-    r = eng.runner
-    assert (r.cfg.cpu_matmul, r.cfg.attention_backend, r.kv.k.dtype) == (
-        "packed", "cpu", jnp.bfloat16)
-    prompts = [ref[f"p{i % 2}_prompt_ids"].tolist() for i in range(8)]
-    outs = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=32,
-                                                ignore_eos=True))
-    for i, out in enumerate(outs):
-        want = ref[f"p{i % 2}_greedy_ids"].tolist()
-        n = _comparable_prefix(ref[f"p{i % 2}_greedy_margins"])
-        same = next((j for j in range(32) if out.output_ids[j] != want[j]), 32)
-        print(f"request {i}: {n} comparable steps, equal for {same}")
-        assert out.output_ids[:n] == want[:n], (i, n, out.output_ids, want)
-    r.check_no_compiles()
+    _engine_greedy_matches(cfg, params, reference_bf16, "bfloat16", jnp.bfloat16)
