@@ -199,11 +199,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
     return o.reshape(q.shape[0], cfg.q_size)
 
 
-def _write_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array, v: jax.Array,
-              mesh: Mesh | None, attention_backend: str) -> KVPool:
-    """write_kv; under tensor parallelism each device scatters its own heads' K/V. With
-    the CPU kernels the kernel side writes in place (XLA CPU's scatter converts a whole
-    bf16 pool each step, see cpu_kernels/write_kv.cc)."""
+def write_step_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
+                  v: jax.Array, mesh: Mesh | None, attention_backend: str) -> KVPool:
+    """write_kv (layers or slots outside the pool are dropped); under tensor parallelism
+    each device scatters its own heads' K/V. With the CPU kernels the kernel side writes
+    in place (XLA CPU's scatter converts a whole bf16 pool each step, see
+    cpu_kernels/write_kv.cc)."""
     if attention_backend == "cpu":
         return KVPool(*cpu_kernels.write_kv(kv.k, kv.v, layers, slots, k, v))
     if _tp(mesh) == 1:
@@ -274,26 +275,29 @@ def run_decoder_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBat
     body = _layer_body(params, kv, batch, cfg, mlp, cos, sin, attention_backend, mesh)
     layers = jnp.arange(n, dtype=jnp.int32) + start
     h, (k, v) = jax.lax.scan(body, h, layers)  # k, v [n, T, Hkv, Dh]
-    return h, _write_kv(kv, layers, batch.out_cache_loc, k, v, mesh, attention_backend)
+    return h, write_step_kv(kv, layers, batch.out_cache_loc, k, v, mesh, attention_backend)
 
 
 def run_decoder_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
                             cfg: ModelConfig, mlp: Mlp, start: jax.Array, stop: jax.Array,
-                            attention_backend: str = "xla",
-                            mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
-    """Layers [start, stop) with both bounds traced (a while loop): each layer writes its
-    K/V into the pool as it ends, since the count is not known at trace time. The decode
-    rows of a fused multiplexed step run the layers outside its prefill interval this way."""
+                            new_kv: tuple[jax.Array, jax.Array], attention_backend: str = "xla",
+                            mesh: Mesh | None = None
+                            ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Layers [start, stop) with both bounds traced (a while loop). The pool is only read:
+    each layer's K/V go into row `layer` of new_kv = (k, v) [L, T, Hkv, Dh] (the pool's
+    dtype), which the caller writes once after (write_step_kv). Writing the pool inside
+    the loop made XLA CPU copy all of it every trip: a fused multiplexed step took 6-8 s.
+    The decode rows of a fused multiplexed step run the layers outside its prefill
+    interval this way."""
     cos, sin = _rope(batch, cfg)
+    body = _layer_body(params, kv, batch, cfg, mlp, cos, sin, attention_backend, mesh)
 
     def step(layer, carry):
-        h, kv = carry
-        body = _layer_body(params, kv, batch, cfg, mlp, cos, sin, attention_backend, mesh)
+        h, (kb, vb) = carry
         h, (k, v) = body(h, layer)
-        return h, _write_kv(kv, layer[None], batch.out_cache_loc, k[None], v[None], mesh,
-                            attention_backend)
+        return h, (kb.at[layer].set(k.astype(kb.dtype)), vb.at[layer].set(v.astype(vb.dtype)))
 
-    return jax.lax.fori_loop(start, stop, step, (h, kv))
+    return jax.lax.fori_loop(start, stop, step, (h, new_kv))
 
 
 def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,

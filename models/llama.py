@@ -83,11 +83,11 @@ def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg:
 
 def run_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
                     cfg: ModelConfig, start: jax.Array, stop: jax.Array,
-                    attention_backend: str = "xla",
-                    mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
-    """Layers [start, stop), both traced (see layers.run_decoder_layer_range)."""
+                    new_kv: tuple[jax.Array, jax.Array], attention_backend: str = "xla",
+                    mesh: Mesh | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+    """Layers [start, stop), both traced; K/V into new_kv (see layers.run_decoder_layer_range)."""
     return layers.run_decoder_layer_range(params, kv, h, batch, cfg, mlp, start, stop,
-                                          attention_backend, mesh)
+                                          new_kv, attention_backend, mesh)
 
 
 def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,

@@ -6,7 +6,8 @@ iteration (a DECODE step, then an interval); runtime/multiplexing.py runs either
 
 Layout: the inputs are a MIXED packing (the split's extend rows, then the decode rows) at
 the widest page table; the decode rows alone go through [0, s) and [s + k, L) in while
-loops (the model module's run_layer_range) and join the prefill tokens for [s, s + k).
+loops (the model module's run_layer_range, which only reads the pool; their K/V are
+written after both) and join the prefill tokens for [s, s + k).
 
 Count: extend buckets x decode buckets x interval sizes below the depth, so it is opt-in
 (--multiplex_fused): at the default flags that is 6 x 6 x 5 = 180 executables.
@@ -21,6 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from models import layers
 from models.registry import model_module
 from runtime.batch_builder import BucketShape
 from runtime.config import ModelConfig
@@ -80,13 +82,21 @@ class FusedExecutables:
                 logits_indices=arrays["logits_indices"][be:] - te, mode=ForwardMode.DECODE,
                 num_extend_tokens=0, num_extend_seqs=0)
             h_dec = model.embed(params, dec_ids)  # [B_d, D]
-            h_dec, kv = model.run_layer_range(params, kv, h_dec, dec, cfg, jnp.int32(0), start,
-                                              backend)
+            # The decode rows' K/V of the layers outside the interval: written once, after
+            # both loops (a pool carried through them is copied every trip on XLA CPU).
+            kv_shape = (cfg.num_layers, h_dec.shape[0], cfg.num_kv_heads, cfg.head_dim)
+            new_kv = tuple(jnp.zeros(kv_shape, p.dtype) for p in (kv.k, kv.v))  # [L, B_d, Hkv, Dh]
+            h_dec, new_kv = model.run_layer_range(params, kv, h_dec, dec, cfg, jnp.int32(0),
+                                                  start, new_kv, backend)
             h, kv = model.run_layers(params, kv, jnp.concatenate([hidden, h_dec]), mixed, cfg,
                                      start=start, num_layers=k, attention_backend=backend)
             hidden, h_dec = h[:te], h[te:]  # [T_e, D], [B_d, D]
-            h_dec, kv = model.run_layer_range(params, kv, h_dec, dec, cfg, start + k,
-                                              jnp.int32(cfg.num_layers), backend)
+            h_dec, new_kv = model.run_layer_range(params, kv, h_dec, dec, cfg, start + k,
+                                                  jnp.int32(cfg.num_layers), new_kv, backend)
+            # The interval's layers were written with the MIXED batch: index L drops them.
+            ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+            ids = jnp.where((ids >= start) & (ids < start + k), cfg.num_layers, ids)
+            kv = layers.write_step_kv(kv, ids, dec.out_cache_loc, *new_kv, None, backend)
             return model.compute_logits(params, h_dec, dec.logits_indices, cfg), hidden, kv
 
         return jax.jit(fused, donate_argnums=(1,))
