@@ -9,8 +9,9 @@ the widest page table; the decode rows alone go through [0, s) and [s + k, L) in
 loops (the model module's run_layer_range, which only reads the pool; their K/V are
 written after both) and join the prefill tokens for [s, s + k).
 
-Count: extend buckets x decode buckets x interval sizes below the depth, so it is opt-in
-(--multiplex_fused): at the default flags that is 6 x 6 x 5 = 180 executables.
+Count: the largest split token bucket's sequence buckets x decode buckets x interval sizes
+below the depth (model_runner._fused_executables), so it is opt-in (--multiplex_fused):
+48 executables at the default flags; smaller chunks (a prompt's last) run as two calls.
 """
 
 from __future__ import annotations

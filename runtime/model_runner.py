@@ -179,7 +179,12 @@ class ModelRunner:
         if self.split is None:
             raise ValueError("multiplex_fused needs enable_split_prefill")
         width = self.buckets.decode_widths()[-1]
-        pairs = sorted({(s.num_extend_tokens, s.num_extend_seqs) for s in self.split.shapes})
+        # Only the largest token bucket, which every chunk of a long prompt but its last
+        # fills: the rest run as two calls, and the count stays decode buckets x seq
+        # buckets x interval sizes (48 at the default flags, not 96).
+        te_max = max(s.num_extend_tokens for s in self.split.shapes)
+        pairs = sorted({(s.num_extend_tokens, s.num_extend_seqs) for s in self.split.shapes
+                        if s.num_extend_tokens == te_max})
         shapes = [BucketShape(te, be, bd, width) for te, be in pairs
                   for bd in self.cfg.decode_buckets]
         return FusedExecutables(self.model_cfg, self.cfg.attention_backend, shapes,
