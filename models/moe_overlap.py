@@ -4,9 +4,9 @@ all_to_all never waits for B's compute, nor B's for A's, so XLA's latency-hiding
 scheduler can run one micro-batch's communication under the other's compute.
 
 Per layer (one scan step, weights stacked):
-  attention  A then B, each writing its K/V into the pool as it ends, so B reads A's K/V
-             of this layer (the two-chunk split: B continues a sequence A began). A's
-             attention reads the pool as the previous layer left it.
+  attention  A then B. Where B may continue a sequence A began (the two-chunk split of
+             extend and mixed batches), each writes its K/V into the pool as it ends, so
+             B reads A's K/V of this layer; decode programs write both after the loop.
   MoE        both micro-batches' stages (models/moe.py moe_stages: prepare, dispatch +
              shared expert, experts, combine send, output) in one shard_map over `ep`,
              traced as an overlapped operation list with B one stage behind A: every
@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from models import layers, moe
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
-from runtime.kv_pool import KVPool, write_kv
+from runtime.kv_pool import KVPool
 
 # B runs each stage one step after A: A's dispatch beside B's prepare, A's experts beside
 # B's dispatch, A's combine send beside B's experts, B's combine send beside A's output.
@@ -69,20 +69,25 @@ def moe_pair(lp: dict, xa: jax.Array, xb: jax.Array, cfg: ModelConfig,
 
 
 def _attention(lp: dict, h: jax.Array, kv: KVPool, layer: jax.Array, batch: ForwardBatch,
-               rope: tuple[jax.Array, jax.Array], cfg: ModelConfig,
-               attention_backend: str) -> tuple[jax.Array, KVPool]:
-    """One micro-batch's attention with its residual, h [T, D] -> [T, D]; its K/V are in
-    the returned pool."""
+               rope: tuple[jax.Array, jax.Array], cfg: ModelConfig, attention_backend: str
+               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One micro-batch's attention with its residual, h [T, D] -> [T, D], and its K/V
+    [T, Hkv, Dh] x 2 (not yet in the pool)."""
     q, k, v = layers.qkv(lp, h, *rope, cfg)  # [T, Hq, Dh], [T, Hkv, Dh] x 2
     o = layers.attend(q, k, v, kv, layer, batch, cfg, attention_backend)  # [T, Hq*Dh]
-    kv = write_kv(kv, layer[None], batch.out_cache_loc, k[None], v[None])
-    return h + layers.linear(o, lp["wo"]), kv
+    return h + layers.linear(o, lp["wo"]), k, v
 
 
 def forward(params: dict, kv: KVPool, batches: tuple[ForwardBatch, ForwardBatch],
-            cfg: ModelConfig, attention_backend: str = "xla", mesh: Mesh | None = None
-            ) -> tuple[jax.Array, jax.Array, KVPool]:
-    """Both micro-batches through every layer: logits [Ba, V], [Bb, V] and the pool."""
+            cfg: ModelConfig, attention_backend: str = "xla", mesh: Mesh | None = None,
+            two_chunk: bool = True) -> tuple[jax.Array, jax.Array, KVPool]:
+    """Both micro-batches through every layer: logits [Ba, V], [Bb, V] and the pool.
+
+    two_chunk (static): B may continue a sequence A began, so each layer's K/V go into the
+    pool inside the layer loop (A's before B's attention reads them). Otherwise (decode
+    splits never cut a sequence) the loop only reads the pool and both micro-batches' K/V
+    are written once after it: a pool written inside the loop is copied by XLA CPU on
+    every trip."""
     if "layers" not in params:
         raise ValueError("two-batch overlap runs the stacked layer weights "
                          "(per_layer_weights=False)")
@@ -92,20 +97,34 @@ def forward(params: dict, kv: KVPool, batches: tuple[ForwardBatch, ForwardBatch]
     ropes = tuple(layers.rope_cos_sin(x.positions, layers.rope_inv_freq(
         cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)) for x in batches)
     attention = functools.partial(_attention, cfg=cfg, attention_backend=attention_backend)
+    write = functools.partial(layers.write_step_kv, mesh=None,
+                              attention_backend=attention_backend)
 
-    def layer_step(carry: tuple, layer: jax.Array) -> tuple[tuple, None]:
-        (ha, hb), kv = carry
+    def layer_step(carry: tuple, layer: jax.Array) -> tuple[tuple, tuple]:
+        (ha, hb), pool = carry
         lp = jax.tree.map(lambda w: w[layer], params["layers"])
         with jax.named_scope(f"{MICRO_BATCHES[0]}/attention"):
-            ha, kv = attention(lp, ha, kv, layer, a, ropes[0])
+            ha, ka, va = attention(lp, ha, pool, layer, a, ropes[0])
+            if two_chunk:
+                pool = write(pool, layer[None], a.out_cache_loc, ka[None], va[None])
         with jax.named_scope(f"{MICRO_BATCHES[1]}/attention"):
-            hb, kv = attention(lp, hb, kv, layer, b, ropes[1])
+            hb, kb, vb = attention(lp, hb, pool, layer, b, ropes[1])
+            if two_chunk:
+                pool = write(pool, layer[None], b.out_cache_loc, kb[None], vb[None])
         norm = functools.partial(layers.rms_norm, w=lp["mlp_norm"], eps=cfg.rms_norm_eps)
         ya, yb = moe_pair(lp, norm(ha), norm(hb), cfg, mesh)
-        return ((ha + ya, hb + yb), kv), None
+        return ((ha + ya, hb + yb), pool), () if two_chunk else (ka, va, kb, vb)
 
     h0 = (moe.embed(params, a.input_ids), moe.embed(params, b.input_ids))  # [Ta, D], [Tb, D]
-    ((ha, hb), kv), _ = jax.lax.scan(layer_step, (h0, kv),
-                                     jnp.arange(cfg.num_layers, dtype=jnp.int32))
+    ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
+    if two_chunk:
+        ((ha, hb), kv), _ = jax.lax.scan(layer_step, (h0, kv), ids)
+    else:  # the pool is closed over (read only), the K/V come out of the scan [L, T, ...]
+        def read_only(h: tuple, layer: jax.Array) -> tuple[tuple, tuple]:
+            (h, _), new = layer_step((h, kv), layer)
+            return h, new
+
+        (ha, hb), (ka, va, kb, vb) = jax.lax.scan(read_only, h0, ids)
+        kv = write(write(kv, ids, a.out_cache_loc, ka, va), ids, b.out_cache_loc, kb, vb)
     return (moe.compute_logits(params, ha, a.logits_indices, cfg),
             moe.compute_logits(params, hb, b.logits_indices, cfg), kv)

@@ -515,8 +515,11 @@ class ModelRunner:
         self.step_counts[ForwardMode.SPLIT_PREFILL] += 1
         self.step_counts[ForwardMode.DECODE] += 1
         pending = self._sample(decode, dec_shape, logits)
-        self.costs.watch(_key_name(StepKey(ForwardMode.MIXED, shape)) + f"_k{k}",
-                         pending.out.next_tokens)
+        # The policy sizes the next interval from the decode step's cost plus the layers':
+        # charge the interval what the fused step took beyond the decode step alone.
+        self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, ext), pending.out.next_tokens,
+                         per=k * self._layer_work(split),
+                         base=_cost_key(ForwardMode.DECODE, dec_shape))
         return pending
 
     # ---- sampling ------------------------------------------------------------------------

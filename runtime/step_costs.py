@@ -28,9 +28,9 @@ class DeviceCosts:
         self._alpha = smoothing
         self._cost: dict[str, float] = {}
         self._lock = threading.Lock()
-        # (key, launch time, output, layers); None stops the watcher.
-        self._queue: queue.SimpleQueue[tuple[str, float, _Awaitable, float] | None] = \
-            queue.SimpleQueue()
+        # (key, launch time, output, per, base); None stops the watcher.
+        self._queue: queue.SimpleQueue[
+            tuple[str, float, _Awaitable, float, str | None] | None] = queue.SimpleQueue()
         self._last_ready = 0.0
         self._thread: threading.Thread | None = None
 
@@ -47,16 +47,20 @@ class DeviceCosts:
         with self._lock:
             return dict(self._cost)
 
-    def watch(self, key: str, output: _Awaitable, per: float = 1.0) -> None:
+    def watch(self, key: str, output: _Awaitable, per: float = 1.0,
+              base: str | None = None) -> None:
         """Charge `key` for the device work that produces `output`, launched just now,
-        divided by `per` (an interval of k layers records its cost per unit of layer work)."""
+        divided by `per` (an interval of k layers records its cost per unit of layer work).
+        `base`: charge only what the launch took beyond key `base`'s cost (a fused decode +
+        interval step charges its interval the difference to the decode step alone;
+        nothing is recorded until `base` has a cost)."""
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="device-costs", daemon=True)
             self._thread.start()
             # A daemon thread still waiting on the runtime when the interpreter tears it
             # down aborts the process ("terminate called ..."): stop it first.
             atexit.register(self.close)
-        self._queue.put((key, time.perf_counter(), output, per))
+        self._queue.put((key, time.perf_counter(), output, per, base))
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop the watcher after the launches it already has (idempotent)."""
@@ -70,11 +74,14 @@ class DeviceCosts:
             item = self._queue.get()
             if item is None:
                 return
-            key, launched, output, per = item
+            key, launched, output, per, base = item
             try:
                 output.block_until_ready()
             except Exception:  # a failed step is reported by its reader, not here
                 continue
             ready = time.perf_counter()
-            self.record(key, (ready - max(launched, self._last_ready)) / per)
+            took = ready - max(launched, self._last_ready)
             self._last_ready = ready
+            base_cost = 0.0 if base is None else self.get(base)
+            if base_cost is not None:
+                self.record(key, max(took - base_cost, 0.0) / per)

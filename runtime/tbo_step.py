@@ -25,7 +25,7 @@ from jax.sharding import Mesh
 from models import moe_overlap
 from runtime.bucket_plan import StepKey
 from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch
+from runtime.forward_batch import ForwardBatch, ForwardMode
 
 
 class TboExecutables:
@@ -80,7 +80,8 @@ class TboExecutables:
         def forward(params, kv, last_tokens, arrays_a, arrays_b, slots_a, slots_b, order):
             batches = (child(arrays_a, slots_a, last_tokens), child(arrays_b, slots_b,
                                                                    last_tokens))
-            la, lb, kv = moe_overlap.forward(params, kv, batches, cfg, backend, mesh)
+            la, lb, kv = moe_overlap.forward(params, kv, batches, cfg, backend, mesh,
+                                             two_chunk=key.mode != ForwardMode.DECODE)
             return jnp.concatenate([la, lb])[order], kv  # [2B, V] in the batch's row order
 
         return jax.jit(forward, donate_argnums=(1,), **self._out_kwargs)

@@ -279,3 +279,20 @@ def test_device_costs_charge_each_launch_its_own_device_time():
     assert 0.04 <= costs.get("b") < 0.15  # ~0.1 s / 2
     costs.record("a", 1.0)
     assert costs.get("a") == 1.0 and set(costs.snapshot()) == {"a", "b"}
+
+
+def test_device_costs_charge_beyond_a_base():
+    """A fused step charges its interval only what it took beyond the decode step; with
+    the base unmeasured nothing is recorded."""
+    class Done:
+        def block_until_ready(self) -> None:
+            time.sleep(0.1)
+
+    costs = DeviceCosts(smoothing=1.0)
+    costs.watch("interval", Done(), per=2, base="decode")  # no decode cost yet
+    costs.close()
+    assert costs.get("interval") is None
+    costs.record("decode", 0.06)
+    costs.watch("interval", Done(), per=2, base="decode")
+    costs.close()
+    assert 0.015 <= costs.get("interval") < 0.06  # (~0.1 s - 0.06 s) / 2
