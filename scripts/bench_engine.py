@@ -89,7 +89,7 @@ def _sizes() -> Sizes:
     if FLAGS.smoke:
         # 4 layers: interval sizes 2 and 4, so a fused program (k < depth) exists.
         return Sizes(dataclasses.replace(bc.TINY_CONFIG, num_layers=4), "float32",
-                     kv_len=256, chunk=64, extend_seqs=4, concurrency=(1, 4), input_len=16,
+                     kv_len=256, chunk=64, extend_seqs=1, concurrency=(1, 4), input_len=16,
                      output_len=8, itl_streams=3, long_len=150, itl_decode_tokens=24,
                      itl_after_steps=3)
     return Sizes(LLAMA3_8B, "bfloat16", KV_LEN, FLAGS.chunk, FLAGS.extend_seqs,
@@ -181,7 +181,7 @@ def long_prompt_during_decode(engine: Engine, s: Sizes) -> dict[str, Any]:
     t_start = time.perf_counter()
     streams = {engine.add_request(ids, bc.greedy(s.itl_decode_tokens))
                for ids in _prompts(s.itl_streams, 16, vocab, 7)}
-    while len(_decode_steps(engine, t_start)) < s.itl_after_steps:
+    while len(_decode_steps(engine, t_start)) < s.itl_after_steps and engine.has_work():
         engine.step()
     t_arrive = time.perf_counter()
     rid = engine.add_request(_prompts(1, s.long_len, vocab, 8)[0], bc.greedy(4))
