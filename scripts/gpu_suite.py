@@ -153,7 +153,8 @@ def _device_kind(sections: dict[str, Any]) -> str | None:
 
 def main(argv: list[str]) -> None:
     del argv
-    import jax  # the version only: importing jax starts no backend
+    import bench_common  # imports jax for its version only: that starts no backend
+    import jax
 
     out_dir = Path(FLAGS.out_dir).resolve()
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -164,7 +165,9 @@ def main(argv: list[str]) -> None:
     t_start = time.perf_counter()
     deadline = t_start + total
     summary: dict[str, Any] = {
-        "suite": "gpu_suite", "smoke": FLAGS.smoke, "jax_version": jax.__version__,
+        "suite": "gpu_suite", "command": bench_common.command_line(),
+        "git_revision": bench_common.git_revision(), "smoke": FLAGS.smoke,
+        "jax_version": jax.__version__,
         "python": platform.python_version(), "host": platform.node(),
         "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "total_budget_s": total, "device_kind": None, "sections": {}}
