@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 CKPT_DIR := $(HOME)/.cache/xlaserve/checkpoints
 CKPT := $(CKPT_DIR)/smollm2-135m-instruct-float32/checkpoint_meta.json
 
-.PHONY: setup serve test test-slow test-gpu lint bench peers clean
+.PHONY: setup serve test test-slow test-gpu gpu-check lint bench peers clean
 
 setup: $(STAMP) $(CKPT)
 
@@ -36,6 +36,13 @@ test-slow: setup
 
 test-gpu: setup
 	$(PY) -m pytest -q -m gpu
+
+# The GPU suite (docs/gpu_suite.md): on a GPU machine with jax[cuda] installed and no
+# network, with its own Python (no venv, nothing installed): kernels, attention bandwidth,
+# the TBO schedule and the 8B engine in under 8 minutes, JSON under OUT ($$OUT if set).
+OUT ?= gpu_suite_out
+gpu-check:
+	$(PYTHON) scripts/gpu_suite.py --out_dir=$(OUT)
 
 # CPU-sized (~15 minutes here): offline throughput with every peer, the serving sweep with
 # llama-server side by side, the long-prompt frontier over xlaserve's prefill configs, then

@@ -17,7 +17,7 @@ import logging
 import os
 import time
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -31,8 +31,10 @@ from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler
-from runtime.tokenizer import IncrementalDetokenizer, Tokenizer
 from runtime.traced_launch import TracedStep, launch_traced, read_back
+
+if TYPE_CHECKING:  # imported with a tokenizer only: token-id engines run without `tokenizers`
+    from runtime.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -54,8 +56,11 @@ class _Tracked:
 
     def __init__(self, req: Req, tokenizer: Tokenizer | None) -> None:
         self.req = req
-        skip = req.sampling.skip_special_tokens
-        self.detok = IncrementalDetokenizer(tokenizer, skip) if tokenizer else None
+        self.detok = None
+        if tokenizer is not None:
+            from runtime.tokenizer import IncrementalDetokenizer
+
+            self.detok = IncrementalDetokenizer(tokenizer, req.sampling.skip_special_tokens)
         self.created = time.perf_counter()
         self.first_token: float | None = None
         self.emitted = ""  # text already handed out by stream events

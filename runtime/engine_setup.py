@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
-import psutil
 from jax.sharding import Mesh
 
 import cpu_kernels
 from models import registry
-from runtime import checkpoint, sharding
+from runtime import sharding
 from runtime.config import ModelConfig, RunnerConfig, ServerArgs
 from runtime.kv_pool import kv_bytes_per_token
-from runtime.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from runtime.tokenizer import Tokenizer
+
+# Checkpoints (orbax, gguf), the tokenizer (tokenizers, jinja2) and psutil are imported
+# where they are used: a caller that brings its own model and pool size (scripts/
+# gpu_suite.py on a bare GPU machine) needs none of them.
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +91,8 @@ def default_attention_backend(args: ServerArgs) -> str:
 
 
 def _tokenizer_for(path: str) -> Tokenizer | None:
+    from runtime.tokenizer import Tokenizer
+
     if path.endswith(".gguf"):
         return Tokenizer.from_gguf(path)
     if os.path.exists(os.path.join(path, "tokenizer.json")):
@@ -94,6 +102,9 @@ def _tokenizer_for(path: str) -> Tokenizer | None:
 
 def load_model(args: ServerArgs) -> tuple[ModelConfig, dict, Tokenizer | None]:
     """Load weights and tokenizer for `args.model` (see ServerArgs.model)."""
+    from runtime import checkpoint
+    from runtime.tokenizer import Tokenizer
+
     dtype = default_dtype(args)
     path = args.model
     if path in registry.PRESETS:
@@ -181,6 +192,8 @@ def size_kv_pool(args: ServerArgs, model_cfg: ModelConfig, dtype: str) -> int:
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
         tokens = int(free * args.mem_fraction) // per_token
     elif tokens is None:
+        import psutil
+
         avail = psutil.virtual_memory().available * args.mem_fraction
         tokens = min(_CPU_DEFAULT_KV_TOKENS, int(avail) // per_token)
     pages = tokens // args.page_size + 1

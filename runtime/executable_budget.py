@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-import psutil
 from tqdm import tqdm
 
 
@@ -69,15 +68,28 @@ def max_map_count() -> int:
         return 1 << 31
 
 
+def _memory_mb() -> tuple[float, float]:
+    """(this process's resident MB, the machine's available MB). psutil where it is
+    installed; else Linux's /proc (a bare GPU machine, scripts/gpu_suite.py)."""
+    try:
+        import psutil
+    except ImportError:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+        with open("/proc/meminfo") as f:
+            avail = next(int(ln.split()[1]) for ln in f if ln.startswith("MemAvailable:"))
+        return rss, avail / 2**10
+    return psutil.Process().memory_info().rss / 2**20, psutil.virtual_memory().available / 2**20
+
+
 def footprint() -> Footprint:
     try:
         with open(f"/proc/{os.getpid()}/maps") as f:
             maps = sum(1 for _ in f)
     except OSError:
         maps = 0
-    rss = psutil.Process().memory_info().rss / 2**20
-    return Footprint(maps=maps, resident_mb=rss, max_maps=max_map_count(),
-                     available_mb=psutil.virtual_memory().available / 2**20)
+    rss, available = _memory_mb()
+    return Footprint(maps=maps, resident_mb=rss, max_maps=max_map_count(), available_mb=available)
 
 
 def release_freed_heap() -> None:

@@ -20,11 +20,16 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import llguidance
-import llguidance.numpy as llnp
 import numpy as np
+
+if TYPE_CHECKING:
+    import llguidance
+
+# llguidance is imported where a constraint is compiled or its mask filled, not here: the
+# engine then runs unconstrained requests where it is not installed (the bare GPU machine
+# of scripts/gpu_suite.py).
 
 GrammarKind = Literal["json_schema", "regex", "ebnf"]
 # Compact JSON with json.dumps' separators: with flexible whitespace a small model can emit
@@ -48,6 +53,8 @@ class GrammarSpec:
     source: str
 
     def to_llguidance(self) -> str:
+        import llguidance
+
         try:
             if self.kind == "json_schema":
                 return llguidance.LLMatcher.grammar_from_json_schema(
@@ -101,6 +108,8 @@ class GrammarCache:
         self.hits = self.misses = 0
 
     def _lltokenizer(self) -> llguidance.LLTokenizer:
+        import llguidance
+
         # Built on first use (~0.5 s for a 49k vocabulary), not at start-up.
         with self._lock:
             if self._tokenizer is None:
@@ -114,6 +123,8 @@ class GrammarCache:
 
     def compile(self, spec: GrammarSpec) -> llguidance.LLMatcher:
         """The template matcher of spec, compiled on a miss; GrammarError if it can't."""
+        import llguidance
+
         with self._lock:
             template = self._cache.get(spec)
             if template is not None:
@@ -140,9 +151,11 @@ def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> 
     None rows (unconstrained, padding) and rows whose grammar has already failed or ended
     allow everything: their token is either free or discarded when it is consumed.
     """
-    mask = llnp.allocate_token_bitmask(len(grammars), vocab_size)  # all ones
+    mask = np.full((len(grammars), mask_width(vocab_size)), -1, np.int32)  # all ones
     for i, g in enumerate(grammars):
         if g is not None and not g.done and g.error is None:
+            import llguidance.numpy as llnp
+
             llnp.fill_next_token_bitmask(g.matcher, mask, i)
             # A grammar that allows nothing is a dead end: the row samples freely and the
             # request ends when its grammar refuses that token (RequestGrammar.accept).

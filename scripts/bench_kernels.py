@@ -8,9 +8,11 @@ On the CPU, tiny sizes and interpret mode, to check the script end to end:
 
     .venv/bin/python scripts/bench_kernels.py --smoke --out=/tmp/bench_kernels_smoke.json
 
-Sections, each recorded even when another fails (a failure is an entry in "errors"):
-  correctness  the kernels against paged_attention_ref on this device (mixed batches,
-               sliding window, soft cap; bf16 -> Mosaic GPU, f32 -> Triton)
+Sections (--sections picks them), each recorded even when another fails (a failure is
+an entry in "errors"), the JSON rewritten after each one so a run cut short keeps them:
+  correctness  the kernels against paged_attention_ref on this device: decode, extend
+               (on cached prefixes) and mixed batches, the mixed one also with sliding
+               window and soft cap; bf16 -> Mosaic GPU, f32 -> Triton
   roofline     a measured copy bandwidth next to the nominal --peak_hbm_tbps
   decode       achieved HBM bandwidth of decode attention at long context, side by side
                with the XLA reference (paged gather) and jax.nn.dot_product_attention
@@ -62,6 +64,8 @@ flags.DEFINE_integer("page_size", 16, "KV page size")
 flags.DEFINE_integer("iters", 10, "timed calls per contender")
 flags.DEFINE_float("target_gb_per_call", 4.0, "layers per timed call are chosen to read ~this")
 flags.DEFINE_bool("sweep", True, "sweep the Mosaic kernel's block_kv and num_slots")
+flags.DEFINE_list("sections", ["correctness", "roofline", "decode", "prefill", "kv_write"],
+                  "sections to run (sweep: --sweep)")
 
 # (query heads, KV heads, head_dim)
 HEADS = {"smollm2": (9, 3, 64), "llama8b": (32, 8, 128)}
@@ -179,31 +183,53 @@ def _max_err(a, b) -> float:
     return float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
 
 
+def _correctness_batches(s: int) -> dict[str, tuple[list, list]]:
+    """mode -> (extend rows as (new, prefix), decode seq_lens; 0 is a padding row). Rows
+    span several pages and KV blocks, start mid-page and extend on cached prefixes."""
+    extend, decode = [(s + 1, 0), (37, 300), (5, s)], [1, s, s + 1, 520, 0]
+    if FLAGS.smoke:  # fewer rows and KV blocks: the interpreters walk each one in Python
+        extend, decode = [(s + 1, 0), (5, s + 3)], [1, 2 * s + 5, 0]
+    return {"decode": ([], decode), "extend": (extend, []), "mixed": (extend, decode)}
+
+
+# --smoke: each interpreted case costs seconds, so the single-kind batches take one dtype
+# each (test_pallas_attention.py covers every combination).
+_SMOKE_DTYPES = {"decode": (jnp.float32,), "extend": (jnp.bfloat16,),
+                 "mixed": (jnp.bfloat16, jnp.float32)}
+
+
 def bench_correctness(rng) -> list[dict]:
     hq, hkv, dh = HEADS["smollm2"]
     s = FLAGS.page_size
-    extend, decode = [(s + 1, 0), (37, 300), (5, s)], [1, s, s + 1, 520, 0]
     out = []
-    meta, te, be, num_pages = _batch(extend, decode, s, 40, rng)
-    t = te + len(decode)
-    for dtype, tol in ((jnp.bfloat16, 2e-2), (jnp.float32, 1e-5 if _interpret() else 1e-4)):
-        k_pool, v_pool = _pools(jax.random.key(1), 2, num_pages, s, hkv, dh, dtype)
-        k_new, v_new = _new_kv(jax.random.key(3), t, hkv, dh, dtype)
-        q = (2 * jax.random.normal(jax.random.key(2), (t, hq, dh))).astype(dtype)
-        args = (q, k_new, v_new, k_pool, v_pool, jnp.int32(1), meta["page_table"],
-                meta["seq_lens"], meta["query_start"], meta["positions"])
-        real = np.ones(t, bool)
-        real[-1] = False  # the padding decode row: zeros here, don't-care in the reference
-        for extra in ({}, {"sliding_window": 100, "soft_cap": 20.0}):
-            # The reference at full f32 precision: XLA on a GPU may otherwise use tf32.
-            with jax.default_matmul_precision("highest"):
-                ref = jax.jit(_attn_fn("ref", te, be, dh ** -0.5, **extra))(*args)
-            got = jax.jit(_attn_fn("pallas", te, be, dh ** -0.5, **extra))(*args)
-            err = _max_err(got[real], ref[real])
-            name = jnp.dtype(dtype).name
-            out.append(dict(dtype=name, **extra, max_abs_err=err, tol=tol, ok=err < tol))
-            print(f"correctness {name} {extra}: max err {err:.3g} "
-                  f"({'ok' if err < tol else 'FAIL'})")
+    for mode, (extend, decode) in _correctness_batches(s).items():
+        meta, te, be, num_pages = _batch(extend, decode, s, 40, rng)
+        t = te + len(decode)
+        # The padding decode row: zeros from the kernels, don't-care in the reference.
+        real = np.array([True] * te + [n > 0 for n in decode])
+        extras = ({}, {"sliding_window": 100, "soft_cap": 20.0}) if mode == "mixed" else ({},)
+        extras = extras[:1] if FLAGS.smoke else extras
+        for dtype, tol in ((jnp.bfloat16, 2e-2), (jnp.float32, 1e-5 if _interpret() else 1e-4)):
+            if FLAGS.smoke and dtype not in _SMOKE_DTYPES[mode]:
+                continue
+            k_pool, v_pool = _pools(jax.random.key(1), 2, num_pages, s, hkv, dh, dtype)
+            k_new, v_new = _new_kv(jax.random.key(3), t, hkv, dh, dtype)
+            q = (2 * jax.random.normal(jax.random.key(2), (t, hq, dh))).astype(dtype)
+            args = (q, k_new, v_new, k_pool, v_pool, jnp.int32(1), meta["page_table"],
+                    meta["seq_lens"], meta["query_start"], meta["positions"])
+            for extra in extras:
+                t0 = time.perf_counter()
+                # The reference at full f32 precision: XLA on a GPU may otherwise use tf32.
+                with jax.default_matmul_precision("highest"):
+                    ref = jax.jit(_attn_fn("ref", te, be, dh ** -0.5, **extra))(*args)
+                got = jax.jit(_attn_fn("pallas", te, be, dh ** -0.5, **extra))(*args)
+                err = _max_err(got[real], ref[real])
+                name = jnp.dtype(dtype).name
+                secs = time.perf_counter() - t0  # both compiles and runs
+                out.append(dict(mode=mode, dtype=name, **extra, max_abs_err=err, tol=tol,
+                                ok=err < tol, seconds=secs))
+                print(f"correctness {mode} {name} {extra}: max err {err:.3g} "
+                      f"({'ok' if err < tol else 'FAIL'}, {secs:.1f} s)", flush=True)
     return out
 
 
@@ -344,8 +370,8 @@ def _sweep_points():
 def main(argv):
     del argv
     if FLAGS.smoke:
-        FLAGS.decode_batches, FLAGS.decode_contexts = ["2"], ["256"]
-        FLAGS.prefill_rows, FLAGS.prefill_tokens, FLAGS.iters = 1, 64, 2
+        FLAGS.decode_batches, FLAGS.decode_contexts = ["1"], ["64"]
+        FLAGS.prefill_rows, FLAGS.prefill_tokens, FLAGS.iters = 1, 16, 1
     rng = np.random.default_rng(0)
     dev = jax.devices()[0]
     results = dict(env=dict(jax=jax.__version__, backend=jax.default_backend(),
@@ -361,24 +387,28 @@ def main(argv):
             results["errors"].append(dict(section=name, error=repr(e),
                                           traceback=traceback.format_exc()))
             print(f"{name}: ERROR {e!r}")
-            return None
+            got = None
+        Path(FLAGS.out).write_text(json.dumps(results, indent=1))  # a cut-short run keeps it
         return got
 
-    results["correctness"] = section("correctness", bench_correctness, rng) or []
-    roof = section("roofline", bench_roofline)
+    want = set(FLAGS.sections)
+    if "correctness" in want:
+        results["correctness"] = section("correctness", bench_correctness, rng) or []
+    roof = section("roofline", bench_roofline) if "roofline" in want else None
     results["roofline"] = roof
     measured = roof["measured_tbps"] if roof else None
     for model in FLAGS.models:
-        for batch in map(int, FLAGS.decode_batches):
+        for batch in map(int, FLAGS.decode_batches) if "decode" in want else ():
             for ctx in map(int, FLAGS.decode_contexts):
                 r = section(f"decode {model} {batch} {ctx}", bench_decode, model, batch, ctx,
                             rng, measured)
                 if r:
                     results["decode"].append(r)
-        r = section(f"prefill {model}", bench_prefill, model, rng)
+        r = section(f"prefill {model}", bench_prefill, model, rng) if "prefill" in want else None
         if r:
             results["prefill"].append(r)
-    results["kv_write"] = section("kv_write", bench_kv_write) or []
+    if "kv_write" in want:
+        results["kv_write"] = section("kv_write", bench_kv_write) or []
     if FLAGS.sweep:
         for model, batch, ctx, kw in _sweep_points():
             r = section(f"sweep {model} {batch} {ctx} {kw}", bench_decode, model, batch, ctx,
