@@ -15,11 +15,9 @@ most that keep one iteration (decode step + interval) within the inter-token-lat
 target, from the device costs the runner measures while serving (runtime/step_costs.py).
 The target is --multiplex_itl_target_ms, or, when 0, --multiplex_decode_slowdown times
 the running batch's own decode step: at a slowdown r streams slow down ~r x while a prompt
-prefills, and the prefill gets the rest, (r - 1) / r, of the device; r is raised to
-(running + waiting) / running when more requests wait than that share serves, so a burst
-prefills almost alone while a few long prompts beside many streams get the slowdown.
-The per-layer cost is measured per unit of layer work (split_prefill.layer_work), so a
-chunk over a long prefix is charged its extra attention before its first interval runs.
+prefills, and the prefill gets the rest, (r - 1) / r, of the device. The per-layer cost
+is measured per unit of layer work (split_prefill.layer_work), so a chunk over a long
+prefix is charged its extra attention before its first interval runs.
 
 Two ways to run an iteration: two calls (a DECODE step, then an interval: no executables
 beyond the split-prefill set) or, with --multiplex_fused, one executable in which the
@@ -69,22 +67,15 @@ class IntervalPolicy:
                              "no layer of a prefill fits beside a decode step")
         self.fixed, self.target, self.factor = fixed_layers, itl_target_s, decode_slowdown
 
-    def layers(self, remaining: int, decode_cost: float | None, layer_cost: float | None,
-               running: int = 1, waiting: int = 0) -> int:
+    def layers(self, remaining: int, decode_cost: float | None,
+               layer_cost: float | None) -> int:
         """How many of `remaining` layers to run while a decode step of `decode_cost`
-        seconds shares the iteration (None: not measured yet). `running`: the decode
-        step's rows; `waiting`: the prompts queued or prefilling. With the slowdown
-        target, each request weighs the same: the prefill gets at least its requests'
-        share waiting / (running + waiting) of the device, i.e. the slowdown is at least
-        (running + waiting) / running. A burst that finds a few streams decoding then
-        prefills almost alone (the few stall, the many start sooner and the batch fills),
-        while a few long prompts beside many streams get the fixed slowdown."""
+        seconds shares the iteration (None: not measured yet)."""
         if self.fixed is not None:
             return min(self.fixed, remaining)
         if decode_cost is None or layer_cost is None or layer_cost <= 0:
             return 1  # measure first: one layer is the cheapest probe
-        factor = max(self.factor, (running + waiting) / max(running, 1))
-        target = self.target or factor * decode_cost
+        target = self.target or self.factor * decode_cost
         return max(1, min(remaining, int((target - decode_cost) / layer_cost)))
 
 
@@ -150,8 +141,7 @@ class MultiplexLoop:
                 self._run(split, next_interval(split.remaining, want, sizes), None)
             return []
         want = self.policy.layers(split.remaining, self.runner.step_cost(decode),
-                                  self.runner.layer_cost(split), len(decode.decode_rows),
-                                  len(self.scheduler.waiting) + len(split.batch.extend_rows))
+                                  self.runner.layer_cost(split))
         k = next_interval(split.remaining, want, sizes)
         if self.fused:
             fused = self._launch_fused(decode, split, k, t0)
