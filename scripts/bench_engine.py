@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
+from gpu_shapes import KV_LEN, LLAMA3_8B
 
 from models import registry
 from runtime.config import ModelConfig, ServerArgs
@@ -59,12 +60,6 @@ flags.DEFINE_float("peak_hbm_tbps", 4.8, "nominal HBM bandwidth, TB/s (H200: 4.8
 flags.DEFINE_string("compilation_cache_dir", "", "JAX persistent cache ('' off: a cold "
                     "start-up is what is measured)")
 
-# Llama-3-8B (Meta-Llama-3-8B config.json): the shape only, weights are random.
-LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                        num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-                        rope_theta=500000.0, max_position_embeddings=8192,
-                        bos_token_id=128000, eos_token_ids=(128001, 128009))
-KV_LEN = 8192  # the one kv-length bucket (page-table width): the model's context
 
 
 @dataclasses.dataclass(frozen=True)
