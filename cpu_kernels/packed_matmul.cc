@@ -5,8 +5,8 @@
 //     the operand layout of vdpbf16ps; x comes rounded to bf16 as [M, 2 * K2], and
 //     products accumulate in f32. Built with __AVX512BF16__, one vdpbf16ps does two k
 //     steps of 16 columns; without, the weights are widened to f32 (a shift) and FMA'd,
-//     the same products in another order. The widening build serves (measured faster on
-//     Zen 4, see cpu_kernels/__init__.py); the other is kept for CPUs where it wins.
+//     the same products in another order. The widening build serves (measured faster
+//     here, see cpu_kernels/__init__.py); the other is kept for CPUs where it wins.
 //
 // Why: XLA CPU's GEMM re-packs the weight operand on every call. A decode step multiplies
 // a few rows by every weight, so the packing pass (a read and a write of all weights)
@@ -36,9 +36,10 @@ constexpr int64_t kMChunk = 96;   // rows per work unit, so large M splits acros
 constexpr int64_t kRowBytes = 256;  // one panel step, both dtypes
 // How far ahead of itself a one-row unit prefetches its own stream (a panel's rows, then
 // the next panel's, which follows it in memory). Without it a bf16 row read 9-19 GB/s at
-// SmolLM2's shapes against f32's 13-27: per byte it issues twice the uops (widening), so
-// the out-of-order window holds half the bytes in flight. 4 KiB measured best of 1-16 KiB
-// (A B interleaved, 30 distinct weights per call: 1.2-2x; see docs/benchmarks.md).
+// SmolLM2's shapes against f32's 13-27: per byte it issues about twice the uops
+// (widening), so the out-of-order window holds half the bytes in flight. 4-8 KiB measured
+// best of 1-16 KiB (interleaved A/B, 30 distinct weights per call: bf16 M=1 1.2-1.9x;
+// docs/benchmarks.md).
 constexpr int64_t kStreamAhead = 4096;
 
 // One k step (f32) of a tile: acc[m] += x[m, k] * w[k, 0:64].
