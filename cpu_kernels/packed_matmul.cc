@@ -204,7 +204,8 @@ void Run(ffi::ThreadPool& pool, const typename Step::X* x, const typename Step::
 }
 
 // x [M, 2 K2] bf16 -> f32 in a buffer of the calling thread, valid until its next call
-// (the helpers read it only while Run waits for them). M * K values: a few us at most.
+// (the helpers read it only while Run waits for them): M * K values against the product's
+// M * K * N multiply-adds.
 const float* WidenX(const uint16_t* x, int64_t n) {
   thread_local std::vector<float> buf;
   if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
