@@ -105,9 +105,11 @@ def _build(extra_flags: tuple[str, ...] = ()) -> pathlib.Path:
 
 
 # The bf16 matmul serves with weights widened to f32 and FMA'd, also where the CPU has
-# avx512_bf16: on this project's Zen 4 machines vdpbf16ps measured slower (K=576,
-# N=3072, medians of 15 interleaved rounds: M=1 1046 vs 804 us, M=32 1926 vs 1353,
-# M=128 23.8 vs 17.8 ms; f32 at M=32 1386 us). dot_bf16_target() builds the other one.
+# avx512_bf16: on this project's machines (Intel Xeon, family 6 model 207) vdpbf16ps has
+# half an FMA's issue rate and twice its latency, so no more multiply-adds per cycle, and
+# measured slower (K=576, N=3072, medians of 15 interleaved rounds: M=1 1046 vs 804 us,
+# M=32 1926 vs 1353, M=128 23.8 vs 17.8 ms; see docs/benchmarks.md). dot_bf16_target()
+# builds the other one.
 _SERVING_FLAGS = ("-mno-avx512bf16",)
 
 

@@ -5,8 +5,8 @@
 //     the operand layout of vdpbf16ps; x comes rounded to bf16 as [M, 2 * K2], and
 //     products accumulate in f32. Built with __AVX512BF16__, one vdpbf16ps does two k
 //     steps of 16 columns; without, the weights are widened to f32 (a shift) and FMA'd,
-//     the same products in another order. The widening build serves (measured faster on
-//     Zen 4, see cpu_kernels/__init__.py); the other is kept for CPUs where it wins.
+//     the same products in another order. The widening build serves (measured faster
+//     here, see cpu_kernels/__init__.py); the other is kept for CPUs where it wins.
 //
 // Why: XLA CPU's GEMM re-packs the weight operand on every call. A decode step multiplies
 // a few rows by every weight, so the packing pass (a read and a write of all weights)
@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
@@ -33,10 +34,18 @@ constexpr int64_t kNR = 64;       // panel width: 4 zmm registers of 16 floats
 constexpr int64_t kMR = 6;        // rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast
 constexpr int64_t kMChunk = 96;   // rows per work unit, so large M splits across threads
 constexpr int64_t kRowBytes = 256;  // one panel step, both dtypes
+// How far ahead of itself a one-row unit prefetches its own stream (a panel's rows, then
+// the next panel's, which follows it in memory). Without it a bf16 row read 9-19 GB/s at
+// SmolLM2's shapes against f32's 13-27: per byte it issues about twice the uops
+// (widening), so the out-of-order window holds half the bytes in flight. 4-8 KiB measured
+// best of 1-16 KiB (interleaved A/B, 30 distinct weights per call: bf16 M=1 1.2-1.9x;
+// docs/benchmarks.md).
+constexpr int64_t kStreamAhead = 4096;
 
 // One k step (f32) of a tile: acc[m] += x[m, k] * w[k, 0:64].
 struct F32Step {
   using T = float;
+  using X = float;
   static constexpr int64_t kPerStep = 64;  // panel elements per step
   template <int MR>
   static inline void Run(__m512 (&acc)[MR][4], const float* x, int64_t ldx, const float* w,
@@ -56,10 +65,15 @@ struct F32Step {
 // One k-pair step (bf16) of a tile: acc[m] += x[m, 2s:2s+2] . w[2s:2s+2, 0:64].
 struct Bf16Step {
   using T = uint16_t;
+#ifdef __AVX512BF16__
+  using X = uint16_t;  // vdpbf16ps takes the x pair as bf16
+#else
+  using X = float;  // x widened once per call (WidenX): its broadcasts are loads
+#endif
   static constexpr int64_t kPerStep = 128;
   template <int MR>
-  static inline void Run(__m512 (&acc)[MR][4], const uint16_t* x, int64_t ldx,
-                         const uint16_t* w, int64_t s) {
+  static inline void Run(__m512 (&acc)[MR][4], const X* x, int64_t ldx, const uint16_t* w,
+                         int64_t s) {
 #ifdef __AVX512BF16__
     __m512i wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + 32 * j);
@@ -80,9 +94,10 @@ struct Bf16Step {
         wv[j] = _mm512_castsi512_ps(half == 0 ? _mm512_slli_epi32(raw, 16)
                                               : _mm512_and_si512(raw, hi));
       }
+      // A broadcast from memory is a load-port uop; one from a bf16 scalar was a shift
+      // and a vpbroadcastd on the FMA ports (M=32: 12 of every 68 port-0/5 uops).
       for (int m = 0; m < MR; ++m) {
-        const uint32_t bits = static_cast<uint32_t>(x[m * ldx + 2 * s + half]) << 16;
-        const __m512 b = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int32_t>(bits)));
+        const __m512 b = _mm512_set1_ps(x[m * ldx + 2 * s + half]);
         for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(b, wv[j], acc[m][j]);
       }
     }
@@ -91,24 +106,31 @@ struct Bf16Step {
 };
 
 // Rows [begin, end) of the next panel to pull into L2 while a tile computes, spread
-// evenly over the tile's steps (a burst of prefetches stalls on the fill buffers).
+// evenly over the tile's steps (a burst of prefetches stalls on the fill buffers); or,
+// `stream`, the tile's own panel kStreamAhead bytes ahead of each step.
 struct Prefetch {
   const char* next = nullptr;
   int64_t begin = 0, end = 0;
+  bool stream = false;
 };
 
 // y[0:MR, 0:64] = x[0:MR, :] @ panel over `steps` steps; columns beyond the matrix are
 // masked.
 template <typename Step, int MR>
-inline void Tile(const typename Step::T* x, int64_t ldx, const typename Step::T* panel,
+inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T* panel,
                  int64_t steps, float* y, int64_t ldy, const __mmask16* mask, Prefetch pf) {
   __m512 acc[MR][4];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
   const int64_t pf_rows = pf.next != nullptr ? pf.end - pf.begin : 0;
   int64_t pf_row = pf.begin, pf_acc = 0;  // fixed point: pf_rows rows per `steps` steps
+  // Past the last panel this touches memory beyond the weights: prefetches never fault.
+  const char* ahead = reinterpret_cast<const char*>(panel) + kStreamAhead;
   for (int64_t k = 0; k < steps; ++k) {
-    if (pf_rows == steps) {  // one row per step (a 2-tile unit): no bookkeeping
+    if (pf.stream) {
+      for (int line = 0; line < 4; ++line)
+        _mm_prefetch(ahead + k * kRowBytes + 64 * line, _MM_HINT_T1);
+    } else if (pf_rows == steps) {  // one row per step (a 2-tile unit): no bookkeeping
       const char* p = pf.next + k * kRowBytes;
       for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T1);
     } else {
@@ -126,7 +148,7 @@ inline void Tile(const typename Step::T* x, int64_t ldx, const typename Step::T*
 // Rows [m0, min(M, m0 + kMChunk)) of panel `p`. The first tile reads this panel from
 // memory; the later ones compute from L2 and share out the prefetch of `next`.
 template <typename Step>
-void Unit(const typename Step::T* x, const typename Step::T* wp, float* y, int64_t M,
+void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64_t M,
           int64_t ldx, int64_t steps, int64_t N, int64_t p, int64_t m0, const char* next) {
   using T = typename Step::T;
   __mmask16 mask[4];
@@ -139,14 +161,16 @@ void Unit(const typename Step::T* x, const typename Step::T* wp, float* y, int64
   const int64_t m1 = std::min(M, m0 + kMChunk);
   const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
   for (int64_t m = m0, tile = 0; m < m1; m += kMR, ++tile) {
-    const T* xm = x + m * ldx;
+    const typename Step::X* xm = x + m * ldx;
     float* ym = y + m * N + p * kNR;
     Prefetch pf;
     if (next != nullptr && tile > 0) {  // tile i of 1..tiles-1 takes its share of rows
       pf = {next, (tile - 1) * steps / (tiles - 1), tile * steps / (tiles - 1)};
-    } else if (next != nullptr && tiles == 1 && m1 - m0 > 1) {
+    } else if (m1 - m0 == 1) {
+      pf.stream = true;
+    } else if (next != nullptr && tiles == 1) {
       // 2-6 rows: memory-bound, and the hardware prefetcher alone falls behind (30 layers
-      // + head, A B A B: M=2 29 -> 25 ms, M=4 33 -> 27 ms); one row streams fine without.
+      // + head, A B A B: M=2 29 -> 25 ms, M=4 33 -> 27 ms).
       pf = {next, 0, steps};
     }
     switch (std::min(kMR, m1 - m)) {
@@ -163,7 +187,7 @@ void Unit(const typename Step::T* x, const typename Step::T* wp, float* y, int64
 // Work units are (panel, row chunk) pairs in panel-major order, cut into one contiguous
 // range per thread so each thread can prefetch its own next panel.
 template <typename Step>
-void Run(ffi::ThreadPool& pool, const typename Step::T* x, const typename Step::T* w,
+void Run(ffi::ThreadPool& pool, const typename Step::X* x, const typename Step::T* w,
          float* y, int64_t M, int64_t ldx, int64_t steps, int64_t N, int64_t P) {
   const int64_t chunks = (M + kMChunk - 1) / kMChunk;
   const int64_t panel_elems = steps * Step::kPerStep;
@@ -177,6 +201,25 @@ void Run(ffi::ThreadPool& pool, const typename Step::T* x, const typename Step::
     }
   };
   xlaserve::ParallelRanges(pool, P * chunks, xlaserve::Workers(pool), units);
+}
+
+// x [M, 2 K2] bf16 -> f32 in a buffer of the calling thread, valid until its next call
+// (the helpers read it only while Run waits for them): M * K values against the product's
+// M * K * N multiply-adds.
+const float* WidenX(const uint16_t* x, int64_t n) {
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(x + i)));
+    _mm512_storeu_ps(buf.data() + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+  }
+  for (; i < n; ++i) {
+    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
+    std::memcpy(buf.data() + i, &bits, sizeof(bits));
+  }
+  return buf.data();
 }
 
 ffi::Error CheckN(int64_t N, int64_t P) {
@@ -211,8 +254,14 @@ ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
         "packed_matmul: want x [M, 2 K2] bf16, w [P, K2, 64, 2] bf16, y [M, N]");
   if (auto e = CheckN(yd[1], wd[0]); e.failure()) return e;
   if (xd[0] == 0) return ffi::Error::Success();
-  Run<Bf16Step>(pool, x.typed_data(), wp.typed_data(), y->typed_data(), xd[0], xd[1], wd[1],
-                yd[1], wd[0]);
+  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x.typed_data());
+#ifdef __AVX512BF16__
+  const uint16_t* xs = x16;
+#else
+  const float* xs = WidenX(x16, xd[0] * xd[1]);
+#endif
+  Run<Bf16Step>(pool, xs, reinterpret_cast<const uint16_t*>(wp.typed_data()), y->typed_data(),
+                xd[0], xd[1], wd[1], yd[1], wd[0]);
   return ffi::Error::Success();
 }
 

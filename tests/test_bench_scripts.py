@@ -166,3 +166,13 @@ def test_bench_offline_missing_llama_server_says_make_peers(tmp_path: Path) -> N
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180, env=env)
     assert proc.returncode != 0
     assert "llama-server not found" in proc.stderr and "make peers" in proc.stderr
+
+
+def test_bench_cpu_matmul_smoke(tmp_path: Path) -> None:
+    r = _run("bench_cpu_matmul.py", tmp_path)
+    assert r["shapes"]["qkv"] == [64, 128] and r["shapes"]["lm_head"] == [64, 256]
+    got = {(x["op"], x["rows"], x["contender"]) for x in r["records"]}
+    assert got == {(op, m, c) for op in ("qkv", "wo", "gate_up", "down", "lm_head")
+                   for m in (1, 32) for c in ("f32", "bf16", "bf16_dot")}
+    for x in r["records"]:
+        _positive(x, "median_us", "weight_gb_s", "gflop_s")

@@ -1,0 +1,140 @@
+"""Per-op time of the CPU packed matmul (cpu_kernels) at one decoder's exact shapes, f32
+and bf16 side by side: the matmuls of a decode step, by shape.
+
+    nice -n 19 .venv/bin/python scripts/bench_cpu_matmul.py --out_dir=bench_out/cpu_matmul
+    nice -n 19 .venv/bin/python scripts/bench_cpu_matmul.py --rows=1,32 --rounds=21
+
+The shapes are llama.pack_for_cpu's fused calls of SmolLM2-135M by default (--hidden etc.
+for another model): qkv [D, (Hq + 2 Hkv) Dh], wo [Hq Dh, D], gate_up [D, 2 F], down [F, D],
+and lm_head [D, V]. Each timed call is one jitted program that multiplies --layers
+distinct weights of the shape in turn, each input depending on the last output, as a
+decode step does: the weights come from memory, not cache, and XLA cannot run the calls
+concurrently. Contenders: f32, bf16 (the kernel that serves) and bf16 `vdpbf16ps` (the
+build for this CPU's own flags, cpu_kernels.dot_bf16_target). Each round times every
+contender once in turn; the table gives medians over rounds, the weight bytes read per us
+(GB/s) and GFLOP/s. Writes bench_cpu_matmul.json (and a PNG with the `bench` extra).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import bench_common as bc
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import app, flags
+
+import cpu_kernels
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("out_dir", "bench_out/cpu_matmul", "where the JSON and PNG go")
+flags.DEFINE_bool("smoke", False, "tiny shapes, few rounds (CI)")
+flags.DEFINE_list("rows", ["1", "32"], "M: rows of x (decode batch sizes)")
+flags.DEFINE_list("ops", ["qkv", "wo", "gate_up", "down", "lm_head"], "which shapes")
+flags.DEFINE_list("contenders", ["f32", "bf16", "bf16_dot"], "f32, bf16, bf16_dot")
+flags.DEFINE_integer("rounds", 15, "timed rounds (each times every contender once)")
+flags.DEFINE_integer("layers", 30, "distinct weights per call (lm_head: --head_copies)")
+flags.DEFINE_integer("head_copies", 3, "distinct lm_head weights per call")
+flags.DEFINE_integer("hidden", 576, "D")
+flags.DEFINE_integer("intermediate", 1536, "F")
+flags.DEFINE_integer("heads", 9, "Hq")
+flags.DEFINE_integer("kv_heads", 3, "Hkv")
+flags.DEFINE_integer("head_dim", 64, "Dh")
+flags.DEFINE_integer("vocab", 49152, "V")
+flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
+
+
+def _shapes() -> dict[str, tuple[int, int]]:
+    """op -> (K, N) of the fused packed weights."""
+    d, f, dh = FLAGS.hidden, FLAGS.intermediate, FLAGS.head_dim
+    return {"qkv": (d, (FLAGS.heads + 2 * FLAGS.kv_heads) * dh), "wo": (FLAGS.heads * dh, d),
+            "gate_up": (d, 2 * f), "down": (f, d), "lm_head": (d, FLAGS.vocab)}
+
+
+def _chain(m: int, k: int, n: int, target: str | None) -> Callable:
+    """jit(x [M, K], weights) -> x after one matmul per weight, each feeding the next."""
+    def f(x: jax.Array, weights: list[cpu_kernels.PackedWeight]) -> jax.Array:
+        for w in weights:
+            y = cpu_kernels.packed_matmul(x, w, target=target)  # [M, N]
+            x = x + 1e-3 * jnp.tile(y, (1, -(-k // n)))[:, :k]  # [M, K]
+        return x
+    return jax.jit(f)
+
+
+def _time_op(op: str, k: int, n: int, rows: list[int], rng: np.random.Generator
+             ) -> list[dict[str, Any]]:
+    copies = FLAGS.head_copies if op == "lm_head" else FLAGS.layers
+    w32 = [rng.standard_normal((k, n), np.float32) * 0.05 for _ in range(copies)]
+    packed = {"f32": [cpu_kernels.pack(jnp.asarray(w)) for w in w32]}
+    packed["bf16"] = packed["bf16_dot"] = [cpu_kernels.pack(jnp.asarray(w, jnp.bfloat16))
+                                           for w in w32]
+    targets = {"f32": None, "bf16": None, "bf16_dot": cpu_kernels.dot_bf16_target()}
+    out = []
+    for m in rows:
+        x = jnp.asarray(rng.standard_normal((m, k), np.float32))
+        fns = {c: _chain(m, k, n, targets[c]) for c in FLAGS.contenders}
+        for c, fn in fns.items():  # compile and fault the weights in
+            fn(x, packed[c]).block_until_ready()
+        secs: dict[str, list[float]] = {c: [] for c in fns}
+        for _ in range(FLAGS.rounds):
+            for c, fn in fns.items():
+                t0 = time.perf_counter()
+                fn(x, packed[c]).block_until_ready()
+                secs[c].append((time.perf_counter() - t0) / copies)
+        for c, s in secs.items():
+            med = bc.median(s)
+            nbytes = k * n * (4 if c == "f32" else 2)
+            out.append({"op": op, "k": k, "n": n, "rows": m, "contender": c,
+                        "median_us": med * 1e6, "weight_gb_s": nbytes / med / 1e9,
+                        "gflop_s": 2 * m * k * n / med / 1e9, "us_per_round": [v * 1e6 for v in s]})
+            bc.log(f"{op:8s} M={m:3d} {c:9s} {med * 1e6:9.1f} us  {nbytes / med / 1e9:5.1f} GB/s"
+                   f"  {2 * m * k * n / med / 1e9:6.1f} GFLOP/s")
+    return out
+
+
+def _plot(records: list[dict[str, Any]]) -> None:
+    plt = bc.pyplot()
+    if plt is None:
+        return
+    rows = sorted({r["rows"] for r in records})
+    fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4), squeeze=False)
+    for ax, m in zip(axes[0], rows, strict=True):
+        ops = [o for o in FLAGS.ops if any(r["op"] == o and r["rows"] == m for r in records)]
+        for i, c in enumerate(FLAGS.contenders):
+            us = [next(r["median_us"] for r in records
+                       if r["op"] == o and r["rows"] == m and r["contender"] == c) for o in ops]
+            ax.bar(np.arange(len(ops)) + 0.27 * (i - 1), us, 0.27, label=c)
+        ax.set_xticks(range(len(ops)), ops)
+        ax.set_yscale("log")
+        ax.set_ylabel("us per call (median)")
+        ax.set_title(f"M = {m}")
+        ax.legend(fontsize=8)
+    bc.save_figure(fig, FLAGS.out_dir, "bench_cpu_matmul.png")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if FLAGS.smoke:
+        for name, v in (("hidden", 64), ("intermediate", 96), ("heads", 4), ("kv_heads", 2),
+                        ("head_dim", 16), ("vocab", 256), ("layers", 2), ("head_copies", 1),
+                        ("rounds", 2)):
+            FLAGS[name].value = v
+    bc.enable_compilation_cache(FLAGS.compilation_cache_dir)
+    machine = bc.machine_info()
+    rng = np.random.default_rng(0)
+    rows = [int(r) for r in FLAGS.rows]
+    shapes = _shapes()
+    records = [r for op in FLAGS.ops for r in _time_op(op, *shapes[op], rows, rng)]
+    result = {"script": "bench_cpu_matmul", "command": bc.command_line(),
+              "git_revision": bc.git_revision(), "machine": machine,
+              "machine_load_average_end": bc.load_average(), "shapes": shapes,
+              "records": records}
+    bc.write_json(FLAGS.out_dir, "bench_cpu_matmul.json", result)
+    _plot(records)
+
+
+if __name__ == "__main__":
+    app.run(main)
