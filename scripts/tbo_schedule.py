@@ -136,7 +136,6 @@ def run() -> dict[str, Any]:
 
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out", "tbo_schedule.json", "JSON results path")
 
 
 def main(argv: list[str]) -> None:
@@ -148,4 +147,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
+    # Defined here, not at import: tests import this module beside other scripts that
+    # define --out too (one absl FLAGS per process).
+    flags.DEFINE_string("out", "tbo_schedule.json", "JSON results path")
     app.run(main)
