@@ -4,9 +4,12 @@ all_to_all never waits for B's compute, nor B's for A's, so XLA's latency-hiding
 scheduler can run one micro-batch's communication under the other's compute.
 
 Per layer (one scan step, weights stacked):
-  attention  A then B. Where B may continue a sequence A began (the two-chunk split of
-             extend and mixed batches), each writes its K/V into the pool as it ends, so
-             B reads A's K/V of this layer; decode programs write both after the loop.
+  attention  A then B. The layer loop only reads the pool; both micro-batches' K/V come
+             out of the scan and are written once after it (a pool written inside the
+             loop is copied by XLA CPU on every trip). Where B may continue a sequence A
+             began (the two-chunk split of extend and mixed batches), B attends over a
+             one-layer copy of its own pages into which A's K/V of the layer are written
+             (`_pages_with`), so it sees A's part of the cut sequence without the pool.
   MoE        both micro-batches' stages (models/moe.py moe_stages: prepare, dispatch +
              shared expert, experts, combine send, output) in one shard_map over `ep`,
              traced as an overlapped operation list with B one stage behind A: every
@@ -31,7 +34,7 @@ from jax.sharding import Mesh
 from models import layers, moe
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
-from runtime.kv_pool import KVPool
+from runtime.kv_pool import KVPool, write_kv
 
 # B runs each stage one step after A: A's dispatch beside B's prepare, A's experts beside
 # B's dispatch, A's combine send beside B's experts, B's combine send beside A's output.
@@ -78,16 +81,37 @@ def _attention(lp: dict, h: jax.Array, kv: KVPool, layer: jax.Array, batch: Forw
     return h + layers.linear(o, lp["wo"]), k, v
 
 
+def _pages_with(kv: KVPool, layer: jax.Array, batch: ForwardBatch, slots: jax.Array,
+                k: jax.Array, v: jax.Array) -> tuple[KVPool, ForwardBatch]:
+    """A one-layer pool of `batch`'s pages of `layer`, with k, v [T, Hkv, Dh] written at
+    the pool slots [T] that fall on those pages (others dropped), and `batch` reading it.
+
+    Reads what attention reads anyway (the batch's pages of the layer), writes nothing of
+    the pool. A page listed twice (padding's page 0) gets the new K/V in one copy only;
+    the new K/V of a step land on pages their own request owns, which no other row of the
+    batch lists."""
+    rows, width = batch.page_table.shape
+    pages = batch.page_table.reshape(-1)  # [n] pool page of each local page
+    n, size = pages.shape[0], kv.page_size
+    # [1, Hkv, n, S, Dh] each
+    local = KVPool(k=kv.k[layer][:, pages][None], v=kv.v[layer][:, pages][None])
+    # Local page of each pool page; n (out of range: the write drops it) where not listed.
+    where = jnp.full(kv.num_pages, n, jnp.int32).at[pages].set(jnp.arange(n, dtype=jnp.int32))
+    local_slots = where[slots // size] * size + slots % size  # [T]
+    local = write_kv(local, jnp.zeros(1, jnp.int32), local_slots, k[None], v[None])
+    table = jnp.arange(n, dtype=jnp.int32).reshape(rows, width)  # [B, Np]
+    return local, batch.replace(page_table=table)
+
+
 def forward(params: dict, kv: KVPool, batches: tuple[ForwardBatch, ForwardBatch],
             cfg: ModelConfig, attention_backend: str = "xla", mesh: Mesh | None = None,
             two_chunk: bool = True) -> tuple[jax.Array, jax.Array, KVPool]:
     """Both micro-batches through every layer: logits [Ba, V], [Bb, V] and the pool.
 
-    two_chunk (static): B may continue a sequence A began, so each layer's K/V go into the
-    pool inside the layer loop (A's before B's attention reads them). Otherwise (decode
-    splits never cut a sequence) the loop only reads the pool and both micro-batches' K/V
-    are written once after it: a pool written inside the loop is copied by XLA CPU on
-    every trip."""
+    The layer loop reads the pool and writes nothing into it; both micro-batches' K/V
+    are written once after it. two_chunk (static): B may continue a sequence A began, so
+    B's attention reads its pages with A's K/V of the layer written in (`_pages_with`);
+    decode splits never cut a sequence and read the pool directly."""
     if "layers" not in params:
         raise ValueError("two-batch overlap runs the stacked layer weights "
                          "(per_layer_weights=False)")
@@ -100,31 +124,25 @@ def forward(params: dict, kv: KVPool, batches: tuple[ForwardBatch, ForwardBatch]
     write = functools.partial(layers.write_step_kv, mesh=None,
                               attention_backend=attention_backend)
 
-    def layer_step(carry: tuple, layer: jax.Array) -> tuple[tuple, tuple]:
-        (ha, hb), pool = carry
+    def layer_step(h: tuple, layer: jax.Array) -> tuple[tuple, tuple]:
+        ha, hb = h
         lp = jax.tree.map(lambda w: w[layer], params["layers"])
         with jax.named_scope(f"{MICRO_BATCHES[0]}/attention"):
-            ha, ka, va = attention(lp, ha, pool, layer, a, ropes[0])
-            if two_chunk:
-                pool = write(pool, layer[None], a.out_cache_loc, ka[None], va[None])
+            ha, ka, va = attention(lp, ha, kv, layer, a, ropes[0])
         with jax.named_scope(f"{MICRO_BATCHES[1]}/attention"):
-            hb, kb, vb = attention(lp, hb, pool, layer, b, ropes[1])
+            pool, b_layer, b_batch = kv, layer, b
             if two_chunk:
-                pool = write(pool, layer[None], b.out_cache_loc, kb[None], vb[None])
+                pool, b_batch = _pages_with(kv, layer, b, a.out_cache_loc, ka, va)
+                b_layer = jnp.zeros((), jnp.int32)
+            hb, kb, vb = attention(lp, hb, pool, b_layer, b_batch, ropes[1])
         norm = functools.partial(layers.rms_norm, w=lp["mlp_norm"], eps=cfg.rms_norm_eps)
         ya, yb = moe_pair(lp, norm(ha), norm(hb), cfg, mesh)
-        return ((ha + ya, hb + yb), pool), () if two_chunk else (ka, va, kb, vb)
+        return (ha + ya, hb + yb), (ka, va, kb, vb)
 
     h0 = (moe.embed(params, a.input_ids), moe.embed(params, b.input_ids))  # [Ta, D], [Tb, D]
     ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
-    if two_chunk:
-        ((ha, hb), kv), _ = jax.lax.scan(layer_step, (h0, kv), ids)
-    else:  # the pool is closed over (read only), the K/V come out of the scan [L, T, ...]
-        def read_only(h: tuple, layer: jax.Array) -> tuple[tuple, tuple]:
-            (h, _), new = layer_step((h, kv), layer)
-            return h, new
-
-        (ha, hb), (ka, va, kb, vb) = jax.lax.scan(read_only, h0, ids)
-        kv = write(write(kv, ids, a.out_cache_loc, ka, va), ids, b.out_cache_loc, kb, vb)
+    # The pool is closed over (read only); the K/V come out of the scan [L, T, Hkv, Dh].
+    (ha, hb), (ka, va, kb, vb) = jax.lax.scan(layer_step, h0, ids)
+    kv = write(write(kv, ids, a.out_cache_loc, ka, va), ids, b.out_cache_loc, kb, vb)
     return (moe.compute_logits(params, ha, a.logits_indices, cfg),
             moe.compute_logits(params, hb, b.logits_indices, cfg), kv)

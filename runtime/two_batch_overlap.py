@@ -9,8 +9,8 @@ The split follows SGLang's rules (python/sglang/srt/batch_overlap/two_batch_over
   left child with less than `threshold` (or more than 1 - threshold) of the tokens, the
   two-chunk fallback cuts the sequence that straddles the middle at total // 2 tokens: A
   ends with that sequence's first part (not sampled), B starts with its rest, which
-  extends on the K/V that A's part writes in the same forward (the device runs A's
-  attention of each layer before B's; models/moe_overlap.py).
+  extends on the K/V that A's part computes in the same forward (the device runs A's
+  attention of each layer before B's and hands B those K/V; models/moe_overlap.py).
 
 Whether a batch is worth splitting at all is `min_tokens` (RunnerConfig.tbo_min_tokens;
 docs/tbo.md has the measured crossover): below it the plain path runs.

@@ -19,6 +19,7 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 @dataclasses.dataclass
 class Instr:
     name: str
+    type: str  # the result type, e.g. f32[2,4]{1,0} or a tuple (...)
     opcode: str
     operands: list[str]
     calls: list[str]
@@ -51,10 +52,11 @@ def parse(text: str) -> dict[str, dict[str, Instr]]:
             continue
         name, rest = m.groups()
         body = rest.split(", metadata=")[0]
-        op = _OPCODE.match(body[_type_end(body):])
+        end = _type_end(body)
+        op = _OPCODE.match(body[end:])
         calls = [c.lstrip("%") for group in _CALLS.findall(body) for c in group.split(",")]
-        cur[name] = Instr(name, op.group(1) if op else "", _REF.findall(body.split(", calls=")[0]),
-                          calls, _OP_NAME.findall(rest))
+        cur[name] = Instr(name, body[:end], op.group(1) if op else "",
+                          _REF.findall(body.split(", calls=")[0]), calls, _OP_NAME.findall(rest))
     for instrs in comps.values():
         for ins in instrs.values():
             ins.operands = [o for o in ins.operands if o in instrs]

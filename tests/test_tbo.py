@@ -7,6 +7,8 @@ micro-batches of a TBO step; nothing compiles after warm-up (strict)."""
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 
 import jax
@@ -198,6 +200,30 @@ def test_micro_batches_are_independent_chains_in_the_compiled_program(runner):
             assert not bad, (mb, n, bad)
     # each chain has compute on both sides of its all-to-alls: there is something to overlap
     assert any(t == "mb_b/run_experts" for n in data for t in tags(n))
+
+
+def test_no_tbo_program_writes_or_copies_the_pool_in_its_layer_loop(runner):
+    """The layer loops only read the pool (a pool written inside the loop is copied by XLA
+    CPU on every trip: TBO ran 8-50x slower than plain): in every TBO program, decode,
+    extend, mixed, nothing but passing the loop's parameter on makes a pool-sized buffer
+    inside the loop, and nothing anywhere copies one."""
+    pool = f"{runner.kv.k.dtype}[{math.prod(runner.kv.k.shape)}]"
+
+    def size(ins: hlo_graph.Instr) -> str:
+        """dtype[elements] of an array result (f32[2,3]{1,0} -> f32[6]), '' for a tuple."""
+        m = re.match(r"(\w+)\[([\d,]*)\]", ins.type)
+        return f"{m[1]}[{math.prod(int(d) for d in m[2].split(',') if d)}]" if m else ""
+
+    for name in runner.tbo.names:
+        comps = hlo_graph.parse(runner.tbo._exe[name].as_text())
+        loops = {c for ins in comps.values() for i in ins.values() if i.opcode == "while"
+                 for c in i.calls}  # each loop's body and condition
+        assert loops, name
+        for comp, instrs in comps.items():
+            made = {i.opcode for i in instrs.values() if size(i) == pool}
+            assert "copy" not in made, (name, comp)
+            if comp in loops:
+                assert made <= {"parameter", "get-tuple-element", "bitcast"}, (name, comp, made)
 
 
 def test_trace_shows_both_micro_batches(runner, decoding):
