@@ -48,7 +48,13 @@ from runtime.kv_pool import KVPool, init_kv_pool, kv_pool_shape
 from runtime.request import MAX_LOGIT_BIAS
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
 from runtime.slot_state import SlotState, constraint_columns, init_slot, sampling_columns
-from runtime.split_prefill import SplitExecutables, SplitPrefill, layer_work, redirect_finished
+from runtime.split_prefill import (
+    MeshPlacement,
+    SplitExecutables,
+    SplitPrefill,
+    layer_work,
+    redirect_finished,
+)
 from runtime.step_costs import DeviceCosts
 from runtime.tbo_step import TboExecutables, compiler_options
 
@@ -130,10 +136,12 @@ class ModelRunner:
         self.buckets = BucketPlan(runner_cfg, cache_cfg.page_size)
         self._executables: dict[StepKey, Callable] = {}
         self.compiled: dict[str, Any] = {}  # every executable by name, set by warmup()
+        self._place = MeshPlacement(mesh, self._kv_sh)
         self.split = (SplitExecutables(model_cfg, runner_cfg.attention_backend, [
             k.shape for k in self.step_keys() if k.mode is ForwardMode.EXTEND
             and k.shape.num_extend_tokens >= runner_cfg.split_min_tokens],
-            runner_cfg.split_prefill_layers) if runner_cfg.enable_split_prefill else None)
+            runner_cfg.split_prefill_layers, self._place)
+            if runner_cfg.enable_split_prefill else None)
         self.fused = self._fused_executables() if runner_cfg.multiplex_fused else None
         self.tbo = self._tbo_executables() if runner_cfg.enable_two_batch_overlap else None
         self._samplers: dict[int, Callable] = {}
@@ -188,7 +196,7 @@ class ModelRunner:
         shapes = [BucketShape(te, be, bd, width) for te, be in pairs
                   for bd in self.cfg.decode_buckets]
         return FusedExecutables(self.model_cfg, self.cfg.attention_backend, shapes,
-                                self.split.sizes)
+                                self.split.sizes, self._place)
 
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
         return self.buckets.bucket_for(batch)
@@ -613,5 +621,3 @@ def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None) -> None:
     if "cpu" in (cfg.attention_backend, cfg.cpu_matmul.replace("packed", "cpu")):
         raise ValueError("the CPU kernels are single-device: on a mesh use "
                          "attention_backend='xla' and cpu_matmul='xla'")
-    if cfg.enable_split_prefill:
-        raise ValueError("split prefill / multiplexing on a device mesh is not built yet")
