@@ -532,7 +532,7 @@ def restore_checkpoint(directory: str, mesh: jax.sharding.Mesh | None = None,
     _check_dtype(dtype)
     if shardings is None:
         shardings = (sharding.param_shardings(cfg, mesh) if mesh is not None
-                     else jax.sharding.SingleDeviceSharding(jax.devices()[0]))
+                     else jax.sharding.SingleDeviceSharding(jax.local_devices()[0]))
     shapes = param_shapes(cfg)
     if isinstance(shardings, jax.sharding.Sharding):
         shardings = jax.tree.map(lambda _: shardings, shapes,

@@ -335,6 +335,15 @@ class ServerArgs:
     dp: int = 1
     tp: int = 1
     ep: int = 1
+    # Multi-process meshes (runtime/multihost.py): nnodes processes, each `node_rank`, meet
+    # at the jax.distributed coordinator on dist_init_addr ("host:port", rank 0's host);
+    # dist_timeout bounds the start-up wait for each other, dist_heartbeat_timeout how long
+    # a silent process counts as alive (then every process stops with an error).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
+    dist_timeout: int = 300
+    dist_heartbeat_timeout: int = 100
     # Split prefill (runtime/split_prefill.py) and multiplexing (runtime/multiplexing.py).
     enable_split_prefill: bool = False
     enable_multiplexing: bool = False  # implies split prefill

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from runtime import multihost
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
-from runtime.engine_setup import load_model, runner_config, serving_mesh, size_kv_pool
+from runtime.engine_setup import RunnerSetup, load_model
 from runtime.exec_trace import ExecutionTrace
 from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import LaunchedForward, ModelRunner, PendingStep
@@ -157,17 +158,28 @@ class Engine:
             jax.config.update("jax_compilation_cache_dir",
                               os.path.expanduser(args.compilation_cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+        # A multi-process mesh (runtime/multihost.py): this is rank 0, the followers replay
+        # its runner's calls.
+        self.mirror: multihost.StepMirror | None = None
         if runner is None:
+            multihost.initialize(args)
+            if args.node_rank != 0:
+                raise ValueError(f"node_rank={args.node_rank}: only rank 0 runs an engine; "
+                                 "the other ranks run multihost.run_follower")
+            leader = multihost.Leader(args) if args.nnodes > 1 else None
             if model is None:
                 model_cfg, params, tokenizer = load_model(args)
             else:
                 model_cfg, params = model
-            rcfg = runner_config(args, model_cfg)
-            cache = CacheConfig(page_size=args.page_size,
-                                num_pages=size_kv_pool(args, model_cfg, rcfg.kv_dtype))
-            runner = ModelRunner(model_cfg, params, cache, rcfg, args.max_running_requests,
-                                 mesh=serving_mesh(args, model_cfg))
-            runner.warmup()
+            setup = RunnerSetup.from_args(args, model_cfg)
+            if leader is not None:
+                leader.broadcast(("setup", setup))
+            runner = setup.build(params)
+            if leader is not None:
+                self.mirror = multihost.StepMirror(leader)
+                self.mirror.attach(runner)
+        elif args.nnodes > 1:
+            raise ValueError("a multi-process engine builds its own runner (runner=None)")
         self.runner = runner
         self.model_cfg = runner.model_cfg
         self.tokenizer = tokenizer
@@ -364,3 +376,9 @@ class Engine:
     def run_until_idle(self) -> None:
         while self.has_work():
             self.step()
+
+    def close(self) -> None:
+        """Release what outlives a Python object: on a multi-process mesh, the followers
+        (they exit). Idempotent; the engine takes no steps after it."""
+        if self.mirror is not None:
+            self.mirror.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from typing import TYPE_CHECKING
@@ -13,8 +14,9 @@ from jax.sharding import Mesh
 import cpu_kernels
 from models import registry
 from runtime import sharding
-from runtime.config import ModelConfig, RunnerConfig, ServerArgs
+from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
 from runtime.kv_pool import kv_bytes_per_token
+from runtime.model_runner import ModelRunner
 
 if TYPE_CHECKING:
     from runtime.tokenizer import Tokenizer
@@ -137,11 +139,55 @@ def _powers(lo: int, hi: int, factor: int) -> tuple[int, ...]:
 
 def serving_mesh(args: ServerArgs, model_cfg: ModelConfig) -> Mesh | None:
     """The runner's device mesh for --dp/--tp/--ep (None: one device)."""
-    mesh = sharding.serving_mesh(model_cfg, dp=args.dp, tp=args.tp, ep=args.ep)
+    return _mesh(model_cfg, args.dp, args.tp, args.ep)
+
+
+def _mesh(model_cfg: ModelConfig, dp: int, tp: int, ep: int) -> Mesh | None:
+    """serving_mesh; with several processes (jax.distributed) it must hold every device of
+    every process, or a process would own none of the mesh and run nothing."""
+    mesh = sharding.serving_mesh(model_cfg, dp=dp, tp=tp, ep=ep)
+    if jax.process_count() > 1:
+        n = 1 if mesh is None else mesh.devices.size
+        if n != jax.device_count():
+            raise ValueError(
+                f"a {jax.process_count()}-process mesh must use all {jax.device_count()} "
+                f"devices ({jax.local_device_count()} per process): dp x tp x ep = "
+                f"{dp} x {tp} x {ep} = {n}")
     if mesh is not None:
-        logger.info("device mesh %s on %d devices: XLA's dot and the jnp attention",
-                    dict(mesh.shape), mesh.devices.size)
+        logger.info("device mesh %s on %d devices (%d processes): XLA's dot and the jnp "
+                    "attention", dict(mesh.shape), mesh.devices.size, jax.process_count())
     return mesh
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerSetup:
+    """Everything that decides a ModelRunner but its weights. One process derives it from
+    ServerArgs (runner_config, size_kv_pool); on a multi-process mesh rank 0's is sent to
+    the other ranks, which build theirs from it, so every process compiles the same
+    executables over the same pool whatever its own free memory or defaults."""
+
+    model_cfg: ModelConfig
+    cache: CacheConfig
+    runner_cfg: RunnerConfig
+    max_running_requests: int
+    dp: int = 1
+    tp: int = 1
+    ep: int = 1
+
+    @classmethod
+    def from_args(cls, args: ServerArgs, model_cfg: ModelConfig) -> RunnerSetup:
+        rcfg = runner_config(args, model_cfg)
+        cache = CacheConfig(page_size=args.page_size,
+                            num_pages=size_kv_pool(args, model_cfg, rcfg.kv_dtype))
+        return cls(model_cfg, cache, rcfg, args.max_running_requests, args.dp, args.tp, args.ep)
+
+    def build(self, params: dict) -> ModelRunner:
+        """The runner, warmed up (every executable compiled)."""
+        mesh = _mesh(self.model_cfg, self.dp, self.tp, self.ep)
+        runner = ModelRunner(self.model_cfg, params, self.cache, self.runner_cfg,
+                             self.max_running_requests, mesh=mesh)
+        runner.warmup()
+        return runner
 
 
 def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:

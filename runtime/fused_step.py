@@ -28,14 +28,16 @@ from models.registry import model_module
 from runtime.batch_builder import BucketShape
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.split_prefill import MeshPlacement
 
 
 class FusedExecutables:
     """Fused decode + interval programs for (extend bucket, decode bucket, k)."""
 
     def __init__(self, cfg: ModelConfig, attention_backend: str, shapes: list[BucketShape],
-                 sizes: list[int]) -> None:
+                 sizes: list[int], placement: MeshPlacement | None = None) -> None:
         self.cfg, self.backend = cfg, attention_backend
+        self.place = placement or MeshPlacement()
         self.shapes, self.sizes = shapes, [k for k in sizes if k < cfg.num_layers]
         self._exe: dict[str, Callable] = {}
 
@@ -49,10 +51,10 @@ class FusedExecutables:
     def lowerings(self, params: Any, kv: Any, last_tokens: Any,
                   arrays_for: Callable[[BucketShape], dict], dtype: Any
                   ) -> list[tuple[str, Callable[[], Any]]]:
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        i32 = self.place.i32
         out = []
         for s in self.shapes:
-            hidden = jax.ShapeDtypeStruct((s.num_extend_tokens, self.cfg.hidden_size), dtype)
+            hidden = self.place.abstract((s.num_extend_tokens, self.cfg.hidden_size), dtype)
             b = s.num_extend_seqs + s.num_decode_seqs
             for k in self.sizes:
                 fn = self._fused(s, k)
@@ -69,6 +71,8 @@ class FusedExecutables:
     def _fused(self, shape: BucketShape, k: int) -> Callable:
         cfg, backend, model = self.cfg, self.backend, model_module(self.cfg)
         te, be = shape.num_extend_tokens, shape.num_extend_seqs
+        place = self.place
+        mesh = place.mesh
 
         def fused(params, kv, last_tokens, hidden, arrays, row_slots, start):
             # Decode inputs of -1 are the tokens their slot sampled last (overlap).
@@ -88,19 +92,22 @@ class FusedExecutables:
             kv_shape = (cfg.num_layers, h_dec.shape[0], cfg.num_kv_heads, cfg.head_dim)
             new_kv = tuple(jnp.zeros(kv_shape, p.dtype) for p in (kv.k, kv.v))  # [L, B_d, Hkv, Dh]
             h_dec, new_kv = model.run_layer_range(params, kv, h_dec, dec, cfg, jnp.int32(0),
-                                                  start, new_kv, backend)
+                                                  start, new_kv, backend, mesh)
             h, kv = model.run_layers(params, kv, jnp.concatenate([hidden, h_dec]), mixed, cfg,
-                                     start=start, num_layers=k, attention_backend=backend)
+                                     start=start, num_layers=k, attention_backend=backend,
+                                     mesh=mesh)
             hidden, h_dec = h[:te], h[te:]  # [T_e, D], [B_d, D]
             h_dec, new_kv = model.run_layer_range(params, kv, h_dec, dec, cfg, start + k,
-                                                  jnp.int32(cfg.num_layers), new_kv, backend)
+                                                  jnp.int32(cfg.num_layers), new_kv, backend,
+                                                  mesh)
             # The interval's layers were written with the MIXED batch: index L drops them.
             ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
             ids = jnp.where((ids >= start) & (ids < start + k), cfg.num_layers, ids)
-            kv = layers.write_step_kv(kv, ids, dec.out_cache_loc, *new_kv, None, backend)
+            kv = layers.write_step_kv(kv, ids, dec.out_cache_loc, *new_kv, mesh, backend)
             return model.compute_logits(params, h_dec, dec.logits_indices, cfg), hidden, kv
 
-        return jax.jit(fused, donate_argnums=(1,))
+        return jax.jit(fused, donate_argnums=(1,),
+                       **place.out(place.replicated, place.replicated, place.kv))
 
 
 def _name(s: BucketShape, k: int) -> str:

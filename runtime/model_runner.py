@@ -48,7 +48,13 @@ from runtime.kv_pool import KVPool, init_kv_pool, kv_pool_shape
 from runtime.request import MAX_LOGIT_BIAS
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
 from runtime.slot_state import SlotState, constraint_columns, init_slot, sampling_columns
-from runtime.split_prefill import SplitExecutables, SplitPrefill, layer_work, redirect_finished
+from runtime.split_prefill import (
+    MeshPlacement,
+    SplitExecutables,
+    SplitPrefill,
+    layer_work,
+    redirect_finished,
+)
 from runtime.step_costs import DeviceCosts
 from runtime.tbo_step import TboExecutables, compiler_options
 
@@ -100,6 +106,10 @@ class ModelRunner:
         self.max_running = max_running_requests
         self.dtype = jnp.dtype(runner_cfg.dtype)
         self.model = model_module(model_cfg)
+        if mesh is not None and jax.process_count() > 1:
+            # Weights a process loaded onto its own device would be a cross-host transfer
+            # to the global mesh; from host memory each process places its own shards.
+            params = jax.device_get(params)
         self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
         if mesh is not None:
             self.params = jax.device_put(self.params, sharding.param_shardings(model_cfg, mesh))
@@ -125,10 +135,13 @@ class ModelRunner:
             self.state = jax.device_put(self.state, self._replicated)
         self.buckets = BucketPlan(runner_cfg, cache_cfg.page_size)
         self._executables: dict[StepKey, Callable] = {}
+        self.compiled: dict[str, Any] = {}  # every executable by name, set by warmup()
+        self._place = MeshPlacement(mesh, self._kv_sh)
         self.split = (SplitExecutables(model_cfg, runner_cfg.attention_backend, [
             k.shape for k in self.step_keys() if k.mode is ForwardMode.EXTEND
             and k.shape.num_extend_tokens >= runner_cfg.split_min_tokens],
-            runner_cfg.split_prefill_layers) if runner_cfg.enable_split_prefill else None)
+            runner_cfg.split_prefill_layers, self._place)
+            if runner_cfg.enable_split_prefill else None)
         self.fused = self._fused_executables() if runner_cfg.multiplex_fused else None
         self.tbo = self._tbo_executables() if runner_cfg.enable_two_batch_overlap else None
         self._samplers: dict[int, Callable] = {}
@@ -188,7 +201,7 @@ class ModelRunner:
         shapes = [BucketShape(te, be, bd, width) for te, be in pairs
                   for bd in self.cfg.decode_buckets]
         return FusedExecutables(self.model_cfg, self.cfg.attention_backend, shapes,
-                                self.split.sizes)
+                                self.split.sizes, self._place)
 
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
         return self.buckets.bucket_for(batch)
@@ -296,14 +309,8 @@ class ModelRunner:
         logger.info("executable plan: %s, %d init_slot; estimated %d mappings, %.0f MB",
                     ", ".join(f"{p.count} {p.name}" for p in plan),
                     len(self.cfg.kv_len_buckets), est.maps, est.resident_mb)
-        compiled = compile_all(self._lowerings(), total, self.exec_stats, progress)
-        self._executables = {k: compiled[_key_name(k)] for k in self.step_keys()}
-        self._samplers = {b: compiled[f"sample/B{b}"] for b in self.sampler_sizes()}
-        for group in (self.split, self.fused, self.tbo):
-            if group is not None:
-                group.install(compiled)
-        self._init_slot_exec = {n: compiled[f"init_slot/N{n}"]
-                                for n in self.cfg.kv_len_buckets}
+        self.compiled = compile_all(self._lowerings(), total, self.exec_stats, progress)
+        self.install_executables()
         self._warm_compiles = compile_counter().count
         if self.split is not None:
             self._seed_costs()
@@ -313,6 +320,23 @@ class ModelRunner:
                     "(%.0f%% of vm.max_map_count=%d), %.0f MB resident", total, secs, fp.maps,
                     100 * fp.maps / fp.max_maps, fp.max_maps, fp.resident_mb)
         return secs
+
+    def install_executables(self, wrap: Callable[[str, Callable], Callable] | None = None
+                            ) -> None:
+        """Install the compiled executables (`self.compiled`, by name) where the launches
+        find them; `wrap(name, exe)`, if given, stands in for each (runtime/multihost.py
+        mirrors every call to the other processes of a multi-process mesh this way)."""
+        exes = {n: wrap(n, e) if wrap else e for n, e in self.compiled.items()}
+        self._executables = {k: exes[_key_name(k)] for k in self.step_keys()}
+        self._samplers = {b: exes[f"sample/B{b}"] for b in self.sampler_sizes()}
+        for group in (self.split, self.fused, self.tbo):
+            if group is not None:
+                group.install(exes)
+        self._init_slot_exec = {n: exes[f"init_slot/N{n}"] for n in self.cfg.kv_len_buckets}
+
+    def device_state(self) -> tuple[Any, Any, Any]:
+        """The runner's long-lived device arrays: weights, KV pool, sampler slot state."""
+        return self.params, self.kv, self.state
 
     def _seed_costs(self) -> None:
         """Time every DECODE bucket and one interval of every split shape once, on padding
@@ -605,5 +629,3 @@ def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None) -> None:
     if "cpu" in (cfg.attention_backend, cfg.cpu_matmul.replace("packed", "cpu")):
         raise ValueError("the CPU kernels are single-device: on a mesh use "
                          "attention_backend='xla' and cpu_matmul='xla'")
-    if cfg.enable_split_prefill:
-        raise ValueError("split prefill / multiplexing on a device mesh is not built yet")

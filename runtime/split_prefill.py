@@ -26,6 +26,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.registry import model_module
 from runtime.batch_builder import BucketShape
@@ -134,9 +135,11 @@ class SplitExecutables:
     bucket the runner plans, and the calls that run them on a SplitPrefill."""
 
     def __init__(self, cfg: ModelConfig, attention_backend: str, shapes: list[BucketShape],
-                 fixed_layers: int | None = None) -> None:
+                 fixed_layers: int | None = None, placement: MeshPlacement | None = None
+                 ) -> None:
         self.cfg, self.backend, self.shapes = cfg, attention_backend, shapes
         self.sizes = interval_sizes(cfg.num_layers, fixed_layers)
+        self.place = placement or MeshPlacement()
         self._exe: dict[str, Callable] = {}
 
     @property
@@ -157,13 +160,14 @@ class SplitExecutables:
     def lowerings(self, params: Any, kv: Any, arrays_for: Callable[[BucketShape], dict],
                   dtype: Any) -> list[tuple[str, Callable[[], Any]]]:
         """(name, lower) for every program; abstract params / pool / packed inputs in."""
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+        i32, place = self.place.i32, self.place
         out = []
         for name, (kind, s, k) in self._programs():
-            hidden = jax.ShapeDtypeStruct((s.num_extend_tokens, self.cfg.hidden_size), dtype)
+            hidden = place.abstract((s.num_extend_tokens, self.cfg.hidden_size), dtype)
             if kind == "embed":
                 args: tuple = (params, i32(s.num_extend_tokens))
-                fn = jax.jit(model_module(self.cfg).embed)  # (params, ids [T]) -> [T, D]
+                # (params, ids [T]) -> [T, D]
+                fn = jax.jit(model_module(self.cfg).embed, **place.out(place.replicated))
             elif kind == "head":
                 args, fn = (params, hidden, i32(s.num_extend_seqs)), self._head()
             else:
@@ -178,18 +182,20 @@ class SplitExecutables:
     def _interval(self, shape: BucketShape, k: int) -> Callable:
         cfg, backend, model = self.cfg, self.backend, model_module(self.cfg)
         te, be = shape.num_extend_tokens, shape.num_extend_seqs
+        place = self.place
 
         def interval(params, kv, hidden, arrays, start):
             batch = ForwardBatch(**arrays, mode=ForwardMode.EXTEND, num_extend_tokens=te,
                                  num_extend_seqs=be)
             return model.run_layers(params, kv, hidden, batch, cfg, start=start, num_layers=k,
-                                    attention_backend=backend)  # [T, D], pool
+                                    attention_backend=backend, mesh=place.mesh)  # [T, D], pool
 
-        return jax.jit(interval, donate_argnums=(1,))
+        return jax.jit(interval, donate_argnums=(1,), **place.out(place.replicated, place.kv))
 
     def _head(self) -> Callable:
-        cfg, model = self.cfg, model_module(self.cfg)
-        return jax.jit(lambda params, hidden, idx: model.compute_logits(params, hidden, idx, cfg))
+        cfg, model, place = self.cfg, model_module(self.cfg), self.place
+        return jax.jit(lambda params, hidden, idx: model.compute_logits(params, hidden, idx, cfg),
+                       **place.out(place.replicated))
 
     # ---- running ----
 
@@ -205,6 +211,33 @@ class SplitExecutables:
         s = split.shape
         exe = self._exe[f"split_head/te{s.num_extend_tokens}_be{s.num_extend_seqs}"]
         return exe(params, split.hidden, split.arrays["logits_indices"])  # [B, V]
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlacement:
+    """Where a runner's executables put what they take and return: nothing pinned on one
+    device; on a mesh, host inputs and hidden states replicated, the KV pool on its
+    sharding (an output pinned to an input's placement keeps a donated pool in place, and
+    every call sees the shardings it was compiled for)."""
+
+    mesh: Mesh | None = None
+    kv: Any = None  # KVPool of NamedShardings on a mesh
+
+    @property
+    def replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+    def abstract(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+
+    def i32(self, *shape: int) -> jax.ShapeDtypeStruct:
+        return self.abstract(shape, jnp.int32)
+
+    def out(self, *shardings: Any) -> dict:
+        """jax.jit's out_shardings for these outputs (none off a mesh)."""
+        if self.mesh is None:
+            return {}
+        return {"out_shardings": shardings if len(shardings) > 1 else shardings[0]}
 
 
 def _interval_name(s: BucketShape, k: int) -> str:

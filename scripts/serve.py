@@ -3,6 +3,9 @@
   .venv/bin/python scripts/serve.py                      # embedded SmolLM2 on 127.0.0.1:30000
   .venv/bin/python scripts/serve.py --model=/ckpt --port=8000 --api_key=secret
 
+A mesh over several processes: the same flags plus --nnodes=N --node_rank=R
+--dist_init_addr=HOST:PORT in each (rank 0 serves HTTP; docs/moe_and_mesh.md).
+
 Flags carry SGLang's names in snake_case. /health answers 503 until warm-up is done.
 SIGTERM or Ctrl-C: stop accepting, let in-flight requests finish, exit 0.
 """
@@ -16,6 +19,7 @@ import sys
 from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from runtime import multihost  # noqa: E402
 from runtime.config import ServerArgs  # noqa: E402
 from runtime.server import serve  # noqa: E402
 
@@ -107,6 +111,16 @@ flags.DEFINE_float("tbo_token_distribution_threshold", _D.tbo_token_distribution
 flags.DEFINE_integer("tbo_min_tokens", None, "smaller batches run unsplit (default: 128 per "
                      "ep rank)")
 flags.DEFINE_integer("dp", _D.dp, "data-parallel attention (not implemented: only 1)")
+flags.DEFINE_integer("nnodes", _D.nnodes, "processes the device mesh spans (jax.distributed; "
+                     "start one per node_rank, each with the same flags)")
+flags.DEFINE_integer("node_rank", _D.node_rank, "this process's rank: 0 serves HTTP and "
+                     "schedules, the others replay its steps (runtime/multihost.py)")
+flags.DEFINE_string("dist_init_addr", None, "HOST:PORT of rank 0's jax.distributed "
+                    "coordinator (needed with --nnodes > 1)")
+flags.DEFINE_integer("dist_timeout", _D.dist_timeout, "seconds the processes wait for "
+                     "each other at start-up")
+flags.DEFINE_integer("dist_heartbeat_timeout", _D.dist_heartbeat_timeout, "seconds a "
+                     "silent process counts as alive; then every process stops with an error")
 
 FLAGS = flags.FLAGS
 
@@ -135,7 +149,9 @@ def server_args() -> ServerArgs:
         checkpoint_cache_dir=FLAGS.checkpoint_cache_dir, strict_compile=FLAGS.strict_compile,
         max_queued_requests=FLAGS.max_queued_requests,
         per_layer_weights=FLAGS.per_layer_weights, cpu_matmul=FLAGS.cpu_matmul,
-        tp=FLAGS.tp, ep=FLAGS.ep, dp=FLAGS.dp,
+        tp=FLAGS.tp, ep=FLAGS.ep, dp=FLAGS.dp, nnodes=FLAGS.nnodes, node_rank=FLAGS.node_rank,
+        dist_init_addr=FLAGS.dist_init_addr, dist_timeout=FLAGS.dist_timeout,
+        dist_heartbeat_timeout=FLAGS.dist_heartbeat_timeout,
         enable_split_prefill=FLAGS.enable_split_prefill,
         split_prefill_layers=FLAGS.split_prefill_layers,
         enable_multiplexing=FLAGS.enable_multiplexing,
@@ -157,7 +173,11 @@ def main(argv: list[str]) -> None:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     for noisy in ("absl", "jax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    sys.exit(serve(server_args(), served_model_name=FLAGS.served_model_name))
+    args = server_args()
+    multihost.initialize(args)  # before anything starts a JAX backend
+    if args.node_rank > 0:  # a follower: no HTTP, it replays rank 0's steps
+        sys.exit(multihost.run_follower(args))
+    sys.exit(serve(args, served_model_name=FLAGS.served_model_name))
 
 
 if __name__ == "__main__":

@@ -11,12 +11,14 @@ from runtime.model_runner import ModelRunner
 PAGE = 4
 
 
-def small_runner(cfg: ModelConfig, params: dict, mesh: Mesh | None = None) -> ModelRunner:
-    """One decode bucket (8 rows), one extend bucket (64 tokens), strict, XLA paths."""
-    rcfg = RunnerConfig(decode_buckets=(8,), extend_token_buckets=(64,),
-                        extend_seq_buckets=(1, 4), kv_len_buckets=(256,), max_top_logprobs=2,
-                        strict_compile=True, per_layer_weights=True, cpu_matmul="xla",
-                        attention_backend="xla")
+def small_runner(cfg: ModelConfig, params: dict, mesh: Mesh | None = None,
+                 **overrides) -> ModelRunner:
+    """One decode bucket (8 rows), one extend bucket (64 tokens), strict, XLA paths;
+    `overrides`: other RunnerConfig fields (split prefill, ...)."""
+    rcfg = RunnerConfig(**{**dict(
+        decode_buckets=(8,), extend_token_buckets=(64,), extend_seq_buckets=(1, 4),
+        kv_len_buckets=(256,), max_top_logprobs=2, strict_compile=True, per_layer_weights=True,
+        cpu_matmul="xla", attention_backend="xla"), **overrides})
     r = ModelRunner(cfg, params, CacheConfig(page_size=PAGE, num_pages=200), rcfg,
                     max_running_requests=8, mesh=mesh)
     r.warmup(progress=False)

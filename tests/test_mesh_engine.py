@@ -15,10 +15,11 @@ from models import llama, registry
 from runtime import checkpoint
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
+from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from runtime.sharding import serving_mesh
-from tests.engine_utils import engine_args, prompts, small_runner
+from tests.engine_utils import PAGE, engine_args, prompts, small_runner
 from tests.test_engine import _check_same
 from tests.test_parity import FIXTURES, _ckpt_cache, _comparable_prefix
 
@@ -26,10 +27,11 @@ from tests.test_parity import FIXTURES, _ckpt_cache, _comparable_prefix
 DENSE = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
                     num_heads=8, num_kv_heads=4, head_dim=8, max_position_embeddings=256)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, top_logprobs=2)
+RETRACT_PAGES = 24  # the longest stream needs 15 pages: the others retract as they grow
 
 
-def _runner(cfg: ModelConfig, params: dict, tp: int = 1, ep: int = 1) -> ModelRunner:
-    return small_runner(cfg, params, serving_mesh(cfg, tp=tp, ep=ep))
+def _runner(cfg: ModelConfig, params: dict, tp: int = 1, ep: int = 1, **kw) -> ModelRunner:
+    return small_runner(cfg, params, serving_mesh(cfg, tp=tp, ep=ep), **kw)
 
 
 def _generate(runner: ModelRunner, **kw) -> list:
@@ -57,8 +59,38 @@ def test_tensor_parallel_dense_matches_one_device(tp):
     for exe in runner._executables.values():
         assert not re.search(re.escape(pool) + r"\S* all-gather", exe.as_text())
     _check_same(_generate(runner, disable_prefix_cache=True, chunked_prefill_size=None), want)
-    # The invariance matrix on the mesh: chunked prefill and the prefix cache.
+    # The invariance matrix on the mesh: chunked prefill and the prefix cache, and
+    # retraction under a pool too small for every stream at once.
     _check_same(_generate(runner, chunked_prefill_size=16), want)
+    eng = Engine(engine_args(max_total_tokens=RETRACT_PAGES * PAGE), runner=runner)
+    _check_same(eng.generate(prompts(DENSE.vocab_size), GREEDY), want)
+    assert eng.scheduler.stats().num_retractions > 0
+    runner.check_no_compiles()
+    assert runner.compiles_after_warmup == 0
+
+
+# Split prefill (every extend bucket split) with the fused decode + interval programs.
+SPLIT = dict(enable_split_prefill=True, split_min_tokens=0, multiplex_fused=True)
+
+
+@pytest.mark.parametrize("tp", [4])
+def test_multiplexing_on_the_mesh_matches_plain(tp):
+    """Split prefill and multiplexing (two calls and fused) on a tp mesh give the tokens of
+    the plain path on the same mesh, in strict no-recompile mode; the interval programs
+    run attention on each device's own heads too."""
+    reference = _dense_reference()  # first: a warm-up later would count as our compilation
+    runner = _runner(DENSE, llama.init_params(DENSE, jax.random.key(3)), tp=tp, **SPLIT)
+    pool = "f32[" + ",".join(map(str, runner.kv.k.shape)) + "]"
+    for name in runner.split.names + runner.fused.names:
+        assert not re.search(re.escape(pool) + r"\S* all-gather",
+                             runner.compiled[name].as_text()), name
+    want = _generate(runner, disable_prefix_cache=True, chunked_prefill_size=None)
+    _check_same(want, reference)
+    for kw in (dict(enable_split_prefill=True, split_prefill_layers=1),
+               dict(enable_multiplexing=True),
+               dict(enable_multiplexing=True, multiplex_fused=True, chunked_prefill_size=16)):
+        _check_same(_generate(runner, **kw), want)
+    assert runner.step_counts[ForwardMode.SPLIT_PREFILL] > 0
     assert runner.compiles_after_warmup == 0
 
 

@@ -215,6 +215,7 @@ class EngineLoop:
         finally:
             self._close()
             self._flush_traces(engine)
+            engine.close()  # a multi-process mesh's other ranks stop with it
 
     def _flush_traces(self, engine: Engine) -> None:
         """At shutdown: stop a profile left running, write the last --trace_dir file."""
