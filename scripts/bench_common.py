@@ -72,7 +72,8 @@ def machine_info() -> dict[str, Any]:
 def summarize(secs: Sequence[float]) -> dict[str, float]:
     a = np.asarray(secs, np.float64)
     return {"median_s": float(np.median(a)), "p90_s": float(np.percentile(a, 90)),
-            "min_s": float(a.min()), "mean_s": float(a.mean()), "n": int(a.size)}
+            "min_s": float(a.min()), "max_s": float(a.max()), "mean_s": float(a.mean()),
+            "n": int(a.size)}
 
 
 def time_calls(fn: Callable[[], Any], iters: int, warmup: int) -> list[float]:

@@ -190,16 +190,10 @@ def long_prompt_during_decode(engine: Engine, s: Sizes) -> dict[str, Any]:
     ends = np.asarray(ready[1:])
     before = gaps[ends < t_arrive]
     during = gaps[(ends > t_arrive) & (ends <= (t_first or ends[-1]))]
-
-    def stats(g: np.ndarray) -> dict[str, float] | None:
-        if not len(g):
-            return None
-        return {"median_s": float(np.median(g)), "p90_s": float(np.percentile(g, 90)),
-                "max_s": float(g.max()), "n": int(len(g))}
-
     # The window is only a measurement if the streams were still decoding at its end.
     return {"long_ttft_s": None if t_first is None else t_first - t_arrive,
-            "itl_before": stats(before), "itl_during_prefill": stats(during),
+            "itl_before": bc.summarize(before) if len(before) else None,
+            "itl_during_prefill": bc.summarize(during) if len(during) else None,
             "streams_outlived_prefill": bool(t_first and ends[-1] > t_first),
             "step_counts": engine.trace.step_counts()}
 
