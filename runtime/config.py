@@ -351,6 +351,11 @@ class ServerArgs:
     split_prefill_min_tokens: int = 256  # smaller prefill buckets run whole, unsplit
     multiplex_itl_target_ms: float = 0.0  # 0: multiplex_decode_slowdown x the decode step
     multiplex_decode_slowdown: float = 3.0  # the ITL target as a multiple of the decode step
+    # Prefill first (no decode step beside it) while the decoding streams are under this
+    # fraction of the batch that the prefilling and admissible waiting requests make them,
+    # but for at most multiplex_max_stall_ms at a time (0: no bound).
+    multiplex_fill_fraction: float = 0.75
+    multiplex_max_stall_ms: float = 2000.0
     multiplex_fused: bool = False  # one fused executable per iteration, not two calls
     # Execution trace (runtime/exec_trace.py): steps and finished requests kept in its
     # ring (0: off), and where the server writes Chrome trace / Perfetto JSON (None: not).

@@ -215,7 +215,9 @@ class Engine:
                                  "RunnerConfig.enable_split_prefill")
             policy = IntervalPolicy(args.split_prefill_layers,
                                     args.multiplex_itl_target_ms / 1000,
-                                    args.multiplex_decode_slowdown)
+                                    args.multiplex_decode_slowdown,
+                                    args.multiplex_fill_fraction,
+                                    args.multiplex_max_stall_ms / 1000)
             self.loop: StepLoop | MultiplexLoop = MultiplexLoop(
                 self.scheduler, runner, policy, overlap, interleave=args.enable_multiplexing,
                 fused=args.multiplex_fused, trace=self.trace)

@@ -61,11 +61,26 @@ class IntervalPolicy:
     """Layers for the next interval of a split prefill (see the module docstring)."""
 
     def __init__(self, fixed_layers: int | None, itl_target_s: float,
-                 decode_slowdown: float = 3.0) -> None:
+                 decode_slowdown: float = 3.0, fill_fraction: float = 0.0,
+                 max_stall_s: float = 0.0) -> None:
         if decode_slowdown <= 1:
             raise ValueError(f"multiplex_decode_slowdown={decode_slowdown} must be > 1: at 1 "
                              "no layer of a prefill fits beside a decode step")
+        if not 0 <= fill_fraction < 1:
+            raise ValueError(f"multiplex_fill_fraction={fill_fraction} must be in [0, 1)")
         self.fixed, self.target, self.factor = fixed_layers, itl_target_s, decode_slowdown
+        self.fill_fraction, self.max_stall_s = fill_fraction, max_stall_s
+
+    def prefill_first(self, decodable: int, joining: int, stalled_s: float) -> bool:
+        """Whether this iteration runs the split prefill without a decode step: while the
+        `decodable` streams are under `fill_fraction` of the batch they become once the
+        `joining` requests (prefilling, or waiting with a free slot) join, unless they
+        have waited `max_stall_s` (0: no bound) since their last decode step."""
+        if decodable == 0:
+            return True
+        if decodable >= self.fill_fraction * (decodable + joining):
+            return False
+        return not (self.max_stall_s and stalled_s >= self.max_stall_s)
 
     def layers(self, remaining: int, decode_cost: float | None,
                layer_cost: float | None) -> int:
@@ -94,6 +109,7 @@ class MultiplexLoop:
         self.split: SplitPrefill | None = None
         self._pending: list[TracedStep] = []
         self.last_intervals: list[tuple[int, int]] = []  # of the latest iteration
+        self._last_decode = time.perf_counter()  # when a decode step last launched
 
     @property
     def has_pending(self) -> bool:
@@ -112,7 +128,11 @@ class MultiplexLoop:
                 launched.append(launch_traced(self.trace, self.runner, batch, t0))
                 sched.release_prefill()
                 t0 = time.perf_counter()
-        decode = sched.next_decode() if self.interleave or self.split is None else None
+        decode = None
+        if self.split is None or (self.interleave and not self._prefill_first(t0)):
+            decode = sched.next_decode()
+        if decode is not None:
+            self._last_decode = t0
         self.last_intervals = []
         launched += self._launch(decode, t0)
         if self.split is not None and self.split.done:
@@ -128,6 +148,14 @@ class MultiplexLoop:
             events += sched.process_results(p.pending.batch, read_back(self.trace, p))
             self.trace.processed(p.record, time.perf_counter())
         return events
+
+    def _prefill_first(self, now: float) -> bool:
+        """The policy's prefill_first for the scheduler's batch now; a batch that had
+        nothing to decode starts its stall clock now."""
+        decodable, joining = self.scheduler.batch_growth()
+        if decodable == 0:
+            self._last_decode = now
+        return self.policy.prefill_first(decodable, joining, now - self._last_decode)
 
     def _launch(self, decode: ScheduleBatch | None, t0: float) -> list[TracedStep]:
         """This iteration's decode step and interval(s) of the split in flight; t0: when

@@ -177,6 +177,12 @@ class Scheduler:
         decode from the next batch on (their first token is the slot's PREV_TOKEN)."""
         self._held = {}
 
+    def batch_growth(self) -> tuple[int, int]:
+        """(running requests that can decode now, requests that will join them: those
+        prefilling or held, plus as many waiting ones as there are free slots)."""
+        ready = sum(1 for r in self.running if not r.is_prefilling and r not in self._held)
+        return ready, len(self.running) - ready + min(len(self.waiting), len(self._free_slots))
+
     def next_decode(self) -> ScheduleBatch | None:
         """A DECODE batch of the running requests that are not held, or None."""
         self._check_inflight()

@@ -60,6 +60,13 @@ flags.DEFINE_float("multiplex_itl_target_ms", _D.multiplex_itl_target_ms, "inter
 flags.DEFINE_float("multiplex_decode_slowdown", _D.multiplex_decode_slowdown, "with "
                    "--multiplex_itl_target_ms=0: how many times its decode step a running "
                    "stream's inter-token latency may grow while a prompt prefills")
+flags.DEFINE_float("multiplex_fill_fraction", _D.multiplex_fill_fraction, "prefill "
+                   "first, without decode steps, while the decoding streams are under this "
+                   "fraction of the batch the prefilling and admissible waiting requests "
+                   "make them (a burst fills the batch first; 0: always multiplex)")
+flags.DEFINE_float("multiplex_max_stall_ms", _D.multiplex_max_stall_ms, "while "
+                   "prefilling first, run a decode step once the streams waited this long "
+                   "(0: no bound)")
 flags.DEFINE_integer("split_prefill_min_tokens", _D.split_prefill_min_tokens, "prefill "
                      "buckets with fewer tokens run whole, not split (fewer executables)")
 flags.DEFINE_bool("multiplex_fused", _D.multiplex_fused, "run each multiplexed "
@@ -157,6 +164,8 @@ def server_args() -> ServerArgs:
         enable_multiplexing=FLAGS.enable_multiplexing,
         multiplex_itl_target_ms=FLAGS.multiplex_itl_target_ms,
         multiplex_decode_slowdown=FLAGS.multiplex_decode_slowdown,
+        multiplex_fill_fraction=FLAGS.multiplex_fill_fraction,
+        multiplex_max_stall_ms=FLAGS.multiplex_max_stall_ms,
         multiplex_fused=FLAGS.multiplex_fused,
         split_prefill_min_tokens=FLAGS.split_prefill_min_tokens,
         enable_two_batch_overlap=FLAGS.enable_two_batch_overlap,

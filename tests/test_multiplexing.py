@@ -214,6 +214,67 @@ def test_interval_policy():
         IntervalPolicy(None, 0.0, 1.0)
 
 
+def test_prefill_first_policy():
+    burst = IntervalPolicy(None, 0.0, fill_fraction=0.75)
+    assert burst.prefill_first(0, 5, 0.0)  # nothing to decode
+    assert burst.prefill_first(2, 30, 60.0)  # 2 of 32: fill the batch first
+    assert not burst.prefill_first(24, 8, 0.0)  # 24 of 32 = 0.75: multiplex
+    assert not burst.prefill_first(16, 4, 0.0)  # long prompts joining a full batch
+    assert not IntervalPolicy(None, 0.0).prefill_first(1, 30, 0.0)  # 0: always multiplex
+    capped = IntervalPolicy(None, 0.0, fill_fraction=0.75, max_stall_s=2.0)
+    assert capped.prefill_first(2, 30, 1.9)
+    assert not capped.prefill_first(2, 30, 2.0)  # waited 2 s: the streams get a step
+    with pytest.raises(ValueError, match="multiplex_fill_fraction=1"):
+        IntervalPolicy(None, 0.0, fill_fraction=1.0)
+
+
+def _burst(policy, n=8):
+    """n requests of 30-60 tokens arriving together (all split) on an 8-slot batch."""
+    sched, runner, loop = _setup(policy=policy, max_running=8)
+    rng = np.random.default_rng(3)
+    reqs = [Req(rid=f"b{i}", prompt_ids=[int(t) for t in rng.integers(3, 1000, 30 + 4 * i)],
+                sampling=SamplingParams(max_new_tokens=12, ignore_eos=True)) for i in range(n)]
+    got = _run(sched, loop, {0: reqs})
+    for r in reqs:
+        assert got[r.rid] == reference_output(r.prompt_ids, 12, ignore_eos=True)
+    return runner.log
+
+
+def _decodes_before_last_sample(log) -> list[int]:
+    last = len(log) - [k for k, _ in log][::-1].index("sample")
+    return [rows for kind, rows in log[:last] if kind == "decode"]
+
+
+def test_a_burst_fills_the_batch_before_it_multiplexes():
+    always = _decodes_before_last_sample(_burst(IntervalPolicy(None, 0.0, 2.0)))
+    first = _decodes_before_last_sample(_burst(IntervalPolicy(None, 0.0, 2.0, 0.75)))
+    # Multiplexing from the first prompt on decodes the early streams in small batches;
+    # filling first decodes only once 6 of the 8 (0.75) can.
+    assert min(always) < 6 and len(first) < len(always)
+    assert first and min(first) >= 6
+    # A stall bound of (almost) no time gives the streams a step every iteration again.
+    capped = _decodes_before_last_sample(_burst(IntervalPolicy(None, 0.0, 2.0, 0.75, 1e-6)))
+    assert min(capped) < 6 and len(capped) > len(first)
+
+
+def test_long_prompts_joining_a_full_batch_are_multiplexed():
+    """6 streams decoding when 2 long prompts arrive: 6 of 8 is the fill fraction, so the
+    prompts' intervals interleave with decode steps instead of running first."""
+    sched, runner, loop = _setup(policy=IntervalPolicy(1, 0.0, fill_fraction=0.75))
+    rng = np.random.default_rng(2)
+    streams = [Req(rid=f"s{i}", prompt_ids=[5, 6, 7 + i],
+                   sampling=SamplingParams(max_new_tokens=60, ignore_eos=True))
+               for i in range(6)]
+    longs = [Req(rid=f"l{i}", prompt_ids=[int(t) for t in rng.integers(3, 1000, 50)],
+                 sampling=SamplingParams(max_new_tokens=3, ignore_eos=True)) for i in range(2)]
+    got = _run(sched, loop, {0: streams, 8: longs})
+    assert got["s0"] == reference_output(streams[0].prompt_ids, 60, ignore_eos=True)
+    kinds = [k for k, _ in runner.log]
+    first = kinds.index("interval")
+    span = kinds[first:len(kinds) - kinds[::-1].index("sample")]
+    assert ("interval", "interval") not in list(zip(span, span[1:], strict=False))
+
+
 def test_abort_mid_split_frees_pages_at_once():
     sched, runner, loop = _setup(policy=IntervalPolicy(1, 0.0))
     short = Req(rid="s", prompt_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=40,
