@@ -261,10 +261,6 @@ class Engine:
             return None
         if self.grammars is None:
             raise ValueError("constrained decoding needs a tokenizer")
-        if not isinstance(self.loop, StepLoop):
-            raise ValueError("json_schema / regex / ebnf are not supported with split "
-                             "prefill or multiplexing yet (start without "
-                             "--enable_split_prefill / --enable_multiplexing)")
         return self.grammars.matcher(spec)
 
     def abort(self, rid: str) -> None:

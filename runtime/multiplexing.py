@@ -131,8 +131,13 @@ class MultiplexLoop:
         decode = None
         if self.split is None or (self.interleave and not self._prefill_first(t0)):
             decode = sched.next_decode()
+        events: list[ReqEvent] = []
         if decode is not None:
             self._last_decode = t0
+            if any(r.req.grammar is not None for r in decode.rows):
+                # Its rows' grammar masks need the tokens still in flight: read them first.
+                events = self._process(self._pending + launched)
+                self._pending, launched = [], []
         self.last_intervals = []
         launched += self._launch(decode, t0)
         if self.split is not None and self.split.done:
@@ -143,9 +148,13 @@ class MultiplexLoop:
             ready, self._pending = self._pending, launched
         else:
             ready = launched
+        return events + self._process(ready)
+
+    def _process(self, launched: list[TracedStep]) -> list[ReqEvent]:
+        """Read back `launched` in launch order and apply their tokens."""
         events: list[ReqEvent] = []
-        for p in ready:
-            events += sched.process_results(p.pending.batch, read_back(self.trace, p))
+        for p in launched:
+            events += self.scheduler.process_results(p.pending.batch, read_back(self.trace, p))
             self.trace.processed(p.record, time.perf_counter())
         return events
 

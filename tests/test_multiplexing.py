@@ -275,6 +275,48 @@ def test_long_prompts_joining_a_full_batch_are_multiplexed():
     assert ("interval", "interval") not in list(zip(span, span[1:], strict=False))
 
 
+class _AnyGrammar:
+    """A grammar that allows every token and records the ones it was fed."""
+
+    done, error = False, None
+
+    def __init__(self) -> None:
+        self.fed: list[int] = []
+
+    def accept(self, token: int) -> bool:
+        self.fed.append(token)
+        return True
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_constrained_stream_decodes_only_after_its_last_token_is_read(fused):
+    """Overlap on: a decode step with a grammar row launches only once every earlier
+    launch is read back (its mask needs the tokens in flight); free rows keep overlap."""
+    sched, runner, loop = _setup(fused=fused)
+    seen = []
+    forward = runner.forward
+
+    def checked(batch):  # every launch, fused or not, runs the fake's forward
+        seen.extend(r.req.num_pending for r in batch.decode_rows if r.req.grammar is not None)
+        return forward(batch)
+
+    runner.forward = checked
+    free = Req(rid="f", prompt_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=30,
+                                                                       ignore_eos=True))
+    constrained = Req(rid="c", prompt_ids=[5, 6, 8], grammar=_AnyGrammar(),
+                      sampling=SamplingParams(max_new_tokens=30, ignore_eos=True))
+    rng = np.random.default_rng(4)
+    longs = [Req(rid=f"l{i}", prompt_ids=[int(t) for t in rng.integers(3, 1000, 40)],
+                 sampling=SamplingParams(max_new_tokens=3, ignore_eos=True)) for i in range(2)]
+    got = _run(sched, loop, {0: [free, constrained], 4: longs})
+    assert got["c"] == constrained.grammar.fed == reference_output([5, 6, 8], 30,
+                                                                   ignore_eos=True)
+    assert got["f"] == reference_output([5, 6, 7], 30, ignore_eos=True)
+    assert seen and set(seen) == {1}  # only this step's token pending at launch
+    fused_launches = [k for k, _ in runner.log if k == "fused"]
+    assert bool(fused_launches) == fused
+
+
 def test_abort_mid_split_frees_pages_at_once():
     sched, runner, loop = _setup(policy=IntervalPolicy(1, 0.0))
     short = Req(rid="s", prompt_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=40,
