@@ -355,7 +355,7 @@ class ServerArgs:
     # fraction of the batch that the prefilling and admissible waiting requests make them,
     # but for at most multiplex_max_stall_ms at a time (0: no bound).
     multiplex_fill_fraction: float = 0.75
-    multiplex_max_stall_ms: float = 2000.0
+    multiplex_max_stall_ms: float = 5000.0
     multiplex_fused: bool = False  # one fused executable per iteration, not two calls
     # Execution trace (runtime/exec_trace.py): steps and finished requests kept in its
     # ring (0: off), and where the server writes Chrome trace / Perfetto JSON (None: not).
