@@ -235,7 +235,9 @@ def test_multiplexing_under_a_small_pool_and_aborts(runner, reference):
 
 
 def test_abort_mid_split_frees_its_pages_at_once(runner):
-    eng = Engine(_args(enable_multiplexing=True, split_prefill_layers=1), runner=runner)
+    # Fill fraction 0: the prompt joining one stream is multiplexed, not prefilled first.
+    eng = Engine(_args(enable_multiplexing=True, split_prefill_layers=1,
+                       multiplex_fill_fraction=0), runner=runner)
     eng.add_request(_prompts(1, seed=2)[0], GREEDY)
     for _ in range(2):
         eng.step()

@@ -67,12 +67,14 @@ def reference() -> list[Any]:
     return [eng.generate([p], sp)[0] for p in _prompts()]
 
 
-@pytest.fixture(params=[{}, {"enable_multiplexing": True, "split_prefill_layers": 1}],
+@pytest.fixture(params=[{}, {"enable_multiplexing": True, "split_prefill_layers": 1,
+                             "multiplex_fill_fraction": 0}],
                 ids=["plain", "multiplexing"])
 def live(reference, request) -> Iterator[LiveServer]:
     """Function scope: one engine at a time on the shared runner (they share its KV pool).
-    Multiplexed, prompts prefill one layer per iteration between decode steps, so a client
-    that hangs up before its first token (after=0) leaves in the middle of a split."""
+    Multiplexed (never prefilling first, fill fraction 0), prompts prefill one layer per
+    iteration between decode steps, so a client that hangs up before its first token
+    (after=0) leaves in the middle of a split."""
     engine = tiny_engine(max_running_requests=16, max_queued_requests=1024, **request.param)
     with LiveServer(lambda: engine, max_queued_requests=1024) as s:
         s.wait_ready()
