@@ -19,6 +19,16 @@ prefills, and the prefill gets the rest, (r - 1) / r, of the device. The per-lay
 is measured per unit of layer work (split_prefill.layer_work), so a chunk over a long
 prefix is charged its extra attention before its first interval runs.
 
+Whether an iteration decodes at all (IntervalPolicy.prefill_first): a decode step costs
+about as much at 4 rows as at 32 where it is weight-bound, so decoding the first streams
+of a burst beside every interval adds decode steps that a batch filled first would not
+run (the last prompt admitted needs its output length in steps after its prefill either
+way). So while the decoding streams are under --multiplex_fill_fraction of the batch they
+become once the prompts prefilling and the waiting ones with a free slot join, the prefill
+runs first, whole; but the streams never wait more than --multiplex_max_stall_ms. Under
+overload the batch is full and a prompt joins it alone, so it is multiplexed; so are long
+prompts joining a running batch that is already most of the batch.
+
 Two ways to run an iteration: two calls (a DECODE step, then an interval: no executables
 beyond the split-prefill set) or, with --multiplex_fused, one executable in which the
 decode rows run all layers and the prefill tokens the interval's layers of the same loop,
