@@ -52,7 +52,8 @@ def _cpu_kernels_off(args: ServerArgs) -> str | None:
     if on_gpu():
         return "the backend is a GPU"
     if on_mesh(args):
-        return f"a device mesh (tp={args.tp}, ep={args.ep}: the CPU kernels are single-device)"
+        return (f"a device mesh (dp={args.dp}, tp={args.tp}, ep={args.ep}: the CPU kernels are "
+                "single-device)")
     return cpu_kernels.unavailable_reason()
 
 

@@ -15,6 +15,7 @@ from models import llama, registry
 from runtime import checkpoint
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
+from runtime.engine_setup import runner_config
 from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
@@ -134,6 +135,20 @@ def test_expert_parallel_moe_matches_one_device():
     _check_same(_generate(runner, chunked_prefill_size=16), want)
 
 
+@pytest.mark.slow  # ~2 min: a MoE runner with the MIXED buckets compiles twice
+def test_data_parallel_attention_with_expert_parallel_moe():
+    """dp=2 x ep=2: attention per rank over its own pages, the experts over `ep`; a small
+    MoE (the tiny-moe layout, 2 layers, 4 experts, vocabulary 256) gives one device's
+    greedy tokens."""
+    cfg = dataclasses.replace(registry.PRESETS["tiny-moe"], vocab_size=256, num_layers=2,
+                              num_experts=4, max_position_embeddings=256)
+    params = registry.model_module(cfg).init_params(cfg, jax.random.key(5))
+    want = _generate(_runner(cfg, params), disable_prefix_cache=True)
+    runner = _runner(cfg, params, dp=2, ep=2)
+    assert runner.params["layer_list"][0]["we_gate"].sharding.spec[0] == "ep"
+    _check_same(_generate(runner, dp=2), want)
+
+
 def test_uneven_tp_is_a_clear_error():
     with pytest.raises(ValueError, match="tp=3 does not divide the model's num_heads=8 and "
                                          "num_kv_heads=4"):
@@ -177,3 +192,24 @@ def test_smollm2_on_a_mesh_matches_one_device_and_transformers(mesh):
         n = _comparable_prefix(ref[f"p{i}_greedy_margins"])
         assert out.output_ids[:n] == ref[f"p{i}_greedy_ids"].tolist()[:n], (i, n)
     eng.runner.check_no_compiles()
+
+
+def test_dp_start_up_errors():
+    params = llama.init_params(DENSE, jax.random.key(0))
+    mesh = serving_mesh(DENSE, dp=2)
+    xla = dict(attention_backend="xla", cpu_matmul="xla", enable_mixed=True)
+
+    def runner(num_pages: int = 200, **kw) -> ModelRunner:
+        return ModelRunner(DENSE, params, CacheConfig(num_pages=num_pages),
+                           RunnerConfig(**{**xla, **kw}), 4, mesh=mesh)
+
+    with pytest.raises(ValueError, match="201 pages must split evenly"):
+        runner(201)
+    with pytest.raises(ValueError, match="does not run with enable_split_prefill"):
+        runner(enable_split_prefill=True)
+    with pytest.raises(ValueError, match="needs the MIXED buckets"):
+        runner(enable_mixed=False)
+    with pytest.raises(ValueError, match="dp=3 must divide max_running_requests=8"):
+        runner_config(ServerArgs(dp=3, max_running_requests=8), DENSE)
+    assert runner_config(ServerArgs(dp=2, max_running_requests=8), DENSE).decode_buckets == (
+        1, 2, 4)  # per rank
