@@ -14,8 +14,8 @@ DPScheduler stands where the engine expects one Scheduler: a new request goes to
 whose prefix cache holds the longest prefix of it, else the least loaded (fewest running
 and waiting requests); next_batch asks every rank and packs their batches into a DPBatch;
 process_results hands each rank its rows' results. The runner pads every rank's batch to
-one per-rank bucket (the largest of the ranks' buckets): an executable's shape is the
-per-rank bucket, its arrays dp times that, rank after rank (ModelRunner._dp_pack).
+one per-rank bucket (dp_shape: the largest of the ranks' buckets): an executable's shape
+is the per-rank bucket, its arrays dp times that, rank after rank (dp_pack).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from runtime.batch_builder import BucketShape, pack_rows
 from runtime.config import CacheConfig, SchedulerConfig
 from runtime.forward_mode import ForwardMode
 from runtime.request import Req
@@ -138,14 +139,61 @@ class DPScheduler:
                 for e in s.process_results(p, o)]
 
 
-def dp_order(parts: list[ScheduleBatch | None], rows_per_rank: int,
-             num_extend_seqs: int) -> np.ndarray:
-    """Padded-row index of each real row in DPBatch.rows order: rank r's rows sit at
-    r * rows_per_rank, its extend rows first, its decode rows from num_extend_seqs."""
+def dp_shape(batch: DPBatch, bucket_for: Callable[[ScheduleBatch], BucketShape],
+             decode_width: int) -> BucketShape:
+    """One bucket every rank's part fits: the largest extend and decode sizes of the
+    parts, and a page table as wide as the widest part needs (a MIXED step, parts of both
+    kinds, takes the decode width: the widest)."""
+    shapes = [bucket_for(p) for p in batch.parts if p is not None]
+    te, be, bd = (max(getattr(s, f) for s in shapes) for f in (
+        "num_extend_tokens", "num_extend_seqs", "num_decode_seqs"))
+    width = max(s.num_pages_per_seq for s in shapes)
+    if batch.mode is ForwardMode.MIXED:
+        width = max(width, decode_width)
+    return BucketShape(te, be, bd, width)
+
+
+def dp_padded_shape(shape: BucketShape, dp: int) -> BucketShape:
+    """The whole step's padded size (dp ranks of `shape`), for the execution trace."""
+    return BucketShape(dp * shape.num_extend_tokens, dp * shape.num_extend_seqs,
+                       dp * shape.num_decode_seqs, shape.num_pages_per_seq)
+
+
+def dp_pack(batch: DPBatch, shape: BucketShape, page_size: int) -> dict[str, np.ndarray]:
+    """Each rank's part packed into `shape` (an IDLE rank: padding only), rank after rank.
+    Page ids and cache slots stay each rank's own; the logits indices point into the
+    whole token axis [dp * T]."""
+    tokens = shape.num_extend_tokens + shape.num_decode_seqs
+    packed = []
+    for r, part in enumerate(batch.parts):
+        a = pack_rows(part.extend_rows if part else [], part.decode_rows if part else [],
+                      shape, page_size)
+        a["logits_indices"] = a["logits_indices"] + r * tokens
+        packed.append(a)
+    return {k: np.concatenate([a[k] for a in packed]) for k in packed[0]}
+
+
+def padded_rows(parts: list[ScheduleBatch | None], shape: BucketShape
+                ) -> list[BatchRow | None]:
+    """Each padded row's BatchRow (None: padding), part after part: a part's extend rows
+    from its first row, its decode rows from num_extend_seqs."""
+    b = shape.num_extend_seqs + shape.num_decode_seqs
+    padded: list[BatchRow | None] = [None] * (b * len(parts))
+    for rank, part in enumerate(parts):
+        for i, r in enumerate(part.extend_rows if part else []):
+            padded[rank * b + i] = r
+        for i, r in enumerate(part.decode_rows if part else []):
+            padded[rank * b + shape.num_extend_seqs + i] = r
+    return padded
+
+
+def dp_order(parts: list[ScheduleBatch | None], shape: BucketShape) -> np.ndarray:
+    """Padded-row index of each real row in result order (DPBatch.rows; one part: a
+    ScheduleBatch's rows), the inverse of padded_rows."""
+    b, be = shape.num_extend_seqs + shape.num_decode_seqs, shape.num_extend_seqs
     out = []
     for r, p in enumerate(parts):
         if p is not None:
-            base = r * rows_per_rank
-            out += [base + i for i in range(len(p.extend_rows))]
-            out += [base + num_extend_seqs + i for i in range(len(p.decode_rows))]
+            out += [r * b + i for i in range(len(p.extend_rows))]
+            out += [r * b + be + i for i in range(len(p.decode_rows))]
     return np.asarray(out, np.int64)

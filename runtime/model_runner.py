@@ -32,7 +32,14 @@ from runtime.batch_builder import BucketShape, pack_rows
 from runtime.bucket_plan import BucketPlan, StepKey, smallest_fitting
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig
-from runtime.dp_attention import DPBatch, dp_order
+from runtime.dp_attention import (
+    DPBatch,
+    dp_order,
+    dp_pack,
+    dp_padded_shape,
+    dp_shape,
+    padded_rows,
+)
 from runtime.exec_trace import TboSplit
 from runtime.executable_budget import (
     ExecutableStat,
@@ -210,20 +217,8 @@ class ModelRunner:
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
         """The (per-rank, under dp) bucket a batch runs in."""
         if isinstance(batch, DPBatch):
-            return self._dp_shape(batch)
+            return dp_shape(batch, self.buckets.bucket_for, self.buckets.decode_widths()[-1])
         return self.buckets.bucket_for(batch)
-
-    def _dp_shape(self, batch: DPBatch) -> BucketShape:
-        """One bucket every rank's part fits: the largest extend and decode sizes of the
-        parts, and a page table as wide as the widest part needs (a MIXED step, parts
-        of both kinds, takes the decode width: the widest)."""
-        shapes = [self.buckets.bucket_for(p) for p in batch.parts if p is not None]
-        te, be, bd = (max(getattr(s, f) for s in shapes) for f in (
-            "num_extend_tokens", "num_extend_seqs", "num_decode_seqs"))
-        widths = max(s.num_pages_per_seq for s in shapes)
-        if batch.mode is ForwardMode.MIXED:
-            widths = max(widths, self.buckets.decode_widths()[-1])
-        return BucketShape(te, be, bd, widths)
 
     @property
     def max_seq_len(self) -> int:
@@ -446,7 +441,7 @@ class ModelRunner:
         exe = self._executables[StepKey(mode, shape)]
         self.init_slots(batch.extend_rows)
         if isinstance(batch, DPBatch):
-            arrays = self._dp_pack(batch, shape)
+            arrays = dp_pack(batch, shape, self.cache_cfg.page_size)
             self.step_counts[ForwardMode.IDLE] += batch.num_idle
         else:
             arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape,
@@ -455,19 +450,6 @@ class ModelRunner:
         logits, self.kv = exe(self.params, self.kv, self.state.last_tokens, arrays, row_slots)
         self.step_counts[mode] += 1
         return LaunchedForward(batch, shape, logits)
-
-    def _dp_pack(self, batch: DPBatch, shape: BucketShape) -> dict[str, np.ndarray]:
-        """Each rank's part packed into `shape` (an IDLE rank: padding only), rank after
-        rank. Page ids and cache slots stay each rank's own; the logits indices point
-        into the whole token axis."""
-        tokens = shape.num_extend_tokens + shape.num_decode_seqs
-        packed = []
-        for r, part in enumerate(batch.parts):
-            a = pack_rows(part.extend_rows if part else [], part.decode_rows if part else [],
-                          shape, self.cache_cfg.page_size)
-            a["logits_indices"] = a["logits_indices"] + r * tokens
-            packed.append(a)
-        return {k: np.concatenate([a[k] for a in packed]) for k in packed[0]}
 
     def launch_sample(self, fwd: LaunchedForward) -> PendingStep:
         pending = self._sample(fwd.batch, fwd.shape, fwd.logits)
@@ -597,14 +579,7 @@ class ModelRunner:
                    ) -> tuple[np.ndarray, np.ndarray, list[BatchRow | None]]:
         """Each padded row's slot (padding: the spare last slot), whether it samples, and
         the rows in padded order (extend rows, then decode rows from num_extend_seqs)."""
-        b = shape.num_extend_seqs + shape.num_decode_seqs
-        parts = batch.parts if isinstance(batch, DPBatch) else [batch]
-        padded: list[BatchRow | None] = [None] * (b * len(parts))
-        for rank, part in enumerate(parts):
-            for i, r in enumerate(part.extend_rows if part else []):
-                padded[rank * b + i] = r
-            for i, r in enumerate(part.decode_rows if part else []):
-                padded[rank * b + shape.num_extend_seqs + i] = r
+        padded = padded_rows(batch.parts if isinstance(batch, DPBatch) else [batch], shape)
         return (*self._slots_of(padded), padded)
 
     def _slots_of(self, padded: list[BatchRow | None]) -> tuple[np.ndarray, np.ndarray]:
@@ -620,17 +595,10 @@ class ModelRunner:
         padded = self._row_slots(batch, shape)[2]
         # Rows come back in padded order; compact them to extend rows then decode rows
         # (under dp: so, rank after rank).
-        if isinstance(batch, DPBatch):
-            order = dp_order(batch.parts, shape.num_extend_seqs + shape.num_decode_seqs,
-                             shape.num_extend_seqs)
-        else:
-            order = np.r_[np.arange(len(batch.extend_rows)),
-                          shape.num_extend_seqs + np.arange(len(batch.decode_rows))]
+        order = dp_order(batch.parts if isinstance(batch, DPBatch) else [batch], shape)
         pending = self._sample_rows(batch, padded, logits, order)
         if isinstance(batch, DPBatch):  # the trace shows the whole step's padded size
-            pending.padded_shape = BucketShape(*(self.dp * getattr(shape, f) for f in (
-                "num_extend_tokens", "num_extend_seqs", "num_decode_seqs")),
-                shape.num_pages_per_seq)
+            pending.padded_shape = dp_padded_shape(shape, self.dp)
         return pending
 
     def _sample_rows(self, batch: ScheduleBatch, padded: list[BatchRow | None],
