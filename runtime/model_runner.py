@@ -32,6 +32,14 @@ from runtime.batch_builder import BucketShape, pack_rows
 from runtime.bucket_plan import BucketPlan, StepKey, smallest_fitting
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig
+from runtime.dp_attention import (
+    DPBatch,
+    dp_order,
+    dp_pack,
+    dp_padded_shape,
+    dp_shape,
+    padded_rows,
+)
 from runtime.exec_trace import TboSplit
 from runtime.executable_budget import (
     ExecutableStat,
@@ -100,8 +108,11 @@ class ModelRunner:
         placed on it (tensor-parallel weights, KV pool split over KV heads, experts over
         `ep`, the rest replicated); XLA partitions each step from those shardings."""
         self.model_cfg, self.cache_cfg, self.cfg = model_cfg, cache_cfg, runner_cfg
-        _check_mesh(runner_cfg, mesh)
+        _check_mesh(runner_cfg, mesh, cache_cfg)
         self.mesh = mesh
+        # Data-parallel attention ranks (runtime/dp_attention.py): every bucket is one
+        # rank's, every executable's arrays dp of them.
+        self.dp = 1 if mesh is None else mesh.shape.get("dp", 1)
         compile_counter()  # listen from here on, so warm-up compilations are counted too
         self.max_running = max_running_requests
         self.dtype = jnp.dtype(runner_cfg.dtype)
@@ -161,7 +172,7 @@ class ModelRunner:
         """Row counts B of the step keys (and of the TBO steps' merged rows): one sampler
         executable each."""
         tbo = {self.tbo.rows(k) for k in self.tbo.keys} if self.tbo else set()
-        return sorted({k.shape.num_extend_seqs + k.shape.num_decode_seqs
+        return sorted({self.dp * (k.shape.num_extend_seqs + k.shape.num_decode_seqs)
                        for k in self.step_keys()} | tbo)
 
     def plan(self) -> list[PlanPart]:
@@ -204,6 +215,9 @@ class ModelRunner:
                                 self.split.sizes, self._place)
 
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
+        """The (per-rank, under dp) bucket a batch runs in."""
+        if isinstance(batch, DPBatch):
+            return dp_shape(batch, self.buckets.bucket_for, self.buckets.decode_widths()[-1])
         return self.buckets.bucket_for(batch)
 
     @property
@@ -218,10 +232,17 @@ class ModelRunner:
         cfg, backend, dummy = self.model_cfg, self.cfg.attention_backend, self.max_running
         model, mesh = self.model, self.mesh
 
+        dp = self.dp
+
         def forward(params, kv, last_tokens, arrays, row_slots):
             # Decode inputs of -1 are the tokens this slot sampled in the previous step,
             # which the host has not read back yet (overlap scheduling).
-            tok_slot = jnp.concatenate([jnp.full(te, dummy, jnp.int32), row_slots[be:]])  # [T]
+            if dp == 1:
+                tok_slot = jnp.concatenate([jnp.full(te, dummy, jnp.int32), row_slots[be:]])
+            else:  # rank after rank: [extend tokens | decode rows] of each   # [T]
+                per_rank = row_slots.reshape(dp, -1)[:, be:]
+                tok_slot = jnp.concatenate([jnp.full((dp, te), dummy, jnp.int32), per_rank],
+                                           axis=1).reshape(-1)
             ids = jnp.where(arrays["input_ids"] < 0, last_tokens[tok_slot],
                             arrays["input_ids"])
             batch = ForwardBatch(**{**arrays, "input_ids": ids}, mode=key.mode,
@@ -248,13 +269,14 @@ class ModelRunner:
                        **self._out(self._replicated, self._replicated))
 
     def _abstract_inputs(self, shape: BucketShape) -> tuple[dict, jax.ShapeDtypeStruct]:
-        t = shape.num_extend_tokens + shape.num_decode_seqs
-        b = shape.num_extend_seqs + shape.num_decode_seqs
+        dp = self.dp  # under dp, each array is dp ranks' pieces of `shape`, rank after rank
+        t = dp * (shape.num_extend_tokens + shape.num_decode_seqs)
+        b = dp * (shape.num_extend_seqs + shape.num_decode_seqs)
         rep = self._replicated
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)  # noqa: E731
         arrays = dict(input_ids=i32(t), positions=i32(t), out_cache_loc=i32(t),
                       page_table=i32(b, shape.num_pages_per_seq), seq_lens=i32(b),
-                      query_start=i32(b + 1), logits_indices=i32(b))
+                      query_start=i32(b + dp), logits_indices=i32(b))
         return arrays, i32(b)
 
     def _abstract_sample_inputs(self, b: int) -> tuple:
@@ -418,7 +440,12 @@ class ModelRunner:
         mode = ForwardMode.EXTEND if batch.mode is ForwardMode.SPLIT_PREFILL else batch.mode
         exe = self._executables[StepKey(mode, shape)]
         self.init_slots(batch.extend_rows)
-        arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape, self.cache_cfg.page_size)
+        if isinstance(batch, DPBatch):
+            arrays = dp_pack(batch, shape, self.cache_cfg.page_size)
+            self.step_counts[ForwardMode.IDLE] += batch.num_idle
+        else:
+            arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape,
+                               self.cache_cfg.page_size)
         row_slots = self._row_slots(batch, shape)[0]
         logits, self.kv = exe(self.params, self.kv, self.state.last_tokens, arrays, row_slots)
         self.step_counts[mode] += 1
@@ -552,12 +579,7 @@ class ModelRunner:
                    ) -> tuple[np.ndarray, np.ndarray, list[BatchRow | None]]:
         """Each padded row's slot (padding: the spare last slot), whether it samples, and
         the rows in padded order (extend rows, then decode rows from num_extend_seqs)."""
-        b = shape.num_extend_seqs + shape.num_decode_seqs
-        padded: list[BatchRow | None] = [None] * b
-        for i, r in enumerate(batch.extend_rows):
-            padded[i] = r
-        for i, r in enumerate(batch.decode_rows):
-            padded[shape.num_extend_seqs + i] = r
+        padded = padded_rows(batch.parts if isinstance(batch, DPBatch) else [batch], shape)
         return (*self._slots_of(padded), padded)
 
     def _slots_of(self, padded: list[BatchRow | None]) -> tuple[np.ndarray, np.ndarray]:
@@ -571,10 +593,13 @@ class ModelRunner:
     def _sample(self, batch: ScheduleBatch, shape: BucketShape, logits: jax.Array
                 ) -> PendingStep:
         padded = self._row_slots(batch, shape)[2]
-        # Rows come back in padded order; compact them to extend rows then decode rows.
-        order = np.r_[np.arange(len(batch.extend_rows)),
-                      shape.num_extend_seqs + np.arange(len(batch.decode_rows))]
-        return self._sample_rows(batch, padded, logits, order)
+        # Rows come back in padded order; compact them to extend rows then decode rows
+        # (under dp: so, rank after rank).
+        order = dp_order(batch.parts if isinstance(batch, DPBatch) else [batch], shape)
+        pending = self._sample_rows(batch, padded, logits, order)
+        if isinstance(batch, DPBatch):  # the trace shows the whole step's padded size
+            pending.padded_shape = dp_padded_shape(shape, self.dp)
+        return pending
 
     def _sample_rows(self, batch: ScheduleBatch, padded: list[BatchRow | None],
                      logits: jax.Array, order: np.ndarray) -> PendingStep:
@@ -622,7 +647,7 @@ def _check_tbo(model_cfg: ModelConfig, cfg: RunnerConfig, mesh: Mesh | None) -> 
         raise ValueError("two-batch overlap runs on an ep mesh without tp")
 
 
-def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None) -> None:
+def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None, cache: CacheConfig) -> None:
     """What does not run on a mesh yet, as a start-up error."""
     if mesh is None:
         return
@@ -630,3 +655,20 @@ def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None) -> None:
         raise ValueError(f"the CPU kernels are single-device (attention_backend="
                          f"{cfg.attention_backend!r}, cpu_matmul={cfg.cpu_matmul!r}): on a "
                          "mesh use attention_backend='xla' and cpu_matmul='xla'")
+    dp = mesh.shape.get("dp", 1)
+    if dp > 1:
+        if cache.num_pages % dp:
+            raise ValueError(f"dp={dp}: the KV pool's {cache.num_pages} pages must split "
+                             "evenly over the data-parallel ranks")
+        off = [flag for flag, on in (("enable_split_prefill / multiplexing",
+                                      cfg.enable_split_prefill),
+                                     ("multiplex_fused", cfg.multiplex_fused),
+                                     ("enable_two_batch_overlap",
+                                      cfg.enable_two_batch_overlap)) if on]
+        if off:
+            raise ValueError(f"dp={dp} (data-parallel attention) does not run with "
+                             f"{', '.join(off)} yet")
+        if not cfg.enable_mixed:
+            raise ValueError(f"dp={dp}: a step may hold one rank's prefill and another's "
+                             "decode rows, so the runner needs the MIXED buckets "
+                             "(enable_mixed)")
