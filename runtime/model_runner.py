@@ -406,8 +406,9 @@ def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None, cache: CacheConfig) -> Non
     if mesh is None:
         return
     if "cpu" in (cfg.attention_backend, cfg.cpu_matmul.replace("packed", "cpu")):
-        raise ValueError("the CPU kernels are single-device: on a mesh use "
-                         "attention_backend='xla' and cpu_matmul='xla'")
+        raise ValueError(f"the CPU kernels are single-device (attention_backend="
+                         f"{cfg.attention_backend!r}, cpu_matmul={cfg.cpu_matmul!r}): on a "
+                         "mesh use attention_backend='xla' and cpu_matmul='xla'")
     dp = mesh.shape.get("dp", 1)
     if dp > 1:
         if cache.num_pages % dp:
