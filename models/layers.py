@@ -174,8 +174,15 @@ def _tp(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape.get("tp", 1)
 
 
-# Head-split specs under tensor parallelism: q/k/v [T, H, Dh] and the pool [L, Hkv, ...].
-_HEADS, _POOL = P(None, "tp"), P(None, "tp")
+def _dp(mesh: Mesh | None) -> int:
+    return 1 if mesh is None else mesh.shape.get("dp", 1)
+
+
+def _split_axes(mesh: Mesh | None) -> tuple[str | None, str | None]:
+    """(token / row axis, head axis) of attention's shard_map: `dp` splits the tokens,
+    rows and pool pages into ranks (DP attention, runtime/dp_attention.py), `tp` the
+    heads; None where that axis is 1."""
+    return ("dp" if _dp(mesh) > 1 else None), ("tp" if _tp(mesh) > 1 else None)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Array,
@@ -184,16 +191,20 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
     """Paged attention over earlier context (pool) and this step's k, v -> [T, Hq*Dh].
 
     With a `tp` mesh axis each device attends with its own heads over its own KV pages
-    (shard_map): left to GSPMD, the page gather all-gathers the whole pool every step."""
+    (shard_map): left to GSPMD, the page gather all-gathers the whole pool every step.
+    With a `dp` axis each rank attends with its own rows over its own pages: the batch's
+    statics (num_extend_tokens / seqs) are then one rank's, its arrays dp ranks' long."""
     # This step's K/V as the pool will hold them: a key then reads the same whether it is
     # new or cached, so chunking and prefix caching cannot change a bf16 pool's results.
     k, v = k.astype(kv.k.dtype), v.astype(kv.v.dtype)
     attn = functools.partial(get_paged_attention_fn(attention_backend),
                              num_extend_tokens=batch.num_extend_tokens,
                              num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5)
-    if _tp(mesh) > 1:
-        attn = shard_map(attn, mesh=mesh, out_specs=_HEADS,
-                         in_specs=(_HEADS, _HEADS, _HEADS, _POOL, _POOL, *[P()] * 5))
+    tok, heads = _split_axes(mesh)
+    if tok or heads:
+        qkv_spec, pool, row = P(tok, heads), P(None, heads, tok), P(tok)
+        attn = shard_map(attn, mesh=mesh, out_specs=qkv_spec,
+                         in_specs=(qkv_spec, qkv_spec, qkv_spec, pool, pool, P(), *[row] * 4))
     o = attn(q, k, v, kv.k, kv.v, layer, batch.page_table, batch.seq_lens, batch.query_start,
              batch.positions)
     return o.reshape(q.shape[0], cfg.q_size)
@@ -202,15 +213,17 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
 def write_step_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
                   v: jax.Array, mesh: Mesh | None, attention_backend: str) -> KVPool:
     """write_kv (layers or slots outside the pool are dropped); under tensor parallelism
-    each device scatters its own heads' K/V. With the CPU kernels the kernel side writes
-    in place (XLA CPU's scatter converts a whole bf16 pool each step, see
-    cpu_kernels/write_kv.cc)."""
+    each device scatters its own heads' K/V, under data parallelism each rank its own
+    tokens into its own pages. With the CPU kernels the kernel side writes in place (XLA
+    CPU's scatter converts a whole bf16 pool each step, see cpu_kernels/write_kv.cc)."""
     if attention_backend == "cpu":
         return KVPool(*cpu_kernels.write_kv(kv.k, kv.v, layers, slots, k, v))
-    if _tp(mesh) == 1:
+    tok, heads = _split_axes(mesh)
+    if not (tok or heads):
         return write_kv(kv, layers, slots, k, v)
-    pool, new = KVPool(k=_POOL, v=_POOL), P(None, None, "tp")  # k, v [N, T, Hkv, Dh]
-    return shard_map(write_kv, mesh=mesh, in_specs=(pool, P(), P(), new, new),
+    # k, v [N, T, Hkv, Dh]; under dp the slots are each rank's own (its pages from 0).
+    pool, new = KVPool(k=P(None, heads, tok), v=P(None, heads, tok)), P(None, tok, heads)
+    return shard_map(write_kv, mesh=mesh, in_specs=(pool, P(), P(tok), new, new),
                      out_specs=pool)(kv, layers, slots, k, v)
 
 

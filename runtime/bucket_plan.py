@@ -131,3 +131,17 @@ class BucketPlan:
             PlanPart("sampler", samplers, SAMPLER_COST,
                      "one per distinct batch-row count of the buckets above"),
         ]
+
+
+def cost_key(mode: ForwardMode, shape: BucketShape) -> str:
+    """Cost-table key: decode steps by row bucket (their cost follows the context, not the
+    page-table width); other steps by their whole shape."""
+    if mode is ForwardMode.DECODE:
+        return f"decode/bd{shape.num_decode_seqs}"
+    return key_name(StepKey(mode, shape))
+
+
+def key_name(key: StepKey) -> str:
+    s = key.shape
+    return (f"{key.mode.value}/te{s.num_extend_tokens}_be{s.num_extend_seqs}"
+            f"_bd{s.num_decode_seqs}_np{s.num_pages_per_seq}")

@@ -331,7 +331,8 @@ class ServerArgs:
     strict_compile: bool = False
     max_queued_requests: int = 1024
     # Device mesh (runtime/sharding.serving_mesh): tensor parallel over heads / MLP columns,
-    # expert parallel over MoE experts; dp > 1 (data-parallel attention) is not built yet.
+    # expert parallel over MoE experts, data-parallel attention over dp ranks (each its own
+    # requests, KV pages and prefix cache; runtime/dp_attention.py).
     dp: int = 1
     tp: int = 1
     ep: int = 1

@@ -24,6 +24,7 @@ import jax
 from runtime import multihost
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
+from runtime.dp_attention import DPScheduler
 from runtime.engine_setup import RunnerSetup, load_model
 from runtime.exec_trace import ExecutionTrace
 from runtime.grammar import GrammarCache, RequestGrammar
@@ -185,26 +186,30 @@ class Engine:
         self.tokenizer = tokenizer
         eos = tokenizer.eos_token_ids if tokenizer else self.model_cfg.eos_token_ids
         # The scheduler may use fewer pages than the runner's pool holds (max_total_tokens),
-        # so one compiled runner serves engines of any smaller pool size.
-        num_pages = runner.cache_cfg.num_pages
+        # so one compiled runner serves engines of any smaller pool size. Under data-parallel
+        # attention each rank schedules its own share of the pool and of the requests.
+        dp = runner.dp
+        if args.dp != dp:
+            raise ValueError(f"dp={args.dp}, but the runner's mesh has dp={dp}")
+        num_pages = runner.cache_cfg.num_pages // dp
         if args.max_total_tokens is not None:
-            num_pages = min(num_pages, args.max_total_tokens // args.page_size + 1)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                cache=CacheConfig(page_size=runner.cache_cfg.page_size, num_pages=num_pages),
-                max_running_requests=args.max_running_requests,
-                max_prefill_tokens=args.max_prefill_tokens,
-                chunked_prefill_size=args.chunked_prefill_size,
-                max_extend_seqs=args.max_extend_seqs,
-                enable_mixed_chunk=args.enable_mixed_chunk,
-                schedule_policy=args.schedule_policy,
-                disable_prefix_cache=args.disable_prefix_cache,
-                overlap=not args.disable_overlap_schedule,
-                max_context_len=runner.max_seq_len,
-            ),
-            eos_token_ids=eos,
-            decode_fn=tokenizer.decode if tokenizer else None,
+            num_pages = min(num_pages, args.max_total_tokens // (dp * args.page_size) + 1)
+        config = SchedulerConfig(
+            cache=CacheConfig(page_size=runner.cache_cfg.page_size, num_pages=num_pages),
+            max_running_requests=args.max_running_requests // dp,
+            max_prefill_tokens=args.max_prefill_tokens,
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_extend_seqs=args.max_extend_seqs,
+            enable_mixed_chunk=args.enable_mixed_chunk,
+            schedule_policy=args.schedule_policy,
+            disable_prefix_cache=args.disable_prefix_cache,
+            overlap=not args.disable_overlap_schedule,
+            max_context_len=runner.max_seq_len,
         )
+        decode_fn = tokenizer.decode if tokenizer else None
+        self.scheduler: Scheduler | DPScheduler = (
+            Scheduler(config, eos_token_ids=eos, decode_fn=decode_fn) if dp == 1 else
+            DPScheduler(config, dp, eos, decode_fn))
         self.trace = ExecutionTrace(args.trace_buffer_steps)
         self._profile_dir: str | None = None
         self._profile_start = 0.0

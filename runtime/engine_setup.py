@@ -52,7 +52,8 @@ def _cpu_kernels_off(args: ServerArgs) -> str | None:
     if on_gpu():
         return "the backend is a GPU"
     if on_mesh(args):
-        return f"a device mesh (tp={args.tp}, ep={args.ep}: the CPU kernels are single-device)"
+        return (f"a device mesh (dp={args.dp}, tp={args.tp}, ep={args.ep}: the CPU kernels are "
+                "single-device)")
     return cpu_kernels.unavailable_reason()
 
 
@@ -177,8 +178,10 @@ class RunnerSetup:
     @classmethod
     def from_args(cls, args: ServerArgs, model_cfg: ModelConfig) -> RunnerSetup:
         rcfg = runner_config(args, model_cfg)
-        cache = CacheConfig(page_size=args.page_size,
-                            num_pages=size_kv_pool(args, model_cfg, rcfg.kv_dtype))
+        pages = size_kv_pool(args, model_cfg, rcfg.kv_dtype)
+        if args.dp > 1:  # each data-parallel rank: its share and a padding page of its own
+            pages = args.dp * ((pages - 1) // args.dp + 1)
+        cache = CacheConfig(page_size=args.page_size, num_pages=pages)
         return cls(model_cfg, cache, rcfg, args.max_running_requests, args.dp, args.tp, args.ep)
 
     def build(self, params: dict) -> ModelRunner:
@@ -201,16 +204,25 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
     kv = args.kv_len_buckets or _powers(min(256, context), context, 4)
     if any(b % page for b in kv):
         raise ValueError(f"kv_len_buckets {kv} must be multiples of page_size {page}")
+    if args.dp > 1:
+        if args.max_running_requests % args.dp:
+            raise ValueError(f"dp={args.dp} must divide max_running_requests="
+                             f"{args.max_running_requests} (each rank runs its share)")
+        if not args.enable_mixed_chunk:
+            logger.info("dp=%d: MIXED buckets compiled (one rank may prefill while another "
+                        "decodes in the same step)", args.dp)
+    # Under dp every bucket is one rank's: decode rows up to its share of the requests.
+    per_rank_running = args.max_running_requests // args.dp
     return RunnerConfig(
         dtype=default_dtype(args),
         kv_cache_dtype=args.kv_cache_dtype,
         attention_backend=default_attention_backend(args),
-        decode_buckets=args.decode_buckets or _powers(1, args.max_running_requests, 2),
+        decode_buckets=args.decode_buckets or _powers(1, per_rank_running, 2),
         extend_token_buckets=args.extend_token_buckets or _powers(min(64, max_extend),
                                                                   max_extend, 4),
         extend_seq_buckets=tuple(sorted({1, args.max_extend_seqs})),
         kv_len_buckets=kv,
-        enable_mixed=args.enable_mixed_chunk,
+        enable_mixed=args.enable_mixed_chunk or args.dp > 1,
         max_top_logprobs=args.max_top_logprobs,
         strict_compile=args.strict_compile,
         # Two-batch overlap scans the stacked weights (models/moe_overlap.py).

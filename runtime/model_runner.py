@@ -11,6 +11,10 @@ is compiled a handful of times instead of once per bucket (runtime/executable_bu
 Every executable is compiled in `warmup()`, after the plan is checked against the
 process's mapping and memory budget; `launch()` only ever calls those, so a batch that
 fits no bucket is an error, never a silent recompile.
+
+The split-prefill and fused launches live in runtime/runner_split.py, the sampling
+launches and PendingStep in runtime/runner_sampling.py: mixins of ModelRunner over the
+state it owns here.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -27,11 +31,16 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.registry import model_module
-from runtime import sampling, sharding, two_batch_overlap
+from runtime import sharding, two_batch_overlap
 from runtime.batch_builder import BucketShape, pack_rows
-from runtime.bucket_plan import BucketPlan, StepKey, smallest_fitting
+from runtime.bucket_plan import BucketPlan, StepKey, cost_key, key_name
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig
+from runtime.dp_attention import (
+    DPBatch,
+    dp_pack,
+    dp_shape,
+)
 from runtime.exec_trace import TboSplit
 from runtime.executable_budget import (
     ExecutableStat,
@@ -39,50 +48,21 @@ from runtime.executable_budget import (
     check_budget,
     compile_all,
     footprint,
-    release_freed_heap,
 )
 from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.fused_step import FusedExecutables
-from runtime.grammar import mask_width
 from runtime.kv_pool import KVPool, init_kv_pool, kv_pool_shape
-from runtime.request import MAX_LOGIT_BIAS
-from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
-from runtime.slot_state import SlotState, constraint_columns, init_slot, sampling_columns
+from runtime.runner_sampling import PendingStep, SamplingLaunch
+from runtime.runner_split import SplitLaunch
+from runtime.schedule_batch import ScheduleBatch
+from runtime.slot_state import SlotState, init_slot
 from runtime.split_prefill import (
     MeshPlacement,
     SplitExecutables,
-    SplitPrefill,
-    layer_work,
-    redirect_finished,
 )
 from runtime.step_costs import DeviceCosts
 from runtime.tbo_step import TboExecutables, compiler_options
 
 logger = logging.getLogger(__name__)
-
-
-class PendingStep:
-    """Device results of a launched step; `result()` blocks and reads them back."""
-
-    def __init__(self, batch: ScheduleBatch, out: sampling.SampleOutput, order: np.ndarray,
-                 top_n: int) -> None:
-        # order: padded-row index of each real row (extend rows, then decode rows).
-        self.batch, self.out, self._order, self._top_n = batch, out, order, top_n
-        # A two-batch-overlap step: its split, and the shape it computed (both children's
-        # padded rows and tokens), for the execution trace.
-        self.tbo: TboSplit | None = None
-        self.padded_shape: BucketShape | None = None
-
-    def is_ready(self) -> bool:
-        """Whether the device has finished this step (readback would not block)."""
-        return self.out.next_tokens.is_ready()
-
-    def result(self) -> StepOutput:
-        out = jax.device_get(self.out)
-        o = self._order
-        top = (out.top_ids[o], out.top_logprobs[o]) if self._top_n else None
-        return StepOutput(next_token_ids=out.next_tokens[o], logprobs=out.logprobs[o],
-                          top_logprobs=top)
 
 
 class LaunchedForward:
@@ -92,7 +72,7 @@ class LaunchedForward:
         self.batch, self.shape, self.logits = batch, shape, logits
 
 
-class ModelRunner:
+class ModelRunner(SplitLaunch, SamplingLaunch):
     def __init__(self, model_cfg: ModelConfig, params: dict, cache_cfg: CacheConfig,
                  runner_cfg: RunnerConfig, max_running_requests: int,
                  mesh: Mesh | None = None) -> None:
@@ -100,8 +80,11 @@ class ModelRunner:
         placed on it (tensor-parallel weights, KV pool split over KV heads, experts over
         `ep`, the rest replicated); XLA partitions each step from those shardings."""
         self.model_cfg, self.cache_cfg, self.cfg = model_cfg, cache_cfg, runner_cfg
-        _check_mesh(runner_cfg, mesh)
+        _check_mesh(runner_cfg, mesh, cache_cfg)
         self.mesh = mesh
+        # Data-parallel attention ranks (runtime/dp_attention.py): every bucket is one
+        # rank's, every executable's arrays dp of them.
+        self.dp = 1 if mesh is None else mesh.shape.get("dp", 1)
         compile_counter()  # listen from here on, so warm-up compilations are counted too
         self.max_running = max_running_requests
         self.dtype = jnp.dtype(runner_cfg.dtype)
@@ -161,7 +144,7 @@ class ModelRunner:
         """Row counts B of the step keys (and of the TBO steps' merged rows): one sampler
         executable each."""
         tbo = {self.tbo.rows(k) for k in self.tbo.keys} if self.tbo else set()
-        return sorted({k.shape.num_extend_seqs + k.shape.num_decode_seqs
+        return sorted({self.dp * (k.shape.num_extend_seqs + k.shape.num_decode_seqs)
                        for k in self.step_keys()} | tbo)
 
     def plan(self) -> list[PlanPart]:
@@ -188,22 +171,10 @@ class ModelRunner:
                               self.max_running, self._out(self._replicated, self._kv_sh),
                               options)
 
-    def _fused_executables(self) -> FusedExecutables:
-        if self.split is None:
-            raise ValueError("multiplex_fused needs enable_split_prefill")
-        width = self.buckets.decode_widths()[-1]
-        # Only the largest token bucket, which every chunk of a long prompt but its last
-        # fills: the rest run as two calls, and the count stays decode buckets x seq
-        # buckets x interval sizes (48 at the default flags, not 96).
-        te_max = max(s.num_extend_tokens for s in self.split.shapes)
-        pairs = sorted({(s.num_extend_tokens, s.num_extend_seqs) for s in self.split.shapes
-                        if s.num_extend_tokens == te_max})
-        shapes = [BucketShape(te, be, bd, width) for te, be in pairs
-                  for bd in self.cfg.decode_buckets]
-        return FusedExecutables(self.model_cfg, self.cfg.attention_backend, shapes,
-                                self.split.sizes, self._place)
-
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
+        """The (per-rank, under dp) bucket a batch runs in."""
+        if isinstance(batch, DPBatch):
+            return dp_shape(batch, self.buckets.bucket_for, self.buckets.decode_widths()[-1])
         return self.buckets.bucket_for(batch)
 
     @property
@@ -218,10 +189,17 @@ class ModelRunner:
         cfg, backend, dummy = self.model_cfg, self.cfg.attention_backend, self.max_running
         model, mesh = self.model, self.mesh
 
+        dp = self.dp
+
         def forward(params, kv, last_tokens, arrays, row_slots):
             # Decode inputs of -1 are the tokens this slot sampled in the previous step,
             # which the host has not read back yet (overlap scheduling).
-            tok_slot = jnp.concatenate([jnp.full(te, dummy, jnp.int32), row_slots[be:]])  # [T]
+            if dp == 1:
+                tok_slot = jnp.concatenate([jnp.full(te, dummy, jnp.int32), row_slots[be:]])
+            else:  # rank after rank: [extend tokens | decode rows] of each   # [T]
+                per_rank = row_slots.reshape(dp, -1)[:, be:]
+                tok_slot = jnp.concatenate([jnp.full((dp, te), dummy, jnp.int32), per_rank],
+                                           axis=1).reshape(-1)
             ids = jnp.where(arrays["input_ids"] < 0, last_tokens[tok_slot],
                             arrays["input_ids"])
             batch = ForwardBatch(**{**arrays, "input_ids": ids}, mode=key.mode,
@@ -230,40 +208,16 @@ class ModelRunner:
 
         return jax.jit(forward, donate_argnums=(1,), **self._out(self._replicated, self._kv_sh))
 
-    def _sample_fn(self) -> Callable:
-        top_n, dummy = self.cfg.max_top_logprobs, self.max_running
-
-        def sample(state, logits, row_slots, sample_mask, sp):
-            out = sampling.sample(logits, sp, state.token_counts[row_slots],
-                                  state.prompt_mask[row_slots], num_top_logprobs=top_n)
-            tgt = jnp.where(sample_mask, row_slots, dummy)  # [B]
-            state = SlotState(
-                last_tokens=state.last_tokens.at[tgt].set(out.next_tokens),
-                token_counts=sampling.update_token_counts(state.token_counts, tgt,
-                                                          out.next_tokens),
-                prompt_mask=state.prompt_mask)
-            return out, state
-
-        return jax.jit(sample, donate_argnums=(0,),
-                       **self._out(self._replicated, self._replicated))
-
     def _abstract_inputs(self, shape: BucketShape) -> tuple[dict, jax.ShapeDtypeStruct]:
-        t = shape.num_extend_tokens + shape.num_decode_seqs
-        b = shape.num_extend_seqs + shape.num_decode_seqs
+        dp = self.dp  # under dp, each array is dp ranks' pieces of `shape`, rank after rank
+        t = dp * (shape.num_extend_tokens + shape.num_decode_seqs)
+        b = dp * (shape.num_extend_seqs + shape.num_decode_seqs)
         rep = self._replicated
         i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)  # noqa: E731
         arrays = dict(input_ids=i32(t), positions=i32(t), out_cache_loc=i32(t),
                       page_table=i32(b, shape.num_pages_per_seq), seq_lens=i32(b),
-                      query_start=i32(b + 1), logits_indices=i32(b))
+                      query_start=i32(b + dp), logits_indices=i32(b))
         return arrays, i32(b)
-
-    def _abstract_sample_inputs(self, b: int) -> tuple:
-        rep = self._replicated
-        sp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
-                          self._sampling_batch(b))
-        return (jax.ShapeDtypeStruct((b, self.model_cfg.vocab_size), jnp.float32, sharding=rep),
-                jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rep),
-                jax.ShapeDtypeStruct((b,), bool, sharding=rep), sp)
 
     def _lowerings(self) -> Iterator[tuple[str, Callable[[], Any]]]:
         """(name, lower) for every executable of the plan, in compile order."""
@@ -271,7 +225,7 @@ class ModelRunner:
             a.shape, a.dtype, sharding=getattr(a, "sharding", None)))
         params, kv, state = abstract(self.params), abstract(self.kv), abstract(self.state)
         for key in self.step_keys():
-            yield _key_name(key), functools.partial(
+            yield key_name(key), functools.partial(
                 self._forward_fn(key).lower, params, kv, state.last_tokens,
                 *self._abstract_inputs(key.shape))
         if self.split is not None:
@@ -327,7 +281,7 @@ class ModelRunner:
         find them; `wrap(name, exe)`, if given, stands in for each (runtime/multihost.py
         mirrors every call to the other processes of a multi-process mesh this way)."""
         exes = {n: wrap(n, e) if wrap else e for n, e in self.compiled.items()}
-        self._executables = {k: exes[_key_name(k)] for k in self.step_keys()}
+        self._executables = {k: exes[key_name(k)] for k in self.step_keys()}
         self._samplers = {b: exes[f"sample/B{b}"] for b in self.sampler_sizes()}
         for group in (self.split, self.fused, self.tbo):
             if group is not None:
@@ -337,27 +291,6 @@ class ModelRunner:
     def device_state(self) -> tuple[Any, Any, Any]:
         """The runner's long-lived device arrays: weights, KV pool, sampler slot state."""
         return self.params, self.kv, self.state
-
-    def _seed_costs(self) -> None:
-        """Time every DECODE bucket and one interval of every split shape once, on padding
-        inputs (they write only the padding page), so the multiplexing policy has costs
-        from its first iteration on; serving keeps them current."""
-        for key in self.step_keys():
-            if key.mode is ForwardMode.DECODE:
-                arrays, slots = self._padding_inputs(key.shape)
-                logits, self.kv = self._executables[key](self.params, self.kv,
-                                                         self.state.last_tokens, arrays, slots)
-                self.costs.watch(_cost_key(key.mode, key.shape), logits)
-        for shape in self.split.shapes:
-            arrays, _ = self._padding_inputs(shape)
-            split = SplitPrefill(ScheduleBatch(ForwardMode.SPLIT_PREFILL, [], []), shape, arrays,
-                                 self.split.embed(self.params, shape, arrays),
-                                 self.model_cfg.num_layers)
-            k = self.split.sizes[0]  # the cheapest compiled interval
-            split.hidden, self.kv = self.split.interval(self.params, self.kv, split, k)
-            self._watch_interval(split, k)
-        jax.block_until_ready(self.kv)
-        release_freed_heap()  # the runs' temporary buffers, as after each compilation
 
     def _padding_inputs(self, shape: BucketShape) -> tuple[dict[str, np.ndarray], np.ndarray]:
         b = shape.num_extend_seqs + shape.num_decode_seqs
@@ -385,23 +318,6 @@ class ModelRunner:
 
     # ---- execution -----------------------------------------------------------------------
 
-    def init_slots(self, rows: Sequence[BatchRow]) -> None:
-        """Rebuild the penalty state of each newly admitted (or resumed) request that uses
-        penalties: output-token counts and prompt mask. Requests without penalties never
-        read their slot's state, so they skip this."""
-        for row in rows:
-            req, sp = row.req, row.req.sampling
-            if not row.new_slot or (sp.frequency_penalty == 0 and sp.presence_penalty == 0
-                                    and sp.repetition_penalty == 1):
-                continue
-            n = smallest_fitting(self.cfg.kv_len_buckets, req.num_known, "sequence length")
-            ids = np.full(n, -1, np.int32)
-            ids[:req.num_known] = req.all_ids
-            is_out = np.zeros(n, np.int32)
-            is_out[len(req.prompt_ids):req.num_known] = 1
-            self.state = self._init_slot_exec[n](self.state, np.int32(req.req_slot), ids,
-                                                 is_out)
-
     def launch(self, batch: ScheduleBatch) -> PendingStep:
         """Dispatch one step asynchronously; the returned PendingStep reads it back. A
         SPLIT_PREFILL batch too small to split (can_split) runs whole as an EXTEND step.
@@ -418,7 +334,12 @@ class ModelRunner:
         mode = ForwardMode.EXTEND if batch.mode is ForwardMode.SPLIT_PREFILL else batch.mode
         exe = self._executables[StepKey(mode, shape)]
         self.init_slots(batch.extend_rows)
-        arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape, self.cache_cfg.page_size)
+        if isinstance(batch, DPBatch):
+            arrays = dp_pack(batch, shape, self.cache_cfg.page_size)
+            self.step_counts[ForwardMode.IDLE] += batch.num_idle
+        else:
+            arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape,
+                               self.cache_cfg.page_size)
         row_slots = self._row_slots(batch, shape)[0]
         logits, self.kv = exe(self.params, self.kv, self.state.last_tokens, arrays, row_slots)
         self.step_counts[mode] += 1
@@ -428,7 +349,7 @@ class ModelRunner:
         pending = self._sample(fwd.batch, fwd.shape, fwd.logits)
         mode = (ForwardMode.EXTEND if fwd.batch.mode is ForwardMode.SPLIT_PREFILL
                 else fwd.batch.mode)
-        self.costs.watch(_cost_key(mode, fwd.shape), pending.out.next_tokens)
+        self.costs.watch(cost_key(mode, fwd.shape), pending.out.next_tokens)
         return pending
 
     def launch_tbo(self, batch: ScheduleBatch) -> PendingStep | None:
@@ -464,150 +385,8 @@ class ModelRunner:
 
     def step_cost(self, batch: ScheduleBatch) -> float | None:
         """Measured device seconds of a step like `batch` (None until one has run)."""
-        return self.costs.get(_cost_key(batch.mode, self.bucket_for(batch)))
+        return self.costs.get(cost_key(batch.mode, self.bucket_for(batch)))
 
-    @property
-    def interval_sizes(self) -> list[int]:
-        """Layer counts a split-prefill interval may run (compiled at warm-up)."""
-        return self.split.sizes if self.split is not None else []
-
-    def layer_cost(self, split: SplitPrefill) -> float | None:
-        """Device seconds one layer of split's intervals takes (None until one ran): the
-        measured seconds per unit of layer work of its shape, times its own work."""
-        per_work = self.costs.get(_cost_key(ForwardMode.SPLIT_PREFILL, split.shape))
-        return None if per_work is None else per_work * self._layer_work(split)
-
-    def _layer_work(self, split: SplitPrefill) -> float:
-        return layer_work(self.model_cfg, split.shape.num_extend_tokens, split.batch.extend_rows)
-
-    def _watch_interval(self, split: SplitPrefill, k: int) -> None:
-        """Charge split's shape for k layers' device time, per unit of layer work."""
-        self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, split.shape), split.hidden,
-                         per=k * self._layer_work(split))
-
-    # ---- split prefill (runtime/split_prefill.py) ----------------------------------------
-
-    def can_split(self, batch: ScheduleBatch) -> bool:
-        """Whether batch's extend bucket has split programs (see split_min_tokens)."""
-        return self.split is not None and self.bucket_for(batch) in self.split.shapes
-
-    def start_split(self, batch: ScheduleBatch) -> SplitPrefill:
-        """Embed an EXTEND batch's tokens; its layers then run interval by interval."""
-        if self.split is None:
-            raise RuntimeError("split prefill is off (RunnerConfig.enable_split_prefill)")
-        shape = self.bucket_for(batch)
-        self.init_slots(batch.extend_rows)
-        arrays = pack_rows(batch.extend_rows, [], shape, self.cache_cfg.page_size)
-        return SplitPrefill(batch, shape, arrays, self.split.embed(self.params, shape, arrays),
-                            self.model_cfg.num_layers)
-
-    def run_interval(self, split: SplitPrefill, k: int) -> None:
-        """Launch the next k layers of `split` (k one of split.sizes, <= its remaining)."""
-        split.drop_finished_rows()
-        split.hidden, self.kv = self.split.interval(self.params, self.kv, split, k)
-        self._watch_interval(split, k)
-        split.advance(k)
-        self.step_counts[ForwardMode.SPLIT_PREFILL] += 1
-        self.check_no_compiles()
-
-    def finish_split(self, split: SplitPrefill) -> PendingStep:
-        """Logits and sampling after the last interval."""
-        if not split.done:
-            raise RuntimeError(f"split prefill at layer {split.next_layer} of "
-                               f"{split.num_layers} is not done")
-        return self._sample(split.batch, split.shape, self.split.logits(self.params, split))
-
-    def launch_fused(self, decode: ScheduleBatch, split: SplitPrefill, k: int
-                     ) -> PendingStep | None:
-        """One fused executable: decode's rows through every layer, split's next k layers
-        in the same loop (runtime/fused_step.py). None when no program fits (the caller
-        runs the two calls instead)."""
-        dec_shape = self.bucket_for(decode)
-        ext = split.shape
-        shape = BucketShape(ext.num_extend_tokens, ext.num_extend_seqs,
-                            dec_shape.num_decode_seqs, dec_shape.num_pages_per_seq)
-        if self.fused is None or not self.fused.has(shape, k):
-            return None
-        mixed = ScheduleBatch(ForwardMode.MIXED, split.batch.extend_rows, decode.decode_rows)
-        arrays = pack_rows(mixed.extend_rows, mixed.decode_rows, shape, self.cache_cfg.page_size)
-        redirect_finished(arrays, mixed.extend_rows)
-        slots = self._row_slots(mixed, shape)[0]
-        logits, split.hidden, self.kv = self.fused(
-            shape, k, self.params, self.kv, self.state.last_tokens, split.hidden, arrays,
-            slots, np.int32(split.next_layer))
-        split.advance(k)
-        self.step_counts[ForwardMode.SPLIT_PREFILL] += 1
-        self.step_counts[ForwardMode.DECODE] += 1
-        pending = self._sample(decode, dec_shape, logits)
-        # The policy sizes the next interval from the decode step's cost plus the layers':
-        # charge the interval what the fused step took beyond the decode step alone.
-        self.costs.watch(_cost_key(ForwardMode.SPLIT_PREFILL, ext), pending.out.next_tokens,
-                         per=k * self._layer_work(split),
-                         base=_cost_key(ForwardMode.DECODE, dec_shape))
-        return pending
-
-    # ---- sampling ------------------------------------------------------------------------
-
-    def _row_slots(self, batch: ScheduleBatch, shape: BucketShape
-                   ) -> tuple[np.ndarray, np.ndarray, list[BatchRow | None]]:
-        """Each padded row's slot (padding: the spare last slot), whether it samples, and
-        the rows in padded order (extend rows, then decode rows from num_extend_seqs)."""
-        b = shape.num_extend_seqs + shape.num_decode_seqs
-        padded: list[BatchRow | None] = [None] * b
-        for i, r in enumerate(batch.extend_rows):
-            padded[i] = r
-        for i, r in enumerate(batch.decode_rows):
-            padded[shape.num_extend_seqs + i] = r
-        return (*self._slots_of(padded), padded)
-
-    def _slots_of(self, padded: list[BatchRow | None]) -> tuple[np.ndarray, np.ndarray]:
-        row_slots = np.full(len(padded), self.max_running, np.int32)
-        sample_mask = np.zeros(len(padded), bool)
-        for i, r in enumerate(padded):
-            if r is not None:
-                row_slots[i], sample_mask[i] = r.req.req_slot, r.sample
-        return row_slots, sample_mask
-
-    def _sample(self, batch: ScheduleBatch, shape: BucketShape, logits: jax.Array
-                ) -> PendingStep:
-        padded = self._row_slots(batch, shape)[2]
-        # Rows come back in padded order; compact them to extend rows then decode rows.
-        order = np.r_[np.arange(len(batch.extend_rows)),
-                      shape.num_extend_seqs + np.arange(len(batch.decode_rows))]
-        return self._sample_rows(batch, padded, logits, order)
-
-    def _sample_rows(self, batch: ScheduleBatch, padded: list[BatchRow | None],
-                     logits: jax.Array, order: np.ndarray) -> PendingStep:
-        """Sample logits [len(padded), V] whose row i is padded[i] (None: padding)."""
-        row_slots, sample_mask = self._slots_of(padded)
-        sp = self._sampling_batch(len(padded), padded)
-        out, self.state = self._samplers[len(padded)](self.state, logits, row_slots,
-                                                      sample_mask, sp)
-        self.check_no_compiles()
-        return PendingStep(batch, out, order, self.cfg.max_top_logprobs)
-
-
-    def _sampling_batch(self, b: int, padded: Sequence[BatchRow | None] = ()
-                        ) -> sampling.SamplingBatch:
-        """Every step passes the full bitmask and bias widths: one sampler trace per B."""
-        v = self.model_cfg.vocab_size
-        cols = {**sampling_columns(padded), **constraint_columns(padded, v)} if padded else {}
-        return sampling.SamplingBatch.create(b, mask_width=mask_width(v),
-                                             bias_slots=MAX_LOGIT_BIAS, **cols)
-
-
-def _cost_key(mode: ForwardMode, shape: BucketShape) -> str:
-    """Cost-table key: decode steps by row bucket (their cost follows the context, not the
-    page-table width); other steps by their whole shape."""
-    if mode is ForwardMode.DECODE:
-        return f"decode/bd{shape.num_decode_seqs}"
-    return _key_name(StepKey(mode, shape))
-
-
-def _key_name(key: StepKey) -> str:
-    s = key.shape
-    return (f"{key.mode.value}/te{s.num_extend_tokens}_be{s.num_extend_seqs}"
-            f"_bd{s.num_decode_seqs}_np{s.num_pages_per_seq}")
 
 
 def _check_tbo(model_cfg: ModelConfig, cfg: RunnerConfig, mesh: Mesh | None) -> None:
@@ -622,10 +401,28 @@ def _check_tbo(model_cfg: ModelConfig, cfg: RunnerConfig, mesh: Mesh | None) -> 
         raise ValueError("two-batch overlap runs on an ep mesh without tp")
 
 
-def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None) -> None:
+def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None, cache: CacheConfig) -> None:
     """What does not run on a mesh yet, as a start-up error."""
     if mesh is None:
         return
     if "cpu" in (cfg.attention_backend, cfg.cpu_matmul.replace("packed", "cpu")):
-        raise ValueError("the CPU kernels are single-device: on a mesh use "
-                         "attention_backend='xla' and cpu_matmul='xla'")
+        raise ValueError(f"the CPU kernels are single-device (attention_backend="
+                         f"{cfg.attention_backend!r}, cpu_matmul={cfg.cpu_matmul!r}): on a "
+                         "mesh use attention_backend='xla' and cpu_matmul='xla'")
+    dp = mesh.shape.get("dp", 1)
+    if dp > 1:
+        if cache.num_pages % dp:
+            raise ValueError(f"dp={dp}: the KV pool's {cache.num_pages} pages must split "
+                             "evenly over the data-parallel ranks")
+        off = [flag for flag, on in (("enable_split_prefill / multiplexing",
+                                      cfg.enable_split_prefill),
+                                     ("multiplex_fused", cfg.multiplex_fused),
+                                     ("enable_two_batch_overlap",
+                                      cfg.enable_two_batch_overlap)) if on]
+        if off:
+            raise ValueError(f"dp={dp} (data-parallel attention) does not run with "
+                             f"{', '.join(off)} yet")
+        if not cfg.enable_mixed:
+            raise ValueError(f"dp={dp}: a step may hold one rank's prefill and another's "
+                             "decode rows, so the runner needs the MIXED buckets "
+                             "(enable_mixed)")

@@ -368,8 +368,12 @@ def run_follower(args: ServerArgs) -> int:
     channel = FollowerChannel(args)
     try:
         model_cfg, params, _ = load_model(args)
-        kind, setup = channel.recv()
-        assert kind == "setup", kind
+        message = channel.recv()
+        if message[0] != "setup":  # rank 0 failed before its runner existed
+            logger.error("node_rank %d: rank 0 stopped before it sent its runner setup",
+                         args.node_rank)
+            return 1
+        setup = message[1]
         if setup.model_cfg != model_cfg:
             raise ValueError(f"node_rank {args.node_rank} loaded a different model than rank 0 "
                              f"from --model={args.model}:\n{model_cfg}\nrank 0: "

@@ -70,7 +70,10 @@ class Scheduler:
         config: SchedulerConfig,
         eos_token_ids: Iterable[int],
         decode_fn: Callable[[list[int]], str] | None = None,
+        first_slot: int = 0,
     ):
+        """first_slot: requests take slots [first_slot, first_slot + max_running_requests)
+        (a data-parallel rank's share of the runner's slots, runtime/dp_attention.py)."""
         self.config = config
         self.page_size = config.cache.page_size
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -82,7 +85,8 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []  # admission order: the last is the newest
         self._reqs: dict[str, Req] = {}  # every unfinished request
-        self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
+        self._free_slots = list(range(first_slot + config.max_running_requests - 1,
+                                      first_slot - 1, -1))
         self._chunked: Req | None = None  # the one request that is mid chunked prefill
         self._inflight = 0  # batches handed out whose results are not processed yet
         # Requests of the split prefill in flight (next_prefill .. release_prefill), each

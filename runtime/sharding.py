@@ -57,6 +57,7 @@ DEFAULT_RULES: dict[str, str | None] = {
     "kv_heads": "tp",
     "mlp": "tp",
     "experts": "ep",
+    "pages": "dp",
     "embed": None,
     "layers": None,
 }
@@ -132,8 +133,9 @@ def param_shardings(
     )
 
 
-# Logical axes of the KV pool [L, Hkv, P, S, Dh]: each tp rank holds its KV heads' pages.
-KV_AXES: tuple[str | None, ...] = ("layers", "kv_heads", None, None, None)
+# Logical axes of the KV pool [L, Hkv, P, S, Dh]: each tp rank holds its KV heads' pages,
+# each dp rank its own pages (data-parallel attention, runtime/dp_attention.py).
+KV_AXES: tuple[str | None, ...] = ("layers", "kv_heads", "pages", None, None)
 
 
 def kv_sharding(cfg: ModelConfig, shape: Sequence[int], mesh: Mesh) -> NamedSharding:
@@ -143,9 +145,8 @@ def kv_sharding(cfg: ModelConfig, shape: Sequence[int], mesh: Mesh) -> NamedShar
 def serving_mesh(cfg: ModelConfig, dp: int = 1, tp: int = 1, ep: int = 1) -> Mesh | None:
     """The runner's mesh for --dp/--tp/--ep (None: one device). Every split must be even:
     tp divides the query and KV heads (each rank owns whole heads and its KV pages), ep
-    the experts; anything else is a start-up error that names the numbers."""
-    if dp != 1:
-        raise ValueError(f"dp={dp}: data-parallel attention is not implemented; use dp=1")
+    the experts; anything else is a start-up error that names the numbers. dp splits the
+    KV pool's pages (the runner sizes it a multiple of dp) and each step's rows."""
     bad = [f"{name}={n}" for name, n in (("num_heads", cfg.num_heads),
                                          ("num_kv_heads", cfg.num_kv_heads)) if n % tp]
     if bad:
@@ -153,6 +154,6 @@ def serving_mesh(cfg: ModelConfig, dp: int = 1, tp: int = 1, ep: int = 1) -> Mes
     if ep > 1 and (not cfg.is_moe or cfg.num_experts % ep):
         raise ValueError(f"ep={ep} needs a MoE model whose experts it divides "
                          f"(num_experts={cfg.num_experts})")
-    if tp * ep == 1:
+    if dp * tp * ep == 1:
         return None
-    return make_mesh(tp=tp, ep=ep)
+    return make_mesh(dp=dp, tp=tp, ep=ep)

@@ -26,7 +26,8 @@ the crossover shows), e.g. on the 4 fake devices of one CPU:
     XLA_FLAGS=--xla_force_host_platform_device_count=4 .venv/bin/python \
       scripts/bench_one_batch.py --model=tiny-moe --ep=4 --variants=xla+xla+tbo,xla+xla
 With any +tbo variant every variant scans the stacked weights (per_layer_weights off),
-so the ratio is TBO's alone.
+so the ratio is TBO's alone. --rounds interleaves the variants' calls (A B A B) on a
+shared machine.
 Writes bench_one_batch.json and bench_one_batch.png to --out_dir.
 """
 
@@ -65,6 +66,9 @@ flags.DEFINE_bool("mixed", False, "also time MIXED: each prefill length with eac
                   "batch (compiles one executable per pair)")
 flags.DEFINE_integer("iters", 10, "timed calls per point")
 flags.DEFINE_integer("warmup", 2, "untimed calls per point first")
+flags.DEFINE_integer("rounds", 1, "with --variants: split each point's --iters calls into "
+                     "this many rounds, each visiting every variant in turn (A B A B)",
+                     lower_bound=1)
 flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
 flags.DEFINE_list("variants", [], "MATMUL+ATTENTION pairs to time side by side, e.g. "
                   "packed+cpu,xla+xla, each optionally +tbo (two-batch overlap on) "
@@ -255,6 +259,21 @@ def _time_point(runner: ModelRunner, batch: ScheduleBatch, iters: int,
     return host[warmup:], total
 
 
+def _time_interleaved(runners: list[ModelRunner], batch: ScheduleBatch, iters: int,
+                      warmup: int, rounds: int) -> list[tuple[list[float], list[float]]]:
+    """_time_point of each runner at one point, its calls spread over `rounds` rounds that
+    visit every runner in turn, so a neighbour's load on a shared machine falls on all of
+    them alike; the warm-up calls run in the first round."""
+    out: list[tuple[list[float], list[float]]] = [([], []) for _ in runners]
+    for i in range(rounds):
+        n = iters // rounds + (i < iters % rounds)
+        for runner, (host, total) in zip(runners, out, strict=True):
+            h, t = _time_point(runner, batch, n, warmup if i == 0 else 0)
+            host += h
+            total += t
+    return out
+
+
 def _record(p: Point, variant: str | None, shape: BucketShape, host: list[float],
             total: list[float], cfg: ModelConfig, itemsize: int,
             roof: bc.Roofline) -> dict[str, Any]:
@@ -369,11 +388,12 @@ def main(argv: list[str]) -> None:
     runners = {v: _make_runner(_variant_args(args, v), model, [b for b, _ in built],
                                max(n for _, n in built))
                for v in variants}
-    timed = []  # point-major, variants of one point back to back
+    timed = []  # point-major, variants of one point side by side
     for p, (batch, _) in zip(points, built, strict=True):
-        for v in variants:
-            timed.append(_time_point(runners[v], batch, iters, warmup))
-            bc.log(f"{p.label(v):<49} median {bc.median(timed[-1][1]) * 1e3:8.2f} ms")
+        timed += _time_interleaved([runners[v] for v in variants], batch, iters, warmup,
+                                   min(FLAGS.rounds, iters))
+        for v, (_, total) in zip(variants, timed[-len(variants):], strict=True):
+            bc.log(f"{p.label(v):<49} median {bc.median(total) * 1e3:8.2f} ms")
     probes.append(_probe("after"))
     # The best probe is the machine's capability; a probe slowed by a neighbour would
     # flatter every fraction.
@@ -398,7 +418,8 @@ def main(argv: list[str]) -> None:
                            for v in variants},
               "roofline": roof.to_json(),
               "roofline_probes": [r.to_json() for r in probes],
-              "iters": iters, "warmup": warmup, "points": records,
+              "iters": iters, "warmup": warmup, "rounds": min(FLAGS.rounds, iters),
+              "points": records,
               "wall_s": time.perf_counter() - t_start}
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     bc.write_json(FLAGS.out_dir, "bench_one_batch.json", result)

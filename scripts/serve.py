@@ -117,7 +117,9 @@ flags.DEFINE_float("tbo_token_distribution_threshold", _D.tbo_token_distribution
                    "than this share of the tokens on one side")
 flags.DEFINE_integer("tbo_min_tokens", None, "smaller batches run unsplit (default: 128 per "
                      "ep rank)")
-flags.DEFINE_integer("dp", _D.dp, "data-parallel attention (not implemented: only 1)")
+flags.DEFINE_integer("dp", _D.dp, "data-parallel attention ranks: each runs its own "
+                     "requests over its own KV pages (must divide --max_running_requests; "
+                     "buckets are per rank)")
 flags.DEFINE_integer("nnodes", _D.nnodes, "processes the device mesh spans (jax.distributed; "
                      "start one per node_rank, each with the same flags)")
 flags.DEFINE_integer("node_rank", _D.node_rank, "this process's rank: 0 serves HTTP and "

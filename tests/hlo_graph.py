@@ -24,6 +24,7 @@ class Instr:
     operands: list[str]
     calls: list[str]
     op_names: list[str]
+    text: str  # the instruction without its metadata (attributes: custom_call_target=...)
 
 
 def _type_end(body: str) -> int:
@@ -56,7 +57,8 @@ def parse(text: str) -> dict[str, dict[str, Instr]]:
         op = _OPCODE.match(body[end:])
         calls = [c.lstrip("%") for group in _CALLS.findall(body) for c in group.split(",")]
         cur[name] = Instr(name, body[:end], op.group(1) if op else "",
-                          _REF.findall(body.split(", calls=")[0]), calls, _OP_NAME.findall(rest))
+                          _REF.findall(body.split(", calls=")[0]), calls, _OP_NAME.findall(rest),
+                          body)
     for instrs in comps.values():
         for ins in instrs.values():
             ins.operands = [o for o in ins.operands if o in instrs]

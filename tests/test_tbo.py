@@ -1,11 +1,15 @@
-"""Two-batch overlap on the 4 fake CPU devices (tiny-moe, EP=4, f32): TBO on equals TBO
-off (greedy tokens, logits) for decode, extend, mixed, the two-chunk cut, single-sequence
-batches and an IDLE micro-batch; the compiled program keeps the two micro-batches'
-collectives and compute in independent dataflow chains; the execution trace shows both
-micro-batches of a TBO step; nothing compiles after warm-up (strict)."""
+"""Two-batch overlap on the 4 fake CPU devices (tiny-moe, f32): TBO on equals TBO off
+(greedy tokens, logits) for decode, extend, mixed, the two-chunk cut, single-sequence
+batches and an IDLE micro-batch, on each attention backend: `xla` (the jnp reference) at
+EP=4, `cpu` (cpu_kernels through the FFI; single-device, so EP=1) and `pallas` (interpret
+mode, EP=4; slow). The compiled program keeps the two micro-batches' collectives and
+compute in independent dataflow chains; no TBO program writes or copies the pool inside
+its layer loop; the execution trace shows both micro-batches of a TBO step; nothing
+compiles after warm-up (strict)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -16,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import moe_overlap, registry
+from models import layers, moe_overlap, registry
+from pallas_kernels.ragged_paged_attention import paged_attention
 from runtime import two_batch_overlap
 from runtime.batch_builder import BucketShape
 from runtime.bucket_plan import StepKey
@@ -52,16 +57,48 @@ class _Runner(ModelRunner):
         return [k for k in super().step_keys() if (k.mode, k.shape) in KEYS]
 
 
-@pytest.fixture(scope="module")
-def runner() -> ModelRunner:
-    rcfg = RunnerConfig(decode_buckets=(2, 4), extend_token_buckets=(16,),
+# (attention backend, ep). The CPU kernels are single-device (on a mesh: a start-up
+# error, test_cpu_kernels_on_a_mesh_are_a_startup_error); Pallas' interpret-mode programs
+# took 66 s to 8 minutes to compile here (the box's load), beyond the suite's budget.
+XLA_EP4 = ("xla", 4)
+BACKENDS = [pytest.param(XLA_EP4, id="xla-ep4"), pytest.param(("cpu", 1), id="cpu-ep1"),
+            pytest.param(("pallas", 4), id="pallas-ep4", marks=pytest.mark.slow)]
+
+
+def _runner_config(backend: str) -> RunnerConfig:
+    return RunnerConfig(decode_buckets=(2, 4), extend_token_buckets=(16,),
                         extend_seq_buckets=(2,), kv_len_buckets=(64,), enable_mixed=True,
-                        max_top_logprobs=2, strict_compile=True, attention_backend="xla",
+                        max_top_logprobs=2, strict_compile=True, attention_backend=backend,
                         enable_two_batch_overlap=True, tbo_min_tokens=1)
-    r = _Runner(CFG, PARAMS, CacheConfig(page_size=PAGE, num_pages=64), rcfg,
-                max_running_requests=8, mesh=make_mesh(ep=4))
-    r.warmup(progress=False)
-    return r
+
+
+@pytest.fixture(scope="module")
+def runners() -> dict[tuple[str, int], ModelRunner]:
+    """Warmed-up runners by (backend, ep), each built once for the module."""
+    made: dict[tuple[str, int], ModelRunner] = {}
+    yield made
+    made.clear()
+
+
+def _warm(runners: dict, backend: str, ep: int) -> ModelRunner:
+    if (backend, ep) not in runners:
+        r = _Runner(CFG, PARAMS, CacheConfig(page_size=PAGE, num_pages=64),
+                    _runner_config(backend), max_running_requests=8,
+                    mesh=make_mesh(ep=ep) if ep > 1 else None)
+        r.warmup(progress=False)
+        runners[backend, ep] = r
+    return runners[backend, ep]
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def runner(request, runners) -> ModelRunner:
+    return _warm(runners, *request.param)
+
+
+@pytest.fixture(scope="module")
+def ep4_runner(runners) -> ModelRunner:
+    """The xla runner on the EP=4 mesh: the one whose programs hold the MoE all-to-alls."""
+    return _warm(runners, *XLA_EP4)
 
 
 _rng = np.random.default_rng(0)
@@ -160,11 +197,11 @@ def test_mixed_two_chunk(runner, decoding, monkeypatch):
     _check_same(runner, batch, monkeypatch)
 
 
-def test_micro_batches_are_independent_chains_in_the_compiled_program(runner):
+def test_micro_batches_are_independent_chains_in_the_compiled_program(ep4_runner):
     """In the compiled layer loop, none of A's ops (attention, MoE compute, all-to-alls)
     reads anything of B's; B's MoE ops read nothing of A's MoE, only A's attention (B's
     attention reads A's K/V of the layer: the two-chunk continuation)."""
-    text = runner.tbo._exe["tbo/mixed/te16_be2_bd4_np16"].as_text()
+    text = ep4_runner.tbo._exe["tbo/mixed/te16_be2_bd4_np16"].as_text()
     comps = hlo_graph.parse(text)
     body = [c for c, ins in comps.items() if any(i.opcode == "all-to-all" for i in ins.values())]
     assert len(body) == 1, body
@@ -202,28 +239,60 @@ def test_micro_batches_are_independent_chains_in_the_compiled_program(runner):
     assert any(t == "mb_b/run_experts" for n in data for t in tags(n))
 
 
+def _pool_sized(ins: hlo_graph.Instr, pool: str) -> bool:
+    """Whether the result, or an array of a tuple result, is pool-sized: dtype[elements]
+    (f32[2,3]{1,0} -> f32[6]) equal to `pool`."""
+    return any(f"{t}[{math.prod(int(d) for d in dims.split(',') if d)}]" == pool
+               for t, dims in re.findall(r"(\w+)\[([\d,]*)\]", ins.type))
+
+
+def _loops(comps: dict) -> set[str]:
+    """Every while loop's body and condition."""
+    return {c for ins in comps.values() for i in ins.values() if i.opcode == "while"
+            for c in i.calls}
+
+
 def test_no_tbo_program_writes_or_copies_the_pool_in_its_layer_loop(runner):
     """The layer loops only read the pool (a pool written inside the loop is copied by XLA
     CPU on every trip: TBO ran 8-50x slower than plain): in every TBO program, decode,
-    extend, mixed, nothing but passing the loop's parameter on makes a pool-sized buffer
-    inside the loop, and nothing anywhere copies one."""
+    extend, mixed, on every backend, nothing but passing loop state on (parameters,
+    tuples, a nested loop of Pallas' interpret mode) makes a pool-sized buffer inside a
+    loop, and nothing anywhere copies one."""
     pool = f"{runner.kv.k.dtype}[{math.prod(runner.kv.k.shape)}]"
+    passing = {"parameter", "get-tuple-element", "bitcast", "tuple", "while"}
+    for name in runner.tbo.names:
+        comps = hlo_graph.parse(runner.tbo._exe[name].as_text())
+        loops = _loops(comps)
+        assert loops, name
+        for comp, instrs in comps.items():
+            made = {i.opcode for i in instrs.values() if _pool_sized(i, pool)}
+            assert "copy" not in made, (name, comp)
+            if comp in loops:
+                assert made <= passing, (name, comp, made)
 
-    def size(ins: hlo_graph.Instr) -> str:
-        """dtype[elements] of an array result (f32[2,3]{1,0} -> f32[6]), '' for a tuple."""
-        m = re.match(r"(\w+)\[([\d,]*)\]", ins.type)
-        return f"{m[1]}[{math.prod(int(d) for d in m[2].split(',') if d)}]" if m else ""
+
+def test_cpu_kernels_attend_in_the_loop_and_write_the_pool_in_place(runners):
+    """With attention_backend="cpu" every TBO program attends through the C++ kernels
+    inside its layer loop and writes the pool with their in-place FFI call, once per
+    micro-batch after the loop, the pool aliased to the call's result (no copy: above)."""
+    runner = _warm(runners, "cpu", 1)
+    aliased = "output_to_operand_aliasing={{0}: (0, {}), {1}: (1, {})}"
+
+    def calls(comps: dict, target: str, inside: bool) -> list[hlo_graph.Instr]:
+        """The custom calls of `target` inside (or outside) the program's loops."""
+        loops = _loops(comps)
+        return [i for c, ins in comps.items() if (c in loops) == inside
+                for i in ins.values() if f'custom_call_target="{target}"' in i.text]
 
     for name in runner.tbo.names:
         comps = hlo_graph.parse(runner.tbo._exe[name].as_text())
-        loops = {c for ins in comps.values() for i in ins.values() if i.opcode == "while"
-                 for c in i.calls}  # each loop's body and condition
-        assert loops, name
-        for comp, instrs in comps.items():
-            made = {i.opcode for i in instrs.values() if size(i) == pool}
-            assert "copy" not in made, (name, comp)
-            if comp in loops:
-                assert made <= {"parameter", "get-tuple-element", "bitcast"}, (name, comp, made)
+        kernels = {"decode": ("decode",), "extend": ("extend",),
+                   "mixed": ("extend", "decode")}[name.split("/")[1]]
+        for k in kernels:  # one call of A's attention and one of B's
+            assert len(calls(comps, f"xlaserve_{k}_attention", True)) == 2, (name, k)
+        assert not calls(comps, "xlaserve_write_kv", True), name
+        writes = calls(comps, "xlaserve_write_kv", False)
+        assert len(writes) == 2 and all(aliased in w.text for w in writes), name
 
 
 def test_trace_shows_both_micro_batches(runner, decoding):
@@ -242,7 +311,7 @@ def test_trace_shows_both_micro_batches(runner, decoding):
 
 def test_plan_counts_tbo_executables_and_gpu_options(runner):
     (part,) = [p for p in runner.plan() if p.name == "TBO"]
-    assert part.count == len(KEYS) == len(runner.tbo.names)
+    assert part.count == len(runner.tbo.names) == len(runner.step_keys())
     assert runner.num_executables == len(runner.exec_stats)
     assert compiler_options("gpu") == {"xla_gpu_enable_latency_hiding_scheduler": True}
     assert compiler_options("cpu") == {}
@@ -260,16 +329,35 @@ def test_dense_model_or_per_layer_weights_is_a_startup_error():
                     max_running_requests=2)
 
 
-def test_tbo_forward_lowers_for_cuda():
+def test_cpu_kernels_on_a_mesh_are_a_startup_error():
+    """TBO on the CPU kernels runs at EP=1: they are single-device, and a mesh says so."""
+    with pytest.raises(ValueError, match="single-device .attention_backend='cpu'.*on a mesh "
+                                         "use attention_backend='xla'"):
+        ModelRunner(CFG, PARAMS, CacheConfig(page_size=PAGE, num_pages=8),
+                    _runner_config("cpu"), max_running_requests=2, mesh=make_mesh(ep=4))
+
+
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_tbo_forward_lowers_for_cuda(backend, monkeypatch):
     """The GPU program (checked for overlap by tests/test_tbo_gpu.py) lowers from here:
-    three all_to_all per micro-batch and layer, no CPU-only op."""
-    shape = BucketShape(0, 0, 2, W)
-    batch = make_batch(D, [], [SimpleRow([3], 5, [1, 2])], shape, PAGE)
-    kv = init_kv_pool(CFG, CacheConfig(page_size=PAGE, num_pages=8), jnp.float32)
+    three all_to_all per micro-batch and layer, no CPU-only op. With "pallas": the compiled
+    kernels (Mosaic GPU, bf16) in both micro-batches' attention of an extend program,
+    B's reading the one-layer copy of its pages (16-token pages: Mosaic's tiles)."""
+    dtype, page = (jnp.float32, PAGE) if backend == "xla" else (jnp.bfloat16, 16)
+    if backend == "pallas":
+        monkeypatch.setattr(layers, "get_paged_attention_fn", lambda b: functools.partial(
+            paged_attention, interpret=False))
+        shape, mode, rows = BucketShape(16, 2, 0, 4), E, ([SimpleRow([3, 4], 5, [1])], [])
+    else:
+        shape, mode, rows = BucketShape(0, 0, 2, W), D, ([], [SimpleRow([3], 5, [1, 2])])
+    batch = make_batch(mode, *rows, shape, page)
+    kv = init_kv_pool(CFG, CacheConfig(page_size=page, num_pages=8), dtype)
 
     def fwd(p, kv, a, b):
-        return moe_overlap.forward(p, kv, (a, b), CFG, "xla", make_mesh(ep=4))
+        return moe_overlap.forward(p, kv, (a, b), CFG, backend, make_mesh(ep=4))
 
-    text = jax.jit(fwd).trace(PARAMS, kv, batch, batch).lower(
+    params = jax.tree.map(lambda w: w.astype(dtype), PARAMS)
+    text = jax.jit(fwd).trace(params, kv, batch, batch).lower(
         lowering_platforms=("cuda",)).as_text()
     assert text.count("stablehlo.all_to_all") == 6
+    assert text.count("custom_call @mosaic_gpu") == (2 if backend == "pallas" else 0)

@@ -1,0 +1,137 @@
+"""The ModelRunner's sampling half: the sampler executable (one per batch-row count B,
+shared by every mode and bucket with B rows), the per-slot penalty state it reads, and
+PendingStep, a launched step's device results. A mixin of ModelRunner
+(runtime/model_runner.py), which owns the state it uses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from runtime import sampling
+from runtime.batch_builder import BucketShape
+from runtime.bucket_plan import smallest_fitting
+from runtime.dp_attention import DPBatch, dp_order, dp_padded_shape, padded_rows
+from runtime.exec_trace import TboSplit
+from runtime.grammar import mask_width
+from runtime.request import MAX_LOGIT_BIAS
+from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
+from runtime.slot_state import SlotState, constraint_columns, sampling_columns
+
+
+class PendingStep:
+    """Device results of a launched step; `result()` blocks and reads them back."""
+
+    def __init__(self, batch: ScheduleBatch, out: sampling.SampleOutput, order: np.ndarray,
+                 top_n: int) -> None:
+        # order: padded-row index of each real row (extend rows, then decode rows).
+        self.batch, self.out, self._order, self._top_n = batch, out, order, top_n
+        # A two-batch-overlap step: its split, and the shape it computed (both children's
+        # padded rows and tokens), for the execution trace.
+        self.tbo: TboSplit | None = None
+        self.padded_shape: BucketShape | None = None
+
+    def is_ready(self) -> bool:
+        """Whether the device has finished this step (readback would not block)."""
+        return self.out.next_tokens.is_ready()
+
+    def result(self) -> StepOutput:
+        out = jax.device_get(self.out)
+        o = self._order
+        top = (out.top_ids[o], out.top_logprobs[o]) if self._top_n else None
+        return StepOutput(next_token_ids=out.next_tokens[o], logprobs=out.logprobs[o],
+                          top_logprobs=top)
+
+
+class SamplingLaunch:
+    """Sampling of ModelRunner (`self` is the runner)."""
+
+    def _sample_fn(self) -> Callable:
+        top_n, dummy = self.cfg.max_top_logprobs, self.max_running
+
+        def sample(state, logits, row_slots, sample_mask, sp):
+            out = sampling.sample(logits, sp, state.token_counts[row_slots],
+                                  state.prompt_mask[row_slots], num_top_logprobs=top_n)
+            tgt = jnp.where(sample_mask, row_slots, dummy)  # [B]
+            state = SlotState(
+                last_tokens=state.last_tokens.at[tgt].set(out.next_tokens),
+                token_counts=sampling.update_token_counts(state.token_counts, tgt,
+                                                          out.next_tokens),
+                prompt_mask=state.prompt_mask)
+            return out, state
+
+        return jax.jit(sample, donate_argnums=(0,),
+                       **self._out(self._replicated, self._replicated))
+
+    def _abstract_sample_inputs(self, b: int) -> tuple:
+        rep = self._replicated
+        sp = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep),
+                          self._sampling_batch(b))
+        return (jax.ShapeDtypeStruct((b, self.model_cfg.vocab_size), jnp.float32, sharding=rep),
+                jax.ShapeDtypeStruct((b,), jnp.int32, sharding=rep),
+                jax.ShapeDtypeStruct((b,), bool, sharding=rep), sp)
+
+    def init_slots(self, rows: Sequence[BatchRow]) -> None:
+        """Rebuild the penalty state of each newly admitted (or resumed) request that uses
+        penalties: output-token counts and prompt mask. Requests without penalties never
+        read their slot's state, so they skip this."""
+        for row in rows:
+            req, sp = row.req, row.req.sampling
+            if not row.new_slot or (sp.frequency_penalty == 0 and sp.presence_penalty == 0
+                                    and sp.repetition_penalty == 1):
+                continue
+            n = smallest_fitting(self.cfg.kv_len_buckets, req.num_known, "sequence length")
+            ids = np.full(n, -1, np.int32)
+            ids[:req.num_known] = req.all_ids
+            is_out = np.zeros(n, np.int32)
+            is_out[len(req.prompt_ids):req.num_known] = 1
+            self.state = self._init_slot_exec[n](self.state, np.int32(req.req_slot), ids,
+                                                 is_out)
+
+    def _row_slots(self, batch: ScheduleBatch, shape: BucketShape
+                   ) -> tuple[np.ndarray, np.ndarray, list[BatchRow | None]]:
+        """Each padded row's slot (padding: the spare last slot), whether it samples, and
+        the rows in padded order (extend rows, then decode rows from num_extend_seqs)."""
+        padded = padded_rows(batch.parts if isinstance(batch, DPBatch) else [batch], shape)
+        return (*self._slots_of(padded), padded)
+
+    def _slots_of(self, padded: list[BatchRow | None]) -> tuple[np.ndarray, np.ndarray]:
+        row_slots = np.full(len(padded), self.max_running, np.int32)
+        sample_mask = np.zeros(len(padded), bool)
+        for i, r in enumerate(padded):
+            if r is not None:
+                row_slots[i], sample_mask[i] = r.req.req_slot, r.sample
+        return row_slots, sample_mask
+
+    def _sample(self, batch: ScheduleBatch, shape: BucketShape, logits: jax.Array
+                ) -> PendingStep:
+        padded = self._row_slots(batch, shape)[2]
+        # Rows come back in padded order; compact them to extend rows then decode rows
+        # (under dp: so, rank after rank).
+        order = dp_order(batch.parts if isinstance(batch, DPBatch) else [batch], shape)
+        pending = self._sample_rows(batch, padded, logits, order)
+        if isinstance(batch, DPBatch):  # the trace shows the whole step's padded size
+            pending.padded_shape = dp_padded_shape(shape, self.dp)
+        return pending
+
+    def _sample_rows(self, batch: ScheduleBatch, padded: list[BatchRow | None],
+                     logits: jax.Array, order: np.ndarray) -> PendingStep:
+        """Sample logits [len(padded), V] whose row i is padded[i] (None: padding)."""
+        row_slots, sample_mask = self._slots_of(padded)
+        sp = self._sampling_batch(len(padded), padded)
+        out, self.state = self._samplers[len(padded)](self.state, logits, row_slots,
+                                                      sample_mask, sp)
+        self.check_no_compiles()
+        return PendingStep(batch, out, order, self.cfg.max_top_logprobs)
+
+    def _sampling_batch(self, b: int, padded: Sequence[BatchRow | None] = ()
+                        ) -> sampling.SamplingBatch:
+        """Every step passes the full bitmask and bias widths: one sampler trace per B."""
+        v = self.model_cfg.vocab_size
+        cols = {**sampling_columns(padded), **constraint_columns(padded, v)} if padded else {}
+        return sampling.SamplingBatch.create(b, mask_width=mask_width(v),
+                                             bias_slots=MAX_LOGIT_BIAS, **cols)
