@@ -256,6 +256,6 @@ def test_seeded_sampling_is_the_same_multiplexed(runner):
     sp = SamplingParams(temperature=0.9, top_p=0.9, seed=4, max_new_tokens=10, ignore_eos=True)
     prompts = _prompts(6, seed=5)
     plain = Engine(_args(), runner=runner).generate(prompts, sp)
-    mux = Engine(_args(enable_multiplexing=True), runner=runner)
+    mux = Engine(_args(enable_multiplexing=True, multiplex_fill_fraction=0.75), runner=runner)
     assert [o.output_ids for o in _generate_in_waves(mux, prompts, sp)] == \
         [o.output_ids for o in plain]
