@@ -411,7 +411,8 @@ def main(argv: list[str]) -> None:
               "transformers_threads": hf.torch.get_num_threads() if hf else None,
               "llama_server": llama.info() if llama else None,
               "rounds": rounds}
-    result["summary"] = osum.summarize(rounds, w, FLAGS.smoke)
+    result["summary"] = osum.summarize(rounds, w, FLAGS.smoke,
+                                       result["model"]["weight_bytes"])
     result["wall_s"] = time.perf_counter() - t_start
     osum.print_summary(result["summary"])
     bc.write_json(FLAGS.out_dir, "bench_offline.json", result)
