@@ -44,7 +44,7 @@ OUT ?= gpu_suite_out
 gpu-check:
 	$(PYTHON) scripts/gpu_suite.py --out_dir=$(OUT)
 
-# CPU-sized (~20 minutes here with both llama-server variants, session 8): offline throughput at 1 / 8 / 32 / 64 concurrent with every
+# CPU-sized (18.6 minutes here with both llama-server variants, session 8): offline throughput at 1 / 8 / 32 / 64 concurrent with every
 # peer, the Poisson sweep with llama-server side by side, the long-prompt frontier over
 # xlaserve's prefill configs, then docs/benchmarks.md's generated section from the JSON.
 # llama-server joins when `make peers` has built it (a note says so otherwise); BENCH_PEERS
