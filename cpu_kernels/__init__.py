@@ -130,21 +130,37 @@ def load() -> None:
 class PackedWeight:
     """W [..., K, N] as panels, P = ceil(N / 64), zero-padded (packed_matmul.cc):
     float32 [..., P, K, 64]; bfloat16 [..., P, K2, 64, 2] with K2 = ceil(K / 2), rows
-    k and k + 1 interleaved per column (vdpbf16ps's operand layout)."""
+    k and k + 1 interleaved per column (vdpbf16ps's operand layout).
+
+    `layer`: None for one matrix; for a stack of them ([L, ...] panels), the traced index
+    of the one a call multiplies by (at_layer), which the kernel reads in place."""
 
     panels: jax.Array
     n: int = dataclasses.field(metadata=dict(static=True))
     k: int = dataclasses.field(metadata=dict(static=True))
+    layer: jax.Array | None = None
+
+    @property
+    def matrix_ndim(self) -> int:
+        """Dims of one matrix's panels."""
+        return 3 if self.dtype == jnp.float32 else 4
 
     @property
     def shape(self) -> tuple[int, ...]:
-        """The unpacked shape [..., K, N]."""
-        lead = self.panels.shape[:-3] if self.dtype == jnp.float32 else self.panels.shape[:-4]
-        return (*lead, self.k, self.n)
+        """The unpacked shape [..., K, N] (of the picked matrix when `layer` is set)."""
+        lead = self.panels.shape[:self.panels.ndim - self.matrix_ndim]
+        return (*(lead[1:] if self.layer is not None else lead), self.k, self.n)
 
     @property
     def dtype(self) -> jnp.dtype:
         return self.panels.dtype
+
+
+def at_layer(w: PackedWeight, layer: jax.Array) -> PackedWeight:
+    """Matrix `layer` (traced int32 []) of a stack of them [L, K, N], without a copy."""
+    if w.panels.ndim != w.matrix_ndim + 1:
+        raise ValueError(f"at_layer takes a stack of matrices, got panels {w.panels.shape}")
+    return dataclasses.replace(w, layer=layer)
 
 
 def pack(w: jax.Array) -> PackedWeight:
@@ -171,9 +187,12 @@ def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -
     Float32 panels take x as float32; bfloat16 panels take x rounded to bfloat16 (the
     products are exact in f32 and accumulate there). `target`: another registration of
     the bf16 kernel (tests, measurements: dot_bf16_target)."""
-    if w.panels.ndim != (3 if w.dtype == jnp.float32 else 4):
-        raise ValueError(f"packed_matmul takes one matrix, got panels {w.panels.shape}")
+    want = w.matrix_ndim + (w.layer is not None)
+    if w.panels.ndim != want:
+        raise ValueError(f"packed_matmul takes one matrix (or a stack and its layer), got "
+                         f"panels {w.panels.shape}")
     load()
+    layer = jnp.asarray(0 if w.layer is None else w.layer, jnp.int32).reshape(())
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     if w.dtype == jnp.float32:
@@ -182,7 +201,7 @@ def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -
         name = target or "xlaserve_packed_matmul_bf16"
         x2 = jnp.pad(x2.astype(jnp.bfloat16), [(0, 0), (0, 2 * w.panels.shape[-3] - w.k)])
     y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(
-        x2, w.panels)
+        x2, w.panels, layer)
     return y.reshape(*lead, w.n)
 
 

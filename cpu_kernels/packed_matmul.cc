@@ -228,27 +228,59 @@ ffi::Error CheckN(int64_t N, int64_t P) {
   return ffi::Error::Success();
 }
 
+// The matrix a call multiplies by: wp holds one (`rank` dims: f32 [P, K, 64], bf16
+// [P, K2, 64, 2]) or a stack of them, one per layer, with a leading [L] dim; `layer`
+// picks one. The layer loop passes the whole stack and its traced index, so the kernel
+// reads the layer's panels in place: sliced on the XLA side, XLA CPU copies the slice
+// before the call, and a `lax.switch` over per-layer buffers cost ~10% of a one-row step
+// in control flow (the session-7 profile, docs/benchmarks.md).
+struct Matrix {
+  int64_t offset = 0;  // elements from wp's start to the layer's matrix
+  ffi::Span<const int64_t> dims;  // the matrix's own `rank` dims
+};
+
+ffi::ErrorOr<Matrix> LayerMatrix(ffi::Span<const int64_t> wd, size_t rank,
+                                 ffi::Buffer<ffi::S32>& layer) {
+  if (layer.element_count() != 1)
+    return ffi::Unexpected(ffi::Error::InvalidArgument("packed_matmul: layer is a scalar"));
+  if (wd.size() == rank) return Matrix{0, wd};
+  if (wd.size() != rank + 1)
+    return ffi::Unexpected(ffi::Error::InvalidArgument(
+        "packed_matmul: want one packed matrix or a stack of them"));
+  const int64_t l = *layer.typed_data();
+  if (l < 0 || l >= wd[0])
+    return ffi::Unexpected(ffi::Error::InvalidArgument("packed_matmul: layer out of range"));
+  int64_t size = 1;
+  for (size_t i = 1; i < wd.size(); ++i) size *= wd[i];
+  return Matrix{l * size, wd.last(rank)};
+}
+
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                        ffi::Buffer<ffi::F32> wp, ffi::ResultBuffer<ffi::F32> y) {
+                        ffi::Buffer<ffi::F32> wp, ffi::Buffer<ffi::S32> layer,
+                        ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
-  const auto wd = wp.dimensions();
   const auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kNR || wd[1] != xd[1] ||
-      yd[0] != xd[0])
+  const auto m = LayerMatrix(wp.dimensions(), 3, layer);
+  if (m.has_error()) return m.error();
+  const auto wd = m->dims;
+  if (xd.size() != 2 || yd.size() != 2 || wd[2] != kNR || wd[1] != xd[1] || yd[0] != xd[0])
     return ffi::Error::InvalidArgument("packed_matmul: want x [M, K], w [P, K, 64], y [M, N]");
   if (auto e = CheckN(yd[1], wd[0]); e.failure()) return e;
   if (xd[0] == 0) return ffi::Error::Success();
-  Run<F32Step>(pool, x.typed_data(), wp.typed_data(), y->typed_data(), xd[0], xd[1], xd[1],
-               yd[1], wd[0]);
+  Run<F32Step>(pool, x.typed_data(), wp.typed_data() + m->offset, y->typed_data(), xd[0],
+               xd[1], xd[1], yd[1], wd[0]);
   return ffi::Error::Success();
 }
 
 ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
-                            ffi::Buffer<ffi::BF16> wp, ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<ffi::BF16> wp, ffi::Buffer<ffi::S32> layer,
+                            ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
-  const auto wd = wp.dimensions();
   const auto yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 4 || yd.size() != 2 || wd[2] != kNR || wd[3] != 2 ||
+  const auto m = LayerMatrix(wp.dimensions(), 4, layer);
+  if (m.has_error()) return m.error();
+  const auto wd = m->dims;
+  if (xd.size() != 2 || yd.size() != 2 || wd[2] != kNR || wd[3] != 2 ||
       2 * wd[1] != xd[1] || yd[0] != xd[0])
     return ffi::Error::InvalidArgument(
         "packed_matmul: want x [M, 2 K2] bf16, w [P, K2, 64, 2] bf16, y [M, N]");
@@ -260,8 +292,8 @@ ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
 #else
   const float* xs = WidenX(x16, xd[0] * xd[1]);
 #endif
-  Run<Bf16Step>(pool, xs, reinterpret_cast<const uint16_t*>(wp.typed_data()), y->typed_data(),
-                xd[0], xd[1], wd[1], yd[1], wd[0]);
+  Run<Bf16Step>(pool, xs, reinterpret_cast<const uint16_t*>(wp.typed_data()) + m->offset,
+                y->typed_data(), xd[0], xd[1], wd[1], yd[1], wd[0]);
   return ffi::Error::Success();
 }
 
@@ -272,6 +304,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmul, PackedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulBf16, PackedMatmulBf16,
@@ -279,4 +312,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulBf16, PackedMatmulBf16,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

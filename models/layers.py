@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import cpu_kernels
-from cpu_kernels import PackedWeight, packed_matmul
+from cpu_kernels import PackedWeight, at_layer, packed_matmul
 from pallas_kernels import get_paged_attention_fn
 from runtime.config import ModelConfig, RopeScaling
 from runtime.forward_batch import ForwardBatch
@@ -237,6 +237,15 @@ _qkv_jit = jax.jit(qkv, static_argnames="cfg")
 _out_mlp_jit = jax.jit(out_mlp, static_argnames=("cfg", "mlp"))
 
 
+def layer_weights(stacked: dict, layer: jax.Array) -> dict:
+    """Layer `layer`'s weights from the stacked tree: packed matrices stay whole and the
+    CPU kernel reads the layer's panels in place (cpu_kernels.at_layer); the rest (norm
+    vectors; XLA's dot operands off the packed path) are sliced."""
+    return jax.tree.map(
+        lambda w: at_layer(w, layer) if isinstance(w, PackedWeight) else w[layer], stacked,
+        is_leaf=lambda w: isinstance(w, PackedWeight))
+
+
 def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig, mlp: Mlp,
                 cos: jax.Array, sin: jax.Array, attention_backend: str,
                 mesh: Mesh | None) -> Callable:
@@ -261,7 +270,7 @@ def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
             return jax.lax.switch(layer, out_fns, h, o), (k, v)
     else:
         def body(h, layer):
-            lp = jax.tree.map(lambda w: w[layer], params["layers"])
+            lp = layer_weights(params["layers"], layer)
             q, k, v = qkv(lp, h, cos, sin, cfg)
             o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh)
             return out_mlp(lp, h, o, cfg, mlp), (k, v)

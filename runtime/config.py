@@ -324,7 +324,7 @@ class ServerArgs:
     extend_token_buckets: tuple[int, ...] | None = None  # None: from max_prefill_tokens
     kv_len_buckets: tuple[int, ...] | None = None  # None: from the model's context
     max_top_logprobs: int = 5
-    per_layer_weights: bool | None = None  # None: on for CPU (see RunnerConfig)
+    per_layer_weights: bool | None = None  # None: engine_setup.default_per_layer_weights
     cpu_matmul: str | None = None  # None: packed on CPU where cpu_kernels build, else xla
     compilation_cache_dir: str | None = "~/.cache/xlaserve/jax"
     checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"

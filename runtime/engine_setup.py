@@ -80,6 +80,15 @@ def default_cpu_matmul(args: ServerArgs, model_cfg: ModelConfig | None = None) -
     return _default_cpu_kernel_choice(args, "cpu_matmul", args.cpu_matmul, "packed", "xla")
 
 
+def default_per_layer_weights(args: ServerArgs, cpu_matmul: str) -> bool:
+    """Per-layer weight buffers behind a lax.switch where XLA's dot runs on a CPU (it
+    copies a dynamic slice of the stacked weights before every dot); elsewhere the
+    stacked tree: on a GPU, under two-batch overlap (models/moe_overlap.py), and for the
+    packed CPU matmul, which reads the traced layer's panels in place (measured 1.2x a
+    one-row decode step and 1.4x a 32-row one over the switch, docs/benchmarks.md)."""
+    return not (on_gpu() or args.enable_two_batch_overlap or cpu_matmul == "packed")
+
+
 def default_attention_backend(args: ServerArgs) -> str:
     """`pallas` on a GPU; on a CPU `cpu` (decode and prefill attention through
     cpu_kernels) wherever the kernels run, else `xla` (the jnp path)."""
@@ -213,6 +222,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
                         "decodes in the same step)", args.dp)
     # Under dp every bucket is one rank's: decode rows up to its share of the requests.
     per_rank_running = args.max_running_requests // args.dp
+    cpu_matmul = default_cpu_matmul(args, model_cfg)
     return RunnerConfig(
         dtype=default_dtype(args),
         kv_cache_dtype=args.kv_cache_dtype,
@@ -225,10 +235,9 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         enable_mixed=args.enable_mixed_chunk or args.dp > 1,
         max_top_logprobs=args.max_top_logprobs,
         strict_compile=args.strict_compile,
-        # Two-batch overlap scans the stacked weights (models/moe_overlap.py).
-        per_layer_weights=(not on_gpu() and not args.enable_two_batch_overlap
+        per_layer_weights=(default_per_layer_weights(args, cpu_matmul)
                            if args.per_layer_weights is None else args.per_layer_weights),
-        cpu_matmul=default_cpu_matmul(args, model_cfg),
+        cpu_matmul=cpu_matmul,
         enable_split_prefill=args.enable_split_prefill or args.enable_multiplexing,
         split_prefill_layers=args.split_prefill_layers,
         multiplex_fused=args.multiplex_fused,

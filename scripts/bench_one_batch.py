@@ -26,7 +26,9 @@ the crossover shows), e.g. on the 4 fake devices of one CPU:
     XLA_FLAGS=--xla_force_host_platform_device_count=4 .venv/bin/python \
       scripts/bench_one_batch.py --model=tiny-moe --ep=4 --variants=xla+xla+tbo,xla+xla
 With any +tbo variant every variant scans the stacked weights (per_layer_weights off),
-so the ratio is TBO's alone. --rounds interleaves the variants' calls (A B A B) on a
+so the ratio is TBO's alone. `+switch` / `+stacked` pick the layer loop's weights: per-
+layer buffers behind a lax.switch, or the stacked tree (packed matrices read in place at
+the traced layer), e.g. --variants=packed+cpu+switch,packed+cpu+stacked. --rounds interleaves the variants' calls (A B A B) on a
 shared machine.
 Writes bench_one_batch.json and bench_one_batch.png to --out_dir.
 """
@@ -71,7 +73,8 @@ flags.DEFINE_integer("rounds", 1, "with --variants: split each point's --iters c
                      lower_bound=1)
 flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
 flags.DEFINE_list("variants", [], "MATMUL+ATTENTION pairs to time side by side, e.g. "
-                  "packed+cpu,xla+xla, each optionally +tbo (two-batch overlap on) "
+                  "packed+cpu,xla+xla, each optionally +tbo (two-batch overlap on), "
+                  "+switch or +stacked (the layer weights; see above) "
                   "(default: the server's choice alone)")
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
@@ -147,24 +150,34 @@ def _base_args() -> ServerArgs:
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
 
 
+_OPTIONS = ("tbo", "switch", "stacked")
+
+
 def _variants() -> list[str | None]:
     for v in FLAGS.variants:
-        matmul, attention, *tbo = v.split("+")
+        matmul, attention, *options = v.split("+")
         if (matmul not in ("packed", "xla") or attention not in ("cpu", "xla", "pallas")
-                or tbo not in ([], ["tbo"])):
-            raise app.UsageError(f"--variants: {v!r} is not MATMUL+ATTENTION[+tbo] with "
-                                 "MATMUL packed / xla and ATTENTION cpu / xla / pallas")
+                or any(o not in _OPTIONS for o in options) or len(set(options)) < len(options)
+                or {"switch", "stacked"} <= set(options)):
+            raise app.UsageError(f"--variants: {v!r} is not MATMUL+ATTENTION[+OPTION...] with "
+                                 "MATMUL packed / xla, ATTENTION cpu / xla / pallas and "
+                                 "OPTION tbo, switch or stacked (not both)")
     return list(FLAGS.variants) or [None]
 
 
 def _variant_args(args: ServerArgs, variant: str | None) -> ServerArgs:
     if variant is None:
         return args
-    matmul, attention, *tbo = variant.split("+")
-    stacked = any(v.endswith("+tbo") for v in FLAGS.variants)
+    matmul, attention, *options = variant.split("+")
+    tbo = "tbo" in options
+    per_layer = args.per_layer_weights
+    if any("tbo" in v.split("+")[2:] for v in FLAGS.variants) or "stacked" in options:
+        per_layer = False
+    elif "switch" in options:
+        per_layer = True
     args = dataclasses.replace(args, cpu_matmul=matmul, attention_backend=attention,
-                               enable_two_batch_overlap=bool(tbo), tbo_min_tokens=1,
-                               per_layer_weights=False if stacked else args.per_layer_weights)
+                               enable_two_batch_overlap=tbo, tbo_min_tokens=1,
+                               per_layer_weights=per_layer)
     if not tbo:
         return args
     # Buckets for the micro-batches too (half of each point, rounded up), so a child is

@@ -94,8 +94,9 @@ flags.DEFINE_string("checkpoint_cache_dir", _D.checkpoint_cache_dir, "where the 
 flags.DEFINE_bool("strict_compile", _D.strict_compile, "fail on any compilation after "
                   "warm-up")
 flags.DEFINE_bool("per_layer_weights", None, "layer weights as per-layer buffers picked by "
-                  "lax.switch (default: on for CPU): ~1.5x faster decode there, but each "
-                  "executable compiles slower")
+                  "lax.switch (default: on for CPU with --cpu_matmul=xla, whose dot copies a "
+                  "slice of the stacked weights: ~1.5x faster decode there; off for the "
+                  "packed kernel, which reads the stacked weights in place)")
 flags.DEFINE_enum("cpu_matmul", None, ["packed", "xla"], "CPU matmuls: our kernel over "
                   "weights packed at load, or XLA's dot (default: packed where it builds: "
                   "x86-64 with AVX-512 and a C++ compiler)")

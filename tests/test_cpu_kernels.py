@@ -106,6 +106,28 @@ def test_leading_dims_and_stacked_weights():
         cpu_kernels.packed_matmul(x, pb)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_a_stacked_weight_is_read_in_place_at_a_traced_layer(dtype):
+    """at_layer (the layer loop's path): the kernel reads matrix `layer` of the stack
+    itself, bitwise what the sliced matrix gives, for every layer under one trace; a
+    layer outside the stack is an error, not a read past the weights."""
+    rng = np.random.default_rng(3)
+    w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((3, 70, 130)), dtype))
+    x = jnp.asarray(rng.standard_normal((7, 70), np.float32))
+    f = jax.jit(lambda x, w, layer: cpu_kernels.packed_matmul(x, cpu_kernels.at_layer(w, layer)))
+    for layer in range(3):
+        sliced = jax.tree.map(lambda a, layer=layer: a[layer], w)
+        np.testing.assert_array_equal(np.asarray(f(x, w, jnp.int32(layer))),
+                                      np.asarray(cpu_kernels.packed_matmul(x, sliced)))
+    assert f._cache_size() == 1
+    assert cpu_kernels.at_layer(w, jnp.int32(0)).shape == (70, 130)
+    for layer in (-1, 3):
+        with pytest.raises(Exception, match="packed_matmul: layer out of range"):
+            jax.block_until_ready(f(x, w, jnp.int32(layer)))
+    with pytest.raises(ValueError, match="a stack of matrices"):
+        cpu_kernels.at_layer(jax.tree.map(lambda a: a[0], w), jnp.int32(0))
+
+
 def test_row_results_do_not_depend_on_the_batch():
     """Every row runs the same FMA sequence wherever it sits: bitwise equal alone, in a
     6-row tile, in a tail tile and in a second 96-row work unit."""

@@ -32,13 +32,15 @@ NEAR_TIE = 1e-3  # greedy steps whose top-2 logprob gap is smaller may legitimat
 def runner(request) -> ModelRunner:
     """Both CPU paths: our kernels for matmuls and attention (the CPU default), and
     XLA's dot with jnp attention (CPUs without AVX-512; the GPU's matmul path); and our
-    kernels on bf16 weights and a bf16 KV pool (--dtype=bfloat16)."""
+    kernels on bf16 weights and a bf16 KV pool (--dtype=bfloat16). Each with its
+    serving layer loop: the packed kernels read the stacked weights in place, XLA's dot
+    gets per-layer buffers (engine_setup.default_per_layer_weights)."""
     matmul, attention, dtype = request.param
     params = llama.init_params(CFG, jax.random.key(7))
     # Few buckets keep warm-up short; padding to them is itself under test.
     rcfg = RunnerConfig(decode_buckets=(4, 16), extend_token_buckets=(64, 256),
                         extend_seq_buckets=(1, 4), kv_len_buckets=(256,), enable_mixed=True,
-                        max_top_logprobs=2, strict_compile=True, per_layer_weights=True,
+                        max_top_logprobs=2, strict_compile=True, per_layer_weights=matmul == "xla",
                         cpu_matmul=matmul, attention_backend=attention, dtype=dtype,
                         enable_split_prefill=True, multiplex_fused=True)
     r = ModelRunner(CFG, params, CacheConfig(page_size=PAGE, num_pages=400), rcfg,

@@ -55,7 +55,7 @@ def test_interval_sizes_cover_any_remainder():
 def runner(request) -> ModelRunner:
     matmul, attention = request.param
     rcfg = RunnerConfig(decode_buckets=(2,), extend_token_buckets=(64,), extend_seq_buckets=(1, 4),
-                        kv_len_buckets=(64,), per_layer_weights=True, cpu_matmul=matmul,
+                        kv_len_buckets=(64,), per_layer_weights=matmul == "xla", cpu_matmul=matmul,
                         attention_backend=attention, enable_split_prefill=True,
                         split_prefill_layers=7, multiplex_fused=True, strict_compile=True)
     r = ModelRunner(CFG, llama.init_params(CFG, jax.random.key(3)),
