@@ -28,8 +28,8 @@ the crossover shows), e.g. on the 4 fake devices of one CPU:
 With any +tbo variant every variant scans the stacked weights (per_layer_weights off),
 so the ratio is TBO's alone. `+switch` / `+stacked` pick the layer loop's weights: per-
 layer buffers behind a lax.switch, or the stacked tree (packed matrices read in place at
-the traced layer), e.g. --variants=packed+cpu+switch,packed+cpu+stacked. --rounds interleaves the variants' calls (A B A B) on a
-shared machine.
+the traced layer), e.g. --variants=packed+cpu+switch,packed+cpu+stacked. --rounds
+interleaves the variants' calls (A B A B) on a shared machine.
 Writes bench_one_batch.json and bench_one_batch.png to --out_dir.
 """
 
