@@ -184,8 +184,9 @@ def pack(w: jax.Array) -> PackedWeight:
 def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -> jax.Array:
     """x [..., K] @ W -> [..., N] float32 through the FFI kernel.
 
-    Float32 panels take x as float32; bfloat16 panels take x rounded to bfloat16 (the
-    products are exact in f32 and accumulate there). `target`: another registration of
+    Float32 panels multiply x as float32; bfloat16 panels multiply x rounded to bfloat16
+    (the kernel rounds it, to nearest even as XLA's convert does; the products are exact
+    in f32 and accumulate there). `target`: another registration of
     the bf16 kernel (tests, measurements: dot_bf16_target)."""
     want = w.matrix_ndim + (w.layer is not None)
     if w.panels.ndim != want:
@@ -195,13 +196,10 @@ def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -
     layer = jnp.asarray(0 if w.layer is None else w.layer, jnp.int32).reshape(())
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    if w.dtype == jnp.float32:
-        name, x2 = "xlaserve_packed_matmul", x2.astype(jnp.float32)
-    else:
-        name = target or "xlaserve_packed_matmul_bf16"
-        x2 = jnp.pad(x2.astype(jnp.bfloat16), [(0, 0), (0, 2 * w.panels.shape[-3] - w.k)])
+    name = ("xlaserve_packed_matmul" if w.dtype == jnp.float32
+            else target or "xlaserve_packed_matmul_bf16")
     y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(
-        x2, w.panels, layer)
+        x2.astype(jnp.float32), w.panels, layer)
     return y.reshape(*lead, w.n)
 
 

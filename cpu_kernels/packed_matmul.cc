@@ -2,8 +2,8 @@
 // column panels (P = ceil(N / 64), zero-padded), called from jit through the XLA FFI.
 //   float32: wp[P, K, 64].
 //   bfloat16: wp[P, K2, 64, 2], K2 = ceil(K / 2): rows k and k + 1 interleaved per column,
-//     the operand layout of vdpbf16ps; x comes rounded to bf16 as [M, 2 * K2], and
-//     products accumulate in f32. Built with __AVX512BF16__, one vdpbf16ps does two k
+//     the operand layout of vdpbf16ps; x comes as f32 [M, K], is rounded to bf16 here
+//     (RoundX), and products accumulate in f32. Built with __AVX512BF16__, one vdpbf16ps does two k
 //     steps of 16 columns; without, the weights are widened to f32 (a shift) and FMA'd,
 //     the same products in another order. The widening build serves (measured faster
 //     here, see cpu_kernels/__init__.py); the other is kept for CPUs where it wins.
@@ -68,7 +68,7 @@ struct Bf16Step {
 #ifdef __AVX512BF16__
   using X = uint16_t;  // vdpbf16ps takes the x pair as bf16
 #else
-  using X = float;  // x widened once per call (WidenX): its broadcasts are loads
+  using X = float;  // x rounded once per call (RoundX), kept f32: its broadcasts are loads
 #endif
   static constexpr int64_t kPerStep = 128;
   template <int MR>
@@ -203,21 +203,46 @@ void Run(ffi::ThreadPool& pool, const typename Step::X* x, const typename Step::
   xlaserve::ParallelRanges(pool, P * chunks, xlaserve::Workers(pool), units);
 }
 
-// x [M, 2 K2] bf16 -> f32 in a buffer of the calling thread, valid until its next call
-// (the helpers read it only while Run waits for them): M * K values against the product's
-// M * K * N multiply-adds.
-const float* WidenX(const uint16_t* x, int64_t n) {
-  thread_local std::vector<float> buf;
-  if (static_cast<int64_t>(buf.size()) < n) buf.resize(n);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(x + i)));
-    _mm512_storeu_ps(buf.data() + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
-  }
-  for (; i < n; ++i) {
-    const uint32_t bits = static_cast<uint32_t>(x[i]) << 16;
-    std::memcpy(buf.data() + i, &bits, sizeof(bits));
+// x [M, K] f32 rounded to bf16 (round to nearest even, XLA's f32 -> bf16 convert) as
+// [M, 2 K2] (zero past K), in a buffer of the calling thread, valid until its next call
+// (the helpers read it only while Run waits for them): M * K values against the
+// product's M * K * N multiply-adds. The widening build keeps the rounded values as f32
+// (its broadcasts are loads), the vdpbf16ps build as bf16 pairs. Rounding here, not in
+// XLA, saves a convert-and-pad fusion before every bf16 call of the layer loop.
+template <typename X>
+const X* RoundX(const float* x, int64_t M, int64_t K, int64_t K2) {
+  thread_local std::vector<X> buf;
+  const int64_t ld = 2 * K2;
+  if (static_cast<int64_t>(buf.size()) < M * ld) buf.resize(M * ld);
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
+  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  for (int64_t m = 0; m < M; ++m) {
+    const float* row = x + m * K;
+    X* out = buf.data() + m * ld;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      const __m512i v = _mm512_castps_si512(_mm512_loadu_ps(row + k));
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(v, 16), one);
+      const __m512i r = _mm512_add_epi32(v, _mm512_add_epi32(half, lsb));
+      if constexpr (sizeof(X) == 4) {
+        _mm512_storeu_si512(out + k, _mm512_and_si512(r, top));
+      } else {
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+      }
+    }
+    for (; k < ld; ++k) {
+      uint32_t bits = 0;
+      if (k < K) {
+        std::memcpy(&bits, row + k, sizeof(bits));
+        bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+      }
+      if constexpr (sizeof(X) == 4) {
+        std::memcpy(out + k, &bits, sizeof(bits));
+      } else {
+        out[k] = static_cast<uint16_t>(bits >> 16);
+      }
+    }
   }
   return buf.data();
 }
@@ -272,7 +297,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
-ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
+ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::BF16> wp, ffi::Buffer<ffi::S32> layer,
                             ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
@@ -281,19 +306,14 @@ ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::BF16> x,
   if (m.has_error()) return m.error();
   const auto wd = m->dims;
   if (xd.size() != 2 || yd.size() != 2 || wd[2] != kNR || wd[3] != 2 ||
-      2 * wd[1] != xd[1] || yd[0] != xd[0])
+      (xd[1] + 1) / 2 != wd[1] || yd[0] != xd[0])
     return ffi::Error::InvalidArgument(
-        "packed_matmul: want x [M, 2 K2] bf16, w [P, K2, 64, 2] bf16, y [M, N]");
+        "packed_matmul: want x [M, K] f32, w [P, ceil(K / 2), 64, 2] bf16, y [M, N]");
   if (auto e = CheckN(yd[1], wd[0]); e.failure()) return e;
   if (xd[0] == 0) return ffi::Error::Success();
-  const uint16_t* x16 = reinterpret_cast<const uint16_t*>(x.typed_data());
-#ifdef __AVX512BF16__
-  const uint16_t* xs = x16;
-#else
-  const float* xs = WidenX(x16, xd[0] * xd[1]);
-#endif
+  const auto* xs = RoundX<Bf16Step::X>(x.typed_data(), xd[0], xd[1], wd[1]);
   Run<Bf16Step>(pool, xs, reinterpret_cast<const uint16_t*>(wp.typed_data()) + m->offset,
-                y->typed_data(), xd[0], xd[1], wd[1], yd[1], wd[0]);
+                y->typed_data(), xd[0], 2 * wd[1], wd[1], yd[1], wd[0]);
   return ffi::Error::Success();
 }
 
@@ -310,7 +330,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmul, PackedMatmul,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulBf16, PackedMatmulBf16,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -70,6 +70,25 @@ def test_bf16_matches_numpy(m, k, n):
         np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
+@pytest.mark.parametrize("k", [1, 16, 37, 576])
+def test_bf16_kernel_rounds_x_as_xla_converts(k):
+    """The bf16 kernels round f32 x to bf16 themselves: bitwise what x rounded by XLA's
+    convert gives, with exact ties (both directions) and values that carry into the
+    exponent among the inputs, odd K's zero pad included."""
+    rng = np.random.default_rng(k)
+    x = rng.standard_normal((9, k), np.float32)
+    bits = x.view(np.uint32)
+    bits[0] = (bits[0] & 0xFFFF0000) | 0x8000  # ties: even stays, odd rounds up
+    bits[1] = (bits[1] & 0xFFFF0000) | 0x7FFF  # just below a tie: down
+    bits[2] = 0x3F7FFFFF  # 0.99999994 rounds up into the next binade (1.0)
+    w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((k, 70)), jnp.bfloat16))
+    xj = jnp.asarray(x)
+    for target in _bf16_targets():
+        f = jax.jit(functools.partial(cpu_kernels.packed_matmul, target=target))
+        np.testing.assert_array_equal(
+            np.asarray(f(xj, w)), np.asarray(f(xj.astype(jnp.bfloat16).astype(jnp.float32), w)))
+
+
 def test_bf16_rows_do_not_depend_on_the_batch():
     """As for f32: bitwise equal alone, in a tile, in a tail tile and a second work unit,
     on both bf16 kernels."""
