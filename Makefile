@@ -44,24 +44,27 @@ OUT ?= gpu_suite_out
 gpu-check:
 	$(PYTHON) scripts/gpu_suite.py --out_dir=$(OUT)
 
-# CPU-sized (18.6 minutes here with both llama-server variants, session 8): offline throughput at 1 / 8 / 32 / 64 concurrent with every
-# peer, the Poisson sweep with llama-server side by side, the long-prompt frontier over
-# xlaserve's prefill configs, then docs/benchmarks.md's generated section from the JSON.
+# CPU-sized (under 15 minutes here, session 9): offline throughput at 1 / 8 / 32 / 64
+# concurrent with every peer (transformers batched at 32, its goal's size), the Poisson
+# sweep with llama-server F32 side by side (Q4_1 is in the offline run), the long-prompt
+# frontier over xlaserve's three chunked / multiplexed prefill configs, then
+# docs/benchmarks.md's generated section from the JSON. (Session 8's 18.6-minute run
+# also had transformers at batch 8, Q4_1 in the sweep and the unchunked config.)
 # llama-server joins when `make peers` has built it (a note says so otherwise); BENCH_PEERS
 # is expanded late because LLAMA_SERVER is defined below.
 BENCH_OUT := docs/results
-comma := ,
-BENCH_PEERS = $(if $(wildcard $(LLAMA_SERVER)),--peers=f32$(comma)q4_1,)
+BENCH_PEERS = $(if $(wildcard $(LLAMA_SERVER)),--peers=f32,)
 bench: setup
 	$(PY) -m pip install -q -e '.[bench,reference]'
 	@test -x $(LLAMA_SERVER) || echo "NOTE: llama-server is not built; run 'make peers' to compare it"
 	test ! -x $(LLAMA_SERVER) || $(PY) scripts/check_llama_peer.py --out_dir=$(BENCH_OUT)
-	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64
+	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64 \
+		--hf_batch_sizes=32
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \
 		$(BENCH_PEERS) --scenarios=poisson --num_prompts=16 --request_rates=2,8,inf
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=frontier \
 		--scenarios=long_during_decode --ldd_running=8 --ldd_long=2 --ldd_long_len=1024 \
-		--config=plain=--chunked_prefill_size=-1 --config=chunk512=--chunked_prefill_size=512 \
+		--config=chunk512=--chunked_prefill_size=512 \
 		--config="chunk512_mixed=--chunked_prefill_size=512 --enable_mixed_chunk" \
 		--config=mux=--enable_multiplexing
 	$(PY) scripts/bench_report.py --results_dir=$(BENCH_OUT) --doc=docs/benchmarks.md
