@@ -44,7 +44,7 @@ OUT ?= gpu_suite_out
 gpu-check:
 	$(PYTHON) scripts/gpu_suite.py --out_dir=$(OUT)
 
-# CPU-sized (under 15 minutes here, session 9): offline throughput at 1 / 8 / 32 / 64
+# CPU-sized (14 min 45 s here, session 9): offline throughput at 1 / 8 / 32 / 64
 # concurrent with every peer (transformers batched at 32, its goal's size), the Poisson
 # sweep with llama-server F32 side by side (Q4_1 is in the offline run), the long-prompt
 # frontier over xlaserve's three chunked / multiplexed prefill configs, then

@@ -251,10 +251,11 @@ def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
                 mesh: Mesh | None) -> Callable:
     """body(h [T, D], layer) -> (h, (k, v)): one decoder layer, the layer index traced.
 
-    Weights come stacked (`layers`, sliced by the index) or per layer (`layer_list`, see
-    unstack_layers), where a `lax.switch` on the index picks the layer's own buffers:
-    XLA CPU copies a dynamic slice of the stacked weights before every dot, which halves
-    the speed of a memory-bound decode step."""
+    Weights come stacked (`layers`: see layer_weights) or per layer (`layer_list`, see
+    unstack_layers), where a `lax.switch` on the index picks the layer's own buffers. The
+    switch is for XLA's dot on a CPU: XLA CPU copies a dynamic slice of the stacked
+    weights before every dot, which halves the speed of a memory-bound decode step. The
+    packed CPU matmul reads the stack in place and needs neither."""
     if "layer_list" in params:
         # Only the weight-bearing halves are switched; attention (no weights, most of the
         # HLO) is traced once, which keeps compile and cache-load time down.

@@ -242,7 +242,8 @@ class RunnerConfig:
     max_top_logprobs: int = 0
     strict_compile: bool = False
     # Keep layer weights as separate per-layer buffers picked by lax.switch instead of
-    # slicing the stacked arrays (models.llama.run_layers): XLA CPU copies every slice.
+    # slicing the stacked arrays (models.llama.run_layers): XLA CPU copies every slice
+    # for its dot (the packed kernel reads the stack in place: default_per_layer_weights).
     per_layer_weights: bool = False
     # "packed": matmuls through cpu_kernels (weights packed at load, float32 or bfloat16,
     # activations float32 between ops; CPU only); "xla": XLA's own dot.
