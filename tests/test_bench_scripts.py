@@ -86,6 +86,20 @@ def test_bench_offline_smoke(tmp_path: Path) -> None:
         assert s["ratios"]["single_stream_vs_hf"] > 0
 
 
+def test_c64_goal_is_against_the_runs_best_probe() -> None:
+    """A round whose probe ran in a slow spell (100 GFLOP/s against the run's 200) must not
+    flatter its 64-way fraction: each round's GFLOP/s go against the best probe."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import offline_summary
+
+    rounds = [{"roofline": {"matmul_gflops": g}, "xlaserve": {"c64": {"frac_compute": f}}}
+              for g, f in ((200.0, 0.5), (100.0, 1.2))]
+    values, best = offline_summary._bound_goals(
+        rounds, {"matmul_gflops": 200.0, "mem_read_gbps": 24.0}, weight_bytes=1)
+    assert values["c64_frac_compute"] == pytest.approx(0.55)
+    assert best["c64_frac_compute"] == pytest.approx(0.6)
+
+
 def test_bench_offline_reference_off(tmp_path: Path) -> None:
     """--reference=off runs xlaserve alone, whether or not torch is installed."""
     r = _run("bench_offline.py", tmp_path, "--reference=off")
