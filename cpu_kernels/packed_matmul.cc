@@ -257,8 +257,8 @@ ffi::Error CheckN(int64_t N, int64_t P) {
 // [P, K2, 64, 2]) or a stack of them, one per layer, with a leading [L] dim; `layer`
 // picks one. The layer loop passes the whole stack and its traced index, so the kernel
 // reads the layer's panels in place: sliced on the XLA side, XLA CPU copies the slice
-// before the call, and a `lax.switch` over per-layer buffers cost ~10% of a one-row step
-// in control flow (the session-7 profile, docs/benchmarks.md).
+// before the call, and a `lax.switch` over per-layer buffers made a one-row decode step
+// 1.05x slower (interleaved A/B, docs/benchmarks.md).
 struct Matrix {
   int64_t offset = 0;  // elements from wp's start to the layer's matrix
   ffi::Span<const int64_t> dims;  // the matrix's own `rank` dims

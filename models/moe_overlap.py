@@ -126,7 +126,7 @@ def forward(params: dict, kv: KVPool, batches: tuple[ForwardBatch, ForwardBatch]
 
     def layer_step(h: tuple, layer: jax.Array) -> tuple[tuple, tuple]:
         ha, hb = h
-        lp = jax.tree.map(lambda w: w[layer], params["layers"])
+        lp = layers.layer_weights(params["layers"], layer)
         with jax.named_scope(f"{MICRO_BATCHES[0]}/attention"):
             ha, ka, va = attention(lp, ha, kv, layer, a, ropes[0])
         with jax.named_scope(f"{MICRO_BATCHES[1]}/attention"):
