@@ -1,7 +1,8 @@
 """CPU kernels of our own, called from jit through the XLA FFI.
 
 `packed_matmul`: x [M, K] @ W [K, N] with W packed once at load (`pack`) into 64-column
-panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized M.
+panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized M. Two
+bf16 kernels; the faster on this CPU serves (bf16_kernel, measured once per machine).
 `decode_attention`, `extend_attention`: paged attention of decode rows / of prefill
 (extend) tokens, reading the pool (float32 or bfloat16) in place; see attention.cc.
 `write_kv`: this step's K/V into the pool in place (write_kv.cc: XLA CPU's scatter
@@ -18,8 +19,10 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import hashlib
+import json
 import logging
 import os
 import pathlib
@@ -27,6 +30,8 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import time
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +43,6 @@ PANEL = 64  # panel width, kNR in packed_matmul.cc
 _SOURCES = [pathlib.Path(__file__).with_name(n)
             for n in ("packed_matmul.cc", "attention.cc", "write_kv.cc", "parallel.h")]
 _TARGETS = {"xlaserve_packed_matmul": "XlaservePackedMatmul",
-            "xlaserve_packed_matmul_bf16": "XlaservePackedMatmulBf16",
             "xlaserve_decode_attention": "XlaserveDecodeAttention",
             "xlaserve_extend_attention": "XlaserveExtendAttention",
             "xlaserve_decode_attention_bf16": "XlaserveDecodeAttentionBf16",
@@ -75,12 +79,12 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def _build(extra_flags: tuple[str, ...] = ()) -> pathlib.Path:
+def _build() -> pathlib.Path:
     """Compile the library once per (source, compiler, flags, headers, CPU); return its
     path. -march=native turns on avx512_bf16 (vdpbf16ps) where the CPU has it."""
     cxx = _compiler()
     include = jax.ffi.include_dir()
-    flags = [cxx, "-O3", "-march=native", *extra_flags, "-std=c++17", "-shared", "-fPIC",
+    flags = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
              "-w", f"-I{include}"]
     cmd = [*flags, *(str(src) for src in _SOURCES if src.suffix == ".cc")]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
@@ -104,25 +108,117 @@ def _build(extra_flags: tuple[str, ...] = ()) -> pathlib.Path:
     return lib
 
 
-# The bf16 matmul serves with weights widened to f32 and FMA'd, also where the CPU has
-# avx512_bf16: on this project's machines (Intel Xeon, family 6 model 207) vdpbf16ps has
-# half an FMA's issue rate and twice its latency, so no more multiply-adds per cycle, and
-# measured slower (K=576, N=3072, medians of 15 interleaved rounds: M=1 1046 vs 804 us,
-# M=32 1926 vs 1353, M=128 23.8 vs 17.8 ms; see docs/benchmarks.md). dot_bf16_target()
-# builds the other one.
-_SERVING_FLAGS = ("-mno-avx512bf16",)
+# The bf16 matmul kernels (packed_matmul.cc): symbol per name; "dot" only where the
+# compiler targets avx512_bf16.
+_BF16_SYMBOLS = {"widen": "XlaservePackedMatmulBf16Widen", "dot": "XlaservePackedMatmulBf16Dot"}
+_BF16_TARGET = "xlaserve_packed_matmul_bf16"  # the one that serves: bf16_kernel()
 
 
 @functools.cache
-def load() -> None:
+def load() -> ctypes.CDLL:
     """Build (if needed) and register the FFI targets; raises when unavailable."""
     reason = unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"xlaserve CPU kernels unavailable: {reason}")
-    lib = ctypes.cdll.LoadLibrary(str(_build(_SERVING_FLAGS)))
-    for target, symbol in _TARGETS.items():
+    path = _build()
+    lib = ctypes.cdll.LoadLibrary(str(path))
+    kernels = [n for n, symbol in _BF16_SYMBOLS.items() if hasattr(lib, symbol)]
+    symbols = {**_TARGETS, **{f"{_BF16_TARGET}_{n}": _BF16_SYMBOLS[n] for n in kernels}}
+    for target, symbol in symbols.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
                                     platform="cpu")
+    kernel = _choose_bf16(path.parent / "bf16_kernel.json", kernels)
+    jax.ffi.register_ffi_target(_BF16_TARGET,
+                                jax.ffi.pycapsule(getattr(lib, _BF16_SYMBOLS[kernel])),
+                                platform="cpu")
+    return lib
+
+
+def bf16_targets() -> dict[str, str]:
+    """FFI target of each bf16 matmul kernel this CPU runs ({"widen": ..., "dot": ...}),
+    for tests and benchmarks; packed_matmul serves bf16_kernel()'s."""
+    lib = load()
+    return {n: f"{_BF16_TARGET}_{n}" for n, symbol in _BF16_SYMBOLS.items()
+            if hasattr(lib, symbol)}
+
+
+def bf16_kernel() -> str:
+    """The bf16 matmul kernel that serves on this CPU: "widen" or "dot" (_choose_bf16)."""
+    load()
+    return _bf16_choice
+
+
+_bf16_choice = "widen"
+
+
+def _choose_bf16(record: pathlib.Path, kernels: list[str]) -> str:
+    """The faster bf16 kernel on this CPU, measured once per library build and CPU (the
+    record beside the library: later starts read it, so every process on a machine serves
+    the same kernel and the same results). $XLASERVE_CPU_BF16_KERNEL overrides.
+
+    It depends on the CPU: on an Intel Xeon (family 6 model 207) vdpbf16ps has half an
+    FMA's issue rate and twice its latency, and widening measured faster (K=576, N=3072:
+    M=1 804 vs 1046 us, M=32 1353 vs 1926); on an AMD EPYC (Zen 4) the dot kernel measured
+    1.0-1.4x faster at one row and 1.7-1.8x at 32 (docs/benchmarks.md)."""
+    global _bf16_choice
+    forced = os.environ.get("XLASERVE_CPU_BF16_KERNEL")
+    if forced:
+        if forced not in kernels:
+            raise ValueError(f"XLASERVE_CPU_BF16_KERNEL={forced!r}: this CPU runs {kernels}")
+        _bf16_choice = forced
+        return forced
+    if len(kernels) == 1:
+        _bf16_choice = kernels[0]
+        return kernels[0]
+    with open(record.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a process starting beside us measures once
+        if record.exists():
+            _bf16_choice = json.loads(record.read_text())["kernel"]
+            return _bf16_choice
+        secs = _time_bf16(kernels)
+        # Each kernel's time relative to the best at each row count, summed: a kernel
+        # must be good for single streams and batches alike.
+        score = {n: sum(t / min(secs[o][m] for o in kernels) for m, t in secs[n].items())
+                 for n in kernels}
+        _bf16_choice = min(kernels, key=score.__getitem__)
+        tmp = record.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"kernel": _bf16_choice, "seconds": secs, "score": score}))
+        tmp.replace(record)
+    log.info("bf16 matmul kernel: %s (measured %s)", _bf16_choice, secs)
+    return _bf16_choice
+
+
+def _time_bf16(kernels: list[str]) -> dict[str, dict[int, float]]:
+    """Median seconds of each bf16 kernel over a chain of 32 distinct [1024, 1024] weights
+    (64 MiB, twice a large L3: read from memory as a decode step reads its weights) at 1
+    and 32 rows; the kernels' calls interleaved (A B A B), so a neighbour's load falls on
+    both alike (measured one after the other, the first kernel read 2x faster at one row
+    for having the weights half in cache)."""
+    rng = np.random.default_rng(0)
+    ws = [pack(jnp.asarray(rng.standard_normal((1024, 1024), np.float32) * 0.03,
+                           jnp.bfloat16)) for _ in range(32)]
+
+    def chain(target: str) -> Callable[[jax.Array, list[PackedWeight]], jax.Array]:
+        def run(x: jax.Array, ws: list[PackedWeight]) -> jax.Array:
+            for w in ws:
+                x = x + 1e-3 * _ffi_matmul(target, x, w)  # [M, 1024], each on the last
+            return x
+        return jax.jit(run)
+
+    fns = {n: chain(f"{_BF16_TARGET}_{n}") for n in kernels}
+    out: dict[str, dict[int, float]] = {n: {} for n in kernels}
+    for m in (1, 32):
+        x = jnp.ones((m, 1024), jnp.float32)
+        times: dict[str, list[float]] = {n: [] for n in kernels}
+        for rnd in range(10):
+            for n, fn in fns.items():
+                t0 = time.perf_counter()
+                fn(x, ws).block_until_ready()
+                if rnd:  # the first round compiles and faults the weights in
+                    times[n].append(time.perf_counter() - t0)
+        for n in kernels:
+            out[n][m] = float(np.median(times[n]))
+    return out
 
 
 @jax.tree_util.register_dataclass
@@ -186,34 +282,24 @@ def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -
 
     Float32 panels multiply x as float32; bfloat16 panels multiply x rounded to bfloat16
     (the kernel rounds it, to nearest even as XLA's convert does; the products are exact
-    in f32 and accumulate there). `target`: another registration of
-    the bf16 kernel (tests, measurements: dot_bf16_target)."""
+    in f32 and accumulate there). `target`: one bf16 kernel by name (tests, measurements:
+    bf16_targets); by default the one bf16_kernel() names."""
     want = w.matrix_ndim + (w.layer is not None)
     if w.panels.ndim != want:
         raise ValueError(f"packed_matmul takes one matrix (or a stack and its layer), got "
                          f"panels {w.panels.shape}")
     load()
+    name = "xlaserve_packed_matmul" if w.dtype == jnp.float32 else target or _BF16_TARGET
+    return _ffi_matmul(name, x, w)
+
+
+def _ffi_matmul(name: str, x: jax.Array, w: PackedWeight) -> jax.Array:
     layer = jnp.asarray(0 if w.layer is None else w.layer, jnp.int32).reshape(())
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
-    name = ("xlaserve_packed_matmul" if w.dtype == jnp.float32
-            else target or "xlaserve_packed_matmul_bf16")
     y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(
         x2.astype(jnp.float32), w.panels, layer)
     return y.reshape(*lead, w.n)
-
-
-@functools.cache
-def dot_bf16_target() -> str:
-    """The bf16 matmul built with this CPU's own flags: vdpbf16ps where it has
-    avx512_bf16 (see _SERVING_FLAGS for why it does not serve), registered under its own
-    name so tests cover it and benchmarks can compare; returns the target name."""
-    load()
-    lib = ctypes.cdll.LoadLibrary(str(_build()))
-    name = "xlaserve_packed_matmul_bf16_dot"
-    jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(lib.XlaservePackedMatmulBf16),
-                                platform="cpu")
-    return name
 
 
 def _attention_call(name: str, q: jax.Array, k_new: jax.Array, v_new: jax.Array,

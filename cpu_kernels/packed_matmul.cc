@@ -3,10 +3,11 @@
 //   float32: wp[P, K, 64].
 //   bfloat16: wp[P, K2, 64, 2], K2 = ceil(K / 2): rows k and k + 1 interleaved per column,
 //     the operand layout of vdpbf16ps; x comes as f32 [M, K], is rounded to bf16 here
-//     (RoundX), and products accumulate in f32. Built with __AVX512BF16__, one vdpbf16ps does two k
-//     steps of 16 columns; without, the weights are widened to f32 (a shift) and FMA'd,
-//     the same products in another order. The widening build serves (measured faster
-//     here, see cpu_kernels/__init__.py); the other is kept for CPUs where it wins.
+//     (RoundX), and products accumulate in f32. Two kernels over the same panels, the same
+//     products summed in another order: "widen" shifts the weights to f32 and FMAs them
+//     (any AVX-512 CPU); "dot" runs vdpbf16ps, two k steps of 16 columns an instruction
+//     (built where the compiler targets avx512_bf16). Which one serves is measured per
+//     CPU (cpu_kernels.bf16_kernel): widening won on an Intel Xeon, dot on an AMD EPYC.
 //
 // Why: XLA CPU's GEMM re-packs the weight operand on every call. A decode step multiplies
 // a few rows by every weight, so the packing pass (a read and a write of all weights)
@@ -62,28 +63,15 @@ struct F32Step {
   }
 };
 
-// One k-pair step (bf16) of a tile: acc[m] += x[m, 2s:2s+2] . w[2s:2s+2, 0:64].
-struct Bf16Step {
+// One k-pair step (bf16, weights widened) of a tile:
+// acc[m] += x[m, 2s:2s+2] . w[2s:2s+2, 0:64].
+struct Bf16WidenStep {
   using T = uint16_t;
-#ifdef __AVX512BF16__
-  using X = uint16_t;  // vdpbf16ps takes the x pair as bf16
-#else
   using X = float;  // x rounded once per call (RoundX), kept f32: its broadcasts are loads
-#endif
   static constexpr int64_t kPerStep = 128;
   template <int MR>
   static inline void Run(__m512 (&acc)[MR][4], const X* x, int64_t ldx, const uint16_t* w,
                          int64_t s) {
-#ifdef __AVX512BF16__
-    __m512i wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + 32 * j);
-    for (int m = 0; m < MR; ++m) {
-      int32_t pair;  // x[m, 2s] and x[m, 2s + 1], broadcast to every lane
-      std::memcpy(&pair, x + m * ldx + 2 * s, sizeof(pair));
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, (__m512bh)wv[j]);
-    }
-#else
     // bf16 -> f32 is a 16-bit shift: the even k of each pair sits in the low half of a
     // 32-bit lane (shift it up), the odd k in the high half (mask the low one off).
     const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
@@ -101,9 +89,30 @@ struct Bf16Step {
         for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(b, wv[j], acc[m][j]);
       }
     }
-#endif
   }
 };
+
+#ifdef __AVX512BF16__
+// One k-pair step (bf16, vdpbf16ps) of a tile: the same sum as Bf16WidenStep, each pair
+// of products added before the accumulator.
+struct Bf16DotStep {
+  using T = uint16_t;
+  using X = uint16_t;  // vdpbf16ps takes the x pair as bf16
+  static constexpr int64_t kPerStep = 128;
+  template <int MR>
+  static inline void Run(__m512 (&acc)[MR][4], const X* x, int64_t ldx, const uint16_t* w,
+                         int64_t s) {
+    __m512i wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + 32 * j);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;  // x[m, 2s] and x[m, 2s + 1], broadcast to every lane
+      std::memcpy(&pair, x + m * ldx + 2 * s, sizeof(pair));
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, (__m512bh)wv[j]);
+    }
+  }
+};
+#endif
 
 // Rows [begin, end) of the next panel to pull into L2 while a tile computes, spread
 // evenly over the tile's steps (a burst of prefetches stalls on the fill buffers); or,
@@ -206,8 +215,8 @@ void Run(ffi::ThreadPool& pool, const typename Step::X* x, const typename Step::
 // x [M, K] f32 rounded to bf16 (round to nearest even, XLA's f32 -> bf16 convert) as
 // [M, 2 K2] (zero past K), in a buffer of the calling thread, valid until its next call
 // (the helpers read it only while Run waits for them): M * K values against the
-// product's M * K * N multiply-adds. The widening build keeps the rounded values as f32
-// (its broadcasts are loads), the vdpbf16ps build as bf16 pairs. Rounding here, not in
+// product's M * K * N multiply-adds. The widening kernel keeps the rounded values as f32
+// (its broadcasts are loads), the vdpbf16ps one as bf16 pairs. Rounding here, not in
 // XLA, saves a convert-and-pad fusion before every bf16 call of the layer loop.
 template <typename X>
 const X* RoundX(const float* x, int64_t M, int64_t K, int64_t K2) {
@@ -297,6 +306,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   return ffi::Error::Success();
 }
 
+template <typename Step>
 ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::BF16> wp, ffi::Buffer<ffi::S32> layer,
                             ffi::ResultBuffer<ffi::F32> y) {
@@ -311,10 +321,19 @@ ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         "packed_matmul: want x [M, K] f32, w [P, ceil(K / 2), 64, 2] bf16, y [M, N]");
   if (auto e = CheckN(yd[1], wd[0]); e.failure()) return e;
   if (xd[0] == 0) return ffi::Error::Success();
-  const auto* xs = RoundX<Bf16Step::X>(x.typed_data(), xd[0], xd[1], wd[1]);
-  Run<Bf16Step>(pool, xs, reinterpret_cast<const uint16_t*>(wp.typed_data()) + m->offset,
-                y->typed_data(), xd[0], 2 * wd[1], wd[1], yd[1], wd[0]);
+  const auto* xs = RoundX<typename Step::X>(x.typed_data(), xd[0], xd[1], wd[1]);
+  Run<Step>(pool, xs, reinterpret_cast<const uint16_t*>(wp.typed_data()) + m->offset,
+            y->typed_data(), xd[0], 2 * wd[1], wd[1], yd[1], wd[0]);
   return ffi::Error::Success();
+}
+
+auto Bf16Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::BF16>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
 }
 
 }  // namespace
@@ -327,10 +346,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmul, PackedMatmul,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulBf16, PackedMatmulBf16,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulBf16Widen, PackedMatmulBf16<Bf16WidenStep>,
+                              Bf16Binding());
+
+#ifdef __AVX512BF16__
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulBf16Dot, PackedMatmulBf16<Bf16DotStep>,
+                              Bf16Binding());
+#endif

@@ -9,8 +9,9 @@ for another model): qkv [D, (Hq + 2 Hkv) Dh], wo [Hq Dh, D], gate_up [D, 2 F], d
 and lm_head [D, V]. Each timed call is one jitted program that multiplies --layers
 distinct weights of the shape in turn, each input depending on the last output, as a
 decode step does: the weights come from memory, not cache, and XLA cannot run the calls
-concurrently. Contenders: f32, bf16 (the kernel that serves) and bf16 `vdpbf16ps` (the
-build for this CPU's own flags, cpu_kernels.dot_bf16_target). Each round times every
+concurrently. Contenders: f32, bf16 with the weights widened to f32 (`bf16`) and bf16
+`vdpbf16ps` (`bf16_dot`, where the CPU has it; cpu_kernels.bf16_targets). The JSON names
+the bf16 kernel that serves here (cpu_kernels.bf16_kernel). Each round times every
 contender once in turn; the table gives medians over rounds, the weight bytes read per us
 (GB/s) and GFLOP/s. Writes bench_cpu_matmul.json (and a PNG with the `bench` extra).
 """
@@ -71,7 +72,8 @@ def _time_op(op: str, k: int, n: int, rows: list[int], rng: np.random.Generator
     packed = {"f32": [cpu_kernels.pack(jnp.asarray(w)) for w in w32]}
     packed["bf16"] = packed["bf16_dot"] = [cpu_kernels.pack(jnp.asarray(w, jnp.bfloat16))
                                            for w in w32]
-    targets = {"f32": None, "bf16": None, "bf16_dot": cpu_kernels.dot_bf16_target()}
+    bf16 = cpu_kernels.bf16_targets()
+    targets = {"f32": None, "bf16": bf16["widen"], "bf16_dot": bf16.get("dot", bf16["widen"])}
     out = []
     for m in rows:
         x = jnp.asarray(rng.standard_normal((m, k), np.float32))
@@ -131,7 +133,7 @@ def main(argv: list[str]) -> None:
     result = {"script": "bench_cpu_matmul", "command": bc.command_line(),
               "git_revision": bc.git_revision(), "machine": machine,
               "machine_load_average_end": bc.load_average(), "shapes": shapes,
-              "records": records}
+              "bf16_serving_kernel": cpu_kernels.bf16_kernel(), "records": records}
     bc.write_json(FLAGS.out_dir, "bench_cpu_matmul.json", result)
     _plot(records)
 

@@ -46,9 +46,9 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 def _bf16_targets() -> list[str | None]:
-    """The bf16 matmul that serves (weights widened to f32) and the vdpbf16ps one (where
-    the CPU has avx512_bf16; elsewhere the same widening kernel again)."""
-    return [None, cpu_kernels.dot_bf16_target()]
+    """The bf16 matmul that serves and each kernel by name: weights widened to f32, and
+    vdpbf16ps where the CPU has avx512_bf16."""
+    return [None, *cpu_kernels.bf16_targets().values()]
 
 
 # The f32 test's shapes; K odd pads the last k pair with a zero row.
