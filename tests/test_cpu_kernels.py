@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -101,6 +102,47 @@ def test_bf16_rows_do_not_depend_on_the_batch():
         for i in (0, 5, 6, 95, 96, 149):
             np.testing.assert_array_equal(np.asarray(f(x[i:i + 1], w))[0], full[i])
         np.testing.assert_array_equal(np.asarray(f(x[3:10], w)), full[3:10])
+
+
+def test_the_faster_bf16_kernel_serves_and_is_recorded(monkeypatch, tmp_path):
+    """The choice: each kernel's time relative to the best at each row count, summed;
+    recorded beside the library, so a later process reads it instead of measuring;
+    $XLASERVE_CPU_BF16_KERNEL overrides, naming a kernel this CPU has."""
+    monkeypatch.setattr(cpu_kernels, "_bf16_choice", cpu_kernels.bf16_kernel())
+    monkeypatch.delenv("XLASERVE_CPU_BF16_KERNEL", raising=False)
+    record = tmp_path / "bf16_kernel.json"
+    # widen: 1.0 + 2.0 = 3.0; dot: 1.2 + 1.0 = 2.2 (slower alone, much faster at 32 rows)
+    monkeypatch.setattr(cpu_kernels, "_time_bf16", lambda kernels: {
+        "widen": {1: 1e-3, 32: 2e-3}, "dot": {1: 1.2e-3, 32: 1e-3}})
+    assert cpu_kernels._choose_bf16(record, ["widen", "dot"]) == "dot"
+    assert cpu_kernels.bf16_kernel() == "dot"
+    assert json.loads(record.read_text())["kernel"] == "dot"
+
+    def measured_again(kernels):
+        raise AssertionError("measured again with a record")
+    monkeypatch.setattr(cpu_kernels, "_time_bf16", measured_again)
+    assert cpu_kernels._choose_bf16(record, ["widen", "dot"]) == "dot"
+    assert cpu_kernels._choose_bf16(tmp_path / "other.json", ["widen"]) == "widen"
+    monkeypatch.setenv("XLASERVE_CPU_BF16_KERNEL", "widen")
+    assert cpu_kernels._choose_bf16(record, ["widen", "dot"]) == "widen"
+    monkeypatch.setenv("XLASERVE_CPU_BF16_KERNEL", "dot")
+    with pytest.raises(ValueError, match="this CPU runs"):
+        cpu_kernels._choose_bf16(record, ["widen"])
+
+
+def test_bf16_kernels_agree():
+    """Same panels, same bf16 products, summed in another order: the kernels differ only
+    by f32 rounding; the serving target is one of them, bitwise."""
+    rng = np.random.default_rng(3)
+    w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((576, 960)) * 0.05, jnp.bfloat16))
+    x = jnp.asarray(rng.standard_normal((9, 576), np.float32))
+    ys = {name: np.asarray(jax.jit(functools.partial(cpu_kernels.packed_matmul,
+                                                     target=target))(x, w))
+          for name, target in cpu_kernels.bf16_targets().items()}
+    serving = np.asarray(jax.jit(cpu_kernels.packed_matmul)(x, w))
+    np.testing.assert_array_equal(serving, ys[cpu_kernels.bf16_kernel()])
+    for y in ys.values():
+        np.testing.assert_allclose(y, ys["widen"], rtol=1e-5, atol=1e-4)
 
 
 def test_leading_dims_and_stacked_weights():
