@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 import offline_peers  # noqa: E402
 
+import cpu_kernels  # noqa: E402
 from runtime.config import ServerArgs  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 
@@ -124,6 +125,14 @@ def _print(summary: dict[str, Any]) -> None:
                 print(f"{name}: {k} = {v:.2f}x")
 
 
+def _bf16_kernel(eng: Engine) -> str | None:
+    """The bf16 matmul kernel that served (cpu_kernels.bf16_kernel), None off the packed
+    CPU path."""
+    if eng.runner.cfg.cpu_matmul != "packed":
+        return None
+    return cpu_kernels.bf16_kernel()
+
+
 def main(argv: list[str]) -> None:
     del argv
     t_start = time.perf_counter()
@@ -163,6 +172,7 @@ def main(argv: list[str]) -> None:
     summary = _summary(rounds, nbytes)
     result = {"script": "bench_dtypes", "command": bc.command_line(),
               "git_revision": bc.git_revision(), "machine": machine,
+              "bf16_matmul_kernel": _bf16_kernel(first),
               "machine_load_average_end": bc.load_average(), "llama_server": llama.info(),
               "single_prompt_tokens": len(single_ids), "rounds": rounds, "summary": summary,
               "workload": {k: FLAGS[k].value for k in (
