@@ -367,3 +367,45 @@ def write_kv(k_pool: jax.Array, v_pool: jax.Array, layers: jax.Array, slots: jax
                             input_output_aliases={0: 0, 1: 1})(
         k_pool, v_pool, layers.astype(jnp.int32), slots.astype(jnp.int32),
         k.astype(k_pool.dtype), v.astype(k_pool.dtype))
+
+
+_MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # linux/mman.h
+_HUGE = 2 << 20  # x86-64's transparent huge page
+
+
+def back_with_huge_pages(tree: object, min_bytes: int = 4 << 20) -> int:
+    """Ask Linux to hold the CPU arrays of `tree` of at least `min_bytes` in 2 MiB pages
+    (madvise MADV_HUGEPAGE, then MADV_COLLAPSE to move them now, Linux >= 6.1); returns
+    the bytes collapsed. Advisory: any refusal leaves the array as it was.
+
+    Why: a decode step streams every weight once, and with 4 KiB pages each call's
+    stream misses the TLB every 4 KiB and the hardware prefetchers stop at every page
+    boundary. A chain of 60 [576, 3072] bf16 matmuls at one row read 13% faster on huge
+    pages (92.1 -> 80.5 us a call, AMD EPYC Zen 4; docs/benchmarks.md). The machines here
+    leave transparent huge pages to madvise, so nothing gets them unasked."""
+    libc = _libc()
+    if libc is None:
+        return 0
+    jax.block_until_ready(tree)  # the pointers of arrays still being computed
+    done = 0
+    for leaf in jax.tree.leaves(tree):
+        if not isinstance(leaf, jax.Array) or leaf.nbytes < min_bytes:
+            continue
+        for shard in leaf.addressable_shards:
+            if shard.device.platform != "cpu":
+                continue
+            start = shard.data.unsafe_buffer_pointer()
+            lo = -(-start // _HUGE) * _HUGE
+            hi = (start + shard.data.nbytes) // _HUGE * _HUGE
+            if hi > lo and libc.madvise(lo, hi - lo, _MADV_HUGEPAGE) == 0:
+                done += (hi - lo) if libc.madvise(lo, hi - lo, _MADV_COLLAPSE) == 0 else 0
+    return done
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL | None:
+    if platform.system() != "Linux":
+        return None
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc

@@ -30,6 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+import cpu_kernels
 from models.registry import model_module
 from runtime import sharding, two_batch_overlap
 from runtime.batch_builder import BucketShape, pack_rows
@@ -100,6 +101,8 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
             self.params = self.model.unstack_layers(self.params)
         if runner_cfg.cpu_matmul == "packed":
             self.params = self.model.pack_for_cpu(self.params)
+            huge = cpu_kernels.back_with_huge_pages(self.params)
+            logger.info("weights in 2 MiB pages: %d MiB", huge >> 20)
         kv_sh = None if mesh is None else sharding.kv_sharding(
             model_cfg, kv_pool_shape(model_cfg, cache_cfg), mesh)
         self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, jnp.dtype(runner_cfg.kv_dtype),

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import platform
 
 import jax
 import jax.numpy as jnp
@@ -401,3 +402,29 @@ def test_write_kv_matches_the_scatter(dtype):
     for g, w in zip(got, (want.k, want.v), strict=True):
         assert g.dtype == dtype
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+def _can_collapse() -> bool:
+    """Transparent huge pages not turned off, and MADV_COLLAPSE (Linux >= 6.1)."""
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return False
+    major, minor = (int(v) for v in platform.release().split(".")[:2])
+    return "[never]" not in text and (major, minor) >= (6, 1)
+
+
+def test_weights_move_to_huge_pages_unchanged():
+    """Arrays of at least min_bytes are collapsed into 2 MiB pages (where the machine
+    allows transparent huge pages at all) with their values kept; smaller ones are left."""
+    big = jnp.arange(6 << 20, dtype=jnp.float32)  # 24 MiB
+    small = jnp.arange(1024, dtype=jnp.float32)
+    want = np.asarray(big).copy()
+    done = cpu_kernels.back_with_huge_pages({"w": big, "b": small})
+    assert done % (2 << 20) == 0 and done <= big.nbytes
+    if not _can_collapse():
+        assert done == 0
+    else:  # 24 MiB holds at least 11 whole aligned 2 MiB pages
+        assert done >= 11 * (2 << 20)
+    np.testing.assert_array_equal(np.asarray(big), want)
+    assert cpu_kernels.back_with_huge_pages({"b": small}) == 0
