@@ -17,6 +17,7 @@ jnp attention (runtime.engine_setup).
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import fcntl
@@ -175,7 +176,11 @@ def _choose_bf16(record: pathlib.Path, kernels: list[str]) -> str:
         if record.exists():
             _bf16_choice = json.loads(record.read_text())["kernel"]
             return _bf16_choice
-        secs = _time_bf16(kernels)
+        # On a thread of its own: the first load() may come from inside a jit trace (the
+        # first packed_matmul a process traces), whose trace context is the caller
+        # thread's and would turn the timed arrays into tracers.
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            secs = pool.submit(_time_bf16, kernels).result()
         # Each kernel's time relative to the best at each row count, summed: a kernel
         # must be good for single streams and batches alike.
         score = {n: sum(t / min(secs[o][m] for o in kernels) for m, t in secs[n].items())

@@ -131,6 +131,25 @@ def test_the_faster_bf16_kernel_serves_and_is_recorded(monkeypatch, tmp_path):
         cpu_kernels._choose_bf16(record, ["widen"])
 
 
+def test_the_bf16_kernels_are_measured_from_inside_a_trace(monkeypatch, tmp_path):
+    """A process's first load() may come from a jit trace (its first packed_matmul): the
+    measurement then still runs real arrays, and the choice is recorded."""
+    monkeypatch.setattr(cpu_kernels, "_bf16_choice", cpu_kernels.bf16_kernel())
+    monkeypatch.delenv("XLASERVE_CPU_BF16_KERNEL", raising=False)
+    record = tmp_path / "bf16_kernel.json"
+    kernels = list(cpu_kernels.bf16_targets())
+    if len(kernels) == 1:  # nothing to measure: widening alone
+        kernels = kernels * 2
+
+    @jax.jit
+    def traced(x):
+        cpu_kernels._choose_bf16(record, kernels)
+        return x + 1
+
+    assert int(traced(jnp.int32(1))) == 2
+    assert json.loads(record.read_text())["kernel"] in kernels
+
+
 def test_bf16_kernels_agree():
     """Same panels, same bf16 products, summed in another order: the kernels differ only
     by f32 rounding; the serving target is one of them, bitwise."""
