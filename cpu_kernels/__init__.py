@@ -153,6 +153,13 @@ _bf16_choice = "widen"
 
 
 def _choose_bf16(record: pathlib.Path, kernels: list[str]) -> str:
+    """The faster bf16 kernel on this CPU (_pick_bf16), which bf16_kernel() then names."""
+    global _bf16_choice
+    _bf16_choice = _pick_bf16(record, kernels)
+    return _bf16_choice
+
+
+def _pick_bf16(record: pathlib.Path, kernels: list[str]) -> str:
     """The faster bf16 kernel on this CPU, measured once per library build and CPU (the
     record beside the library: later starts read it, so every process on a machine serves
     the same kernel and the same results). $XLASERVE_CPU_BF16_KERNEL overrides.
@@ -161,21 +168,17 @@ def _choose_bf16(record: pathlib.Path, kernels: list[str]) -> str:
     FMA's issue rate and twice its latency, and widening measured faster (K=576, N=3072:
     M=1 804 vs 1046 us, M=32 1353 vs 1926); on an AMD EPYC (Zen 4) the dot kernel measured
     1.0-1.46x faster at one row and 1.7-1.8x at 32 (docs/benchmarks.md)."""
-    global _bf16_choice
     forced = os.environ.get("XLASERVE_CPU_BF16_KERNEL")
     if forced:
         if forced not in kernels:
             raise ValueError(f"XLASERVE_CPU_BF16_KERNEL={forced!r}: this CPU runs {kernels}")
-        _bf16_choice = forced
         return forced
     if len(kernels) == 1:
-        _bf16_choice = kernels[0]
         return kernels[0]
     with open(record.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a process starting beside us measures once
         if record.exists():
-            _bf16_choice = json.loads(record.read_text())["kernel"]
-            return _bf16_choice
+            return json.loads(record.read_text())["kernel"]
         # On a thread of its own: the first load() may come from inside a jit trace (the
         # first packed_matmul a process traces), whose trace context is the caller
         # thread's and would turn the timed arrays into tracers.
@@ -185,12 +188,12 @@ def _choose_bf16(record: pathlib.Path, kernels: list[str]) -> str:
         # must be good for single streams and batches alike.
         score = {n: sum(t / min(secs[o][m] for o in kernels) for m, t in secs[n].items())
                  for n in kernels}
-        _bf16_choice = min(kernels, key=score.__getitem__)
+        kernel = min(kernels, key=score.__getitem__)
         tmp = record.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"kernel": _bf16_choice, "seconds": secs, "score": score}))
+        tmp.write_text(json.dumps({"kernel": kernel, "seconds": secs, "score": score}))
         tmp.replace(record)
-    log.info("bf16 matmul kernel: %s (measured %s)", _bf16_choice, secs)
-    return _bf16_choice
+    log.info("bf16 matmul kernel: %s (measured %s)", kernel, secs)
+    return kernel
 
 
 def _time_bf16(kernels: list[str]) -> dict[str, dict[int, float]]:
