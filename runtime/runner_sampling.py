@@ -54,8 +54,8 @@ class SamplingLaunch:
         top_n, dummy = self.cfg.max_top_logprobs, self.max_running
 
         def sample(state, logits, row_slots, sample_mask, sp):
-            out = sampling.sample(logits, sp, state.token_counts[row_slots],
-                                  state.prompt_mask[row_slots], num_top_logprobs=top_n)
+            out = sampling.sample(logits, sp, state.token_counts, state.prompt_mask,
+                                  row_slots, num_top_logprobs=top_n)
             tgt = jnp.where(sample_mask, row_slots, dummy)  # [B]
             state = SlotState(
                 last_tokens=state.last_tokens.at[tgt].set(out.next_tokens),

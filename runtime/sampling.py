@@ -152,8 +152,9 @@ def apply_penalties(
 def sample(
     logits: jax.Array,  # [B, V]
     params: SamplingBatch,
-    token_counts: jax.Array,  # [B, V] i32
-    prompt_mask: jax.Array,  # [B, V] bool
+    token_counts: jax.Array,  # [S, V] i32, output-token counts per request slot
+    prompt_mask: jax.Array,  # [S, V] bool, prompt tokens per request slot
+    row_slots: jax.Array,  # [B] i32, each row's slot in token_counts / prompt_mask
     num_top_logprobs: int = 0,
     *,
     candidate_tiers: tuple[int, ...] = (64, 1024),
@@ -167,14 +168,17 @@ def sample(
     """
     logits = logits.astype(jnp.float32)
     constrained = constrain(logits, params)  # [B, V]
-    # Most batches carry no penalty; skipping the pass saves reading two [B, V] arrays.
+    # Most batches carry no penalty; skipping the pass saves gathering and reading two
+    # [B, V] arrays. The rows' state is gathered inside the branch: gathered outside it, XLA
+    # CPU gathered it every step (4.5 ms of a 45 ms B=32 bf16 decode step on 2 cores).
     penalized = lax.cond(
         jnp.any(
             (params.repetition_penalty != 1.0)
             | (params.frequency_penalty != 0.0)
             | (params.presence_penalty != 0.0)
         ),
-        lambda: apply_penalties(constrained, params, token_counts, prompt_mask),
+        lambda: apply_penalties(constrained, params, token_counts[row_slots],
+                                prompt_mask[row_slots]),
         lambda: constrained,
     )  # [B, V]
     # Picked at run time, so one executable serves both: start-up compiles no greedy-only

@@ -40,9 +40,9 @@ def _sample(
         counts = np.zeros(logits.shape, np.int32)
     if prompt_mask is None:
         prompt_mask = np.zeros(logits.shape, bool)
-    out = sample(
-        jnp.asarray(logits), params, jnp.asarray(counts), jnp.asarray(prompt_mask), **static
-    )
+    # Row i reads slot i of the per-slot state.
+    out = sample(jnp.asarray(logits), params, jnp.asarray(counts), jnp.asarray(prompt_mask),
+                 jnp.arange(len(logits), dtype=jnp.int32), **static)
     return jax.tree.map(np.asarray, out)
 
 
@@ -256,6 +256,15 @@ def test_penalties_match_numpy_reference() -> None:
     np.testing.assert_array_equal(got[0], logits[0])  # neutral row: bit-identical
     out = _sample(logits, params, counts, prompt_mask)
     np.testing.assert_array_equal(out.next_tokens, np.argmax(ref, -1))
+    # The runner passes every slot's state and each row's slot: rows read their own slot's
+    # counts and prompt mask (here in reverse order, among spare slots).
+    slots = np.array([5, 3, 1, 0], np.int32)
+    all_counts = np.zeros((6, vocab), np.int32)
+    all_mask = np.zeros((6, vocab), bool)
+    all_counts[slots], all_mask[slots] = counts, prompt_mask
+    by_slot = sample(jnp.asarray(logits), params, jnp.asarray(all_counts),
+                     jnp.asarray(all_mask), jnp.asarray(slots))
+    np.testing.assert_array_equal(np.asarray(by_slot.next_tokens), np.argmax(ref, -1))
 
 
 def test_logprobs_are_the_raw_log_softmax() -> None:
@@ -377,7 +386,7 @@ def test_mask_and_bias_run_in_one_trace():
     """Constrained, biased and plain batches of one shape share one compiled program."""
     vocab = 96
     logits = jnp.asarray(_logits(2, vocab))
-    zeros = jnp.zeros((2, vocab), jnp.int32), jnp.zeros((2, vocab), bool)
+    zeros = jnp.zeros((2, vocab), jnp.int32), jnp.zeros((2, vocab), bool), jnp.arange(2)
     batches = [SamplingBatch.create(2, mask_width=3, bias_slots=2),
                SamplingBatch.create(2, mask_width=3, bias_slots=2,
                                     token_bitmask=_bitmask([[1], None], vocab)),
