@@ -388,6 +388,63 @@ def test_decode_attention_head_shapes(group, dh, kv_dtype):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
 
 
+def _extend_case(rng, group, dh, kv_dtype, page_size=16, n_pages=24):
+    """Row 0: 70 new tokens after a 21-token cached prefix (mid-page); row 1: 5 fresh
+    tokens; 3 padding tokens past the rows. Pages of row 0 in scrambled pool order."""
+    hkv, lens, prefix = 2, [70, 5], 21
+    t = sum(lens) + 3
+    table = np.zeros((2, 8), np.int32)
+    table[0] = rng.permutation(np.arange(1, n_pages))[:8]
+    q = jnp.asarray(2 * rng.standard_normal((t, hkv * group, dh)), jnp.float32)
+    k_new, v_new = (jnp.asarray(rng.standard_normal((t, hkv, dh)), kv_dtype) for _ in "kv")
+    pools = [jnp.asarray(rng.standard_normal((2, hkv, n_pages, page_size, dh)), kv_dtype)
+             for _ in "kv"]
+    positions = np.full(t, 1 << 30, np.int32)
+    positions[:70] = np.arange(prefix, prefix + 70)
+    positions[70:75] = np.arange(5)
+    return q, k_new, v_new, pools, table, np.array([0, 70, 75], np.int32), positions
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("group,dh,window", [(3, 64, None), (1, 64, 30), (4, 128, None),
+                                             (8, 48, 40), (6, 64, None)])
+def test_extend_attention_head_shapes_and_chunking(group, dh, window, kv_dtype):
+    """The blocked extend kernel against the jnp extend (in f32 on the same K/V), items of
+    64 / G tokens, head dims 48 / 64 / 128; chunking a prompt anywhere gives the later
+    tokens bitwise what the whole prompt gives (its keys then come from the pool), and a
+    row gives bitwise the same alone as in a batch."""
+    from pallas_kernels.attention_ref import _extend
+
+    rng = np.random.default_rng(group * dh)
+    q, k_new, v_new, pools, table, qs, positions = _extend_case(rng, group, dh, kv_dtype)
+    kw = dict(sm_scale=dh ** -0.5, sliding_window=window, soft_cap=None)
+    rest = (jnp.int32(1), jnp.asarray(table), jnp.asarray(qs), jnp.asarray(positions))
+    f32 = [a.astype(jnp.float32) for a in (k_new, v_new, *pools)]
+    want = np.asarray(jax.jit(functools.partial(_extend, **kw))(q, *f32, *rest))
+    f = jax.jit(functools.partial(cpu_kernels.extend_attention, **kw))
+    got = np.asarray(f(q, k_new, v_new, *pools, *rest))
+    np.testing.assert_allclose(got[:75], want[:75], atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(got[75:], 0.0)  # padding past the rows
+
+    # Row 0 in two chunks, split off the 16-key blocks and the items: the first 33 tokens'
+    # K/V go into the pool (layer 1, row 0's pages), then the last 37 tokens run alone.
+    split = 33
+    k_pool, v_pool = (np.array(p) for p in pools)
+    for i, pos in enumerate(positions[:split]):
+        page, slot = table[0, pos // 16], pos % 16
+        k_pool[1, :, page, slot], v_pool[1, :, page, slot] = k_new[i], v_new[i]
+    rest2 = (jnp.int32(1), jnp.asarray(table[:1]), jnp.asarray([0, 70 - split], np.int32),
+             jnp.asarray(positions[split:70]))
+    later = f(q[split:70], k_new[split:70], v_new[split:70], jnp.asarray(k_pool),
+              jnp.asarray(v_pool), *rest2)
+    np.testing.assert_array_equal(np.asarray(later), got[split:70])
+    # Row 1 alone: bitwise what it gives beside row 0.
+    alone = f(q[70:75], k_new[70:75], v_new[70:75], *pools, jnp.int32(1),
+              jnp.asarray(table[1:]), jnp.asarray([0, 5], np.int32),
+              jnp.asarray(positions[70:75]))
+    np.testing.assert_array_equal(np.asarray(alone), got[70:75])
+
+
 def test_out_of_range_page_ids_stay_inside_the_pool():
     """A corrupt page-table entry must not read outside the pool (the kernels clip page
     ids into it, as the jnp gathers clip their indices): finite output, no crash."""
