@@ -198,3 +198,15 @@ def test_bench_cpu_matmul_smoke(tmp_path: Path) -> None:
                    for m in (1, 32) for c in ("f32", "bf16", "bf16_dot")}
     for x in r["records"]:
         _positive(x, "median_us", "weight_gb_s", "gflop_s")
+
+
+def test_bench_cpu_attention_smoke(tmp_path: Path) -> None:
+    r = _run("bench_cpu_attention.py", tmp_path)
+    assert r["shape"] == {"layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 64,
+                          "page_size": 16}
+    got = {(x["mode"], x.get("rows"), x.get("context"), x.get("tokens"), x["kv_dtype"])
+           for x in r["records"]}
+    assert got == {(m, *p, d) for d in ("float32", "bfloat16")
+                   for m, p in (("decode", (2, 40, None)), ("extend", (None, None, 70)))}
+    for x in r["records"]:
+        _positive(x, "median_ms", "kv_gb_s" if x["mode"] == "decode" else "gflop_s")
