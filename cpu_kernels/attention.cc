@@ -448,10 +448,7 @@ inline void AddValues(Scratch& sc, int64_t Dp, int64_t i0, int64_t col, unsigned
     __m512 p[N];
     for (int i = 0; i < N; ++i) p[i] = _mm512_set1_ps(sc.p[(i0 + i) * kBlock + k]);
     for (int c = 0; c < 4; ++c) {
-      __m512 vv = _mm512_loadu_ps(v + 16 * c);
-      // One load for the N FMAs: without this GCC folds the load into each FMA, and N
-      // loads per 16 values made this loop load-bound.
-      asm("" : "+v"(vv));
+      const __m512 vv = _mm512_loadu_ps(v + 16 * c);
       for (int i = 0; i < N; ++i) acc[i][c] = _mm512_fmadd_ps(p[i], vv, acc[i][c]);
     }
   }
