@@ -17,8 +17,9 @@
 //   blocks of 16. Each block's keys are transposed once into f32 [D][16], so a query's 16
 //   scores are 16-lane FMAs with no sum across lanes and the block serves every query of
 //   the item; its values are widened once and each query adds p @ V. Against the
-//   per-key kernel on prefill: 1.8x at 512 and 2,048 tokens (30 layers, 1,220 vs 2,249
-//   ms at 2,048), where attention had been 2/3 of the whole forward.
+//   per-key kernel on prefill: 1.5-2.0x at 512 and 2,048 tokens, f32 and bf16 pages
+//   (scripts/bench_cpu_attention.py; 2,048 tokens f32: 2,034 -> 1,122-1,172 ms for 30
+//   layers), where attention had been 2/3 of a 2,048-token bf16 forward.
 //
 // Determinism: items are independent, so a row's result does not depend on its batch.
 // Extend blocks are aligned to a key's index in its row's key stream (the pool prefix by
