@@ -380,24 +380,19 @@ struct Queries {
   const int32_t* lo;   // each token's first visible position (window), else INT32_MIN
 };
 
-// Per-thread buffers, reused across items.
+// Head dims padded to whole 64-column groups (p @ V works 64 columns at a time).
+inline int64_t PaddedDim(int64_t D) { return (D + 63) / 64 * 64; }
+
+// Per-thread buffers for items of at most n queries, reused across items. Zero-filled:
+// the pad columns of kt, vr and q are never written, so they read 0.
 struct Scratch {
+  Scratch(int64_t n, int64_t Dp)
+      : kt(Dp * kBlock), vr(kBlock * Dp), q(n * Dp), o(n * Dp), l(n * kBlock), m(n),
+        p(n * kBlock), alpha(n), visible(n) {}
+
   std::vector<float> kt, vr, q, o, l, m, p, alpha;
   std::vector<__mmask16> visible;  // per query: the block's keys it sees
   const float* vrow[kBlock];       // the block's value rows as f32 [Dp] (vr, or the pool's)
-  int64_t dp = 0;
-
-  void Fit(int64_t n, int64_t Dp) {
-    if (dp != Dp) {  // pad columns must read 0: refill when the padded width changes
-      kt.assign(Dp * kBlock, 0.0f), vr.assign(kBlock * Dp, 0.0f);
-      q.clear(), m.clear();
-      dp = Dp;
-    }
-    if (static_cast<int64_t>(m.size()) < n) {
-      q.resize(n * Dp, 0.0f), o.resize(n * Dp), l.resize(n * kBlock), m.resize(n);
-      p.resize(n * kBlock), alpha.resize(n), visible.resize(n);
-    }
-  }
 };
 
 inline void LoadRow(const float* src, float* dst, int64_t D) { std::copy(src, src + D, dst); }
@@ -460,10 +455,8 @@ inline void AddValues(Scratch& sc, int64_t Dp, int64_t i0, int64_t col, unsigned
 
 // One extend item: its queries against its key stream (see the file comment).
 template <typename T>
-void AttendBlock(const Shapes& s, const Queries& qs, const Stream<T>& st,
-                                      Scratch& sc) {
-  const int64_t G = s.G, D = s.D, Dp = (D + 63) / 64 * 64, n = qs.tokens * G;
-  sc.Fit(n, Dp);
+void AttendBlock(const Shapes& s, const Queries& qs, const Stream<T>& st, Scratch& sc) {
+  const int64_t G = s.G, D = s.D, Dp = PaddedDim(D), n = qs.tokens * G;
   for (int64_t i = 0; i < n; ++i) {  // queries times the scale, pad columns 0
     const float* src = qs.q + (i / G) * qs.stride + (i % G) * D;
     for (int64_t d = 0; d < D; ++d) sc.q[i * Dp + d] = src[d] * s.scale;
@@ -575,12 +568,14 @@ void AttendBlock(const Shapes& s, const Queries& qs, const Stream<T>& st,
   }
 }
 
-// Runs items [0, n) over the pool's threads; `ranges` > threads balances items of
-// unequal cost (causal prefill items grow along the row).
+// Runs extend items [0, n) of at most max_queries queries over the pool's threads, with a
+// Scratch per range; more ranges than threads balances items of unequal cost (causal
+// prefill items grow along the row).
 template <typename Item>
-void RunBlocks(ffi::ThreadPool& pool, int64_t n, const Item& item) {
+void RunBlocks(ffi::ThreadPool& pool, int64_t n, int64_t max_queries, int64_t D,
+               const Item& item) {
   xlaserve::ParallelRanges(pool, n, 8 * xlaserve::Workers(pool), [&](int64_t i0, int64_t i1) {
-    Scratch sc;
+    Scratch sc(max_queries, PaddedDim(D));
     for (int64_t i = i0; i < i1; ++i) item(i, sc);
   });
 }
@@ -719,7 +714,7 @@ ffi::Error ExtendAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   const Extend<ffi::NativeType<DT>> work{q.typed_data(), k_new.typed_data(), v_new.typed_data(),
                     k_pool.typed_data(), v_pool.typed_data(), page_table.typed_data(),
                     qs, pos, lo.data(), item_token.data(), item_row.data(), o};
-  RunBlocks(pool, static_cast<int64_t>(item_row.size()) * s.Hkv,
+  RunBlocks(pool, static_cast<int64_t>(item_row.size()) * s.Hkv, per_item * s.G, s.D,
             [&](int64_t i, Scratch& sc) { work(s, i, sc); });
   return ffi::Error::Success();
 }
