@@ -33,6 +33,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -237,12 +238,15 @@ class PackedWeight:
     k and k + 1 interleaved per column (vdpbf16ps's operand layout).
 
     `layer`: None for one matrix; for a stack of them ([L, ...] panels), the traced index
-    of the one a call multiplies by (at_layer), which the kernel reads in place."""
+    of the one a call multiplies by (at_layer), which the kernel reads in place.
+    `rows`: None, or int32 [M]: the rows of x [M, K] a call computes (nonzero); the
+    others, a bucket's padding, come out zero at no cost (only_rows)."""
 
     panels: jax.Array
     n: int = dataclasses.field(metadata=dict(static=True))
     k: int = dataclasses.field(metadata=dict(static=True))
     layer: jax.Array | None = None
+    rows: jax.Array | None = None
 
     @property
     def matrix_ndim(self) -> int:
@@ -265,6 +269,14 @@ def at_layer(w: PackedWeight, layer: jax.Array) -> PackedWeight:
     if w.panels.ndim != w.matrix_ndim + 1:
         raise ValueError(f"at_layer takes a stack of matrices, got panels {w.panels.shape}")
     return dataclasses.replace(w, layer=layer)
+
+
+def only_rows(tree: Any, rows: jax.Array) -> Any:
+    """Every PackedWeight of `tree` computing only the x rows where rows [M] is nonzero
+    (the real tokens of a padded batch: runtime/forward_batch.real_token_mask)."""
+    return jax.tree.map(
+        lambda w: dataclasses.replace(w, rows=rows) if isinstance(w, PackedWeight) else w,
+        tree, is_leaf=lambda w: isinstance(w, PackedWeight))
 
 
 def pack(w: jax.Array) -> PackedWeight:
@@ -305,8 +317,11 @@ def _ffi_matmul(name: str, x: jax.Array, w: PackedWeight) -> jax.Array:
     layer = jnp.asarray(0 if w.layer is None else w.layer, jnp.int32).reshape(())
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
+    if w.rows is not None and w.rows.shape != x2.shape[:1]:
+        raise ValueError(f"row mask {w.rows.shape} does not match x rows {x2.shape[:1]}")
+    rows = jnp.zeros((0,), jnp.int32) if w.rows is None else w.rows.astype(jnp.int32)
     y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(
-        x2.astype(jnp.float32), w.panels, layer)
+        x2.astype(jnp.float32), w.panels, layer, rows)
     return y.reshape(*lead, w.n)
 
 

@@ -49,6 +49,9 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+// Position of a padding token (PAD_POSITION in runtime/batch_builder.py).
+constexpr int32_t kPadPosition = 1 << 30;
+
 // exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial,
 // times 2^n by scalef. Relative error ~2e-7; inputs below -87 give 0 (softmax terms far
 // under the max), never NaN.
@@ -695,11 +698,16 @@ ffi::Error ExtendAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
   // and give 0.
   const int32_t* qs = query_start.typed_data();
   const int32_t* pos = positions.typed_data();
+  // Padding follows the last row's tokens inside its query_start span, at kPadPosition,
+  // where a causal mask lets it see every key: cut it off, or a 300-token chunk in a
+  // 512-token bucket attends 512 queries.
+  int64_t real_end = T;
+  while (real_end > 0 && pos[real_end - 1] >= kPadPosition) --real_end;
   const int64_t per_item = std::max<int64_t>(1, 64 / s.G);
   std::vector<int64_t> item_token{0};
   std::vector<int32_t> item_row;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t end = std::clamp<int64_t>(qs[r + 1], item_token.back(), T);
+    const int64_t end = std::clamp<int64_t>(qs[r + 1], item_token.back(), real_end);
     for (int64_t t = item_token.back(); t < end; t = std::min(t + per_item, end)) {
       item_token.push_back(std::min(t + per_item, end));
       item_row.push_back(static_cast<int32_t>(r));

@@ -154,11 +154,11 @@ inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T*
     for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(y + m * ldy + 16 * j, mask[j], acc[m][j]);
 }
 
-// Rows [m0, min(M, m0 + kMChunk)) of panel `p`. The first tile reads this panel from
-// memory; the later ones compute from L2 and share out the prefetch of `next`.
+// Rows [m0, m1) of panel `p`. The first tile reads this panel from memory; the later
+// ones compute from L2 and share out the prefetch of `next`.
 template <typename Step>
-void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64_t M,
-          int64_t ldx, int64_t steps, int64_t N, int64_t p, int64_t m0, const char* next) {
+void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64_t ldx,
+          int64_t steps, int64_t N, int64_t p, int64_t m0, int64_t m1, const char* next) {
   using T = typename Step::T;
   __mmask16 mask[4];
   const int64_t cols = std::min(kNR, N - p * kNR);
@@ -167,7 +167,6 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
     mask[j] = static_cast<__mmask16>((1u << c) - 1u);
   }
   const T* panel = wp + p * steps * Step::kPerStep;
-  const int64_t m1 = std::min(M, m0 + kMChunk);
   const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
   for (int64_t m = m0, tile = 0; m < m1; m += kMR, ++tile) {
     const typename Step::X* xm = x + m * ldx;
@@ -193,39 +192,70 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
   }
 }
 
+// Row chunks [begin, end) of at most kMChunk rows, none crossing a gap between the rows
+// a call computes (RowMask), so large M splits across threads.
+using Chunks = std::vector<std::pair<int64_t, int64_t>>;
+
 // Work units are (panel, row chunk) pairs in panel-major order, cut into one contiguous
 // range per thread so each thread can prefetch its own next panel.
 template <typename Step>
 void Run(ffi::ThreadPool& pool, const typename Step::X* x, const typename Step::T* w,
-         float* y, int64_t M, int64_t ldx, int64_t steps, int64_t N, int64_t P) {
-  const int64_t chunks = (M + kMChunk - 1) / kMChunk;
+         float* y, const Chunks& rows, int64_t ldx, int64_t steps, int64_t N, int64_t P) {
+  const int64_t chunks = static_cast<int64_t>(rows.size());
   const int64_t panel_elems = steps * Step::kPerStep;
-  const auto units = [=](int64_t u0, int64_t u1) {
+  const auto units = [=, &rows](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t p = u / chunks, c = u % chunks;
       const char* next = c == chunks - 1 && u + 1 < u1
                              ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems)
                              : nullptr;
-      Unit<Step>(x, w, y, M, ldx, steps, N, p, c * kMChunk, next);
+      Unit<Step>(x, w, y, ldx, steps, N, p, rows[c].first, rows[c].second, next);
     }
   };
   xlaserve::ParallelRanges(pool, P * chunks, xlaserve::Workers(pool), units);
 }
 
+// The rows of y[M, N] a call computes, as chunks: `mask` [M] (nonzero: compute) or, empty,
+// all of them. A bucketed batch pads its tokens to a fixed count; on this compute-bound
+// path a padding row costs what a real one does (a decode step of 17 rows in the 32
+// bucket took 80 ms against 49 at 16), so the runner masks them out. Masked rows of y are
+// zeroed, so what follows them stays finite.
+ffi::ErrorOr<Chunks> RowMask(ffi::Buffer<ffi::S32>& mask, int64_t M, float* y, int64_t N) {
+  Chunks chunks;
+  const int64_t n = static_cast<int64_t>(mask.element_count());
+  if (n != 0 && n != M)
+    return ffi::Unexpected(
+        ffi::Error::InvalidArgument("packed_matmul: the row mask is [M] or empty"));
+  const int32_t* m = mask.typed_data();
+  for (int64_t r = 0; r < M;) {
+    if (n != 0 && m[r] == 0) {
+      std::memset(y + r * N, 0, N * sizeof(float));
+      ++r;
+      continue;
+    }
+    int64_t end = r + 1;
+    while (end < M && end - r < kMChunk && (n == 0 || m[end] != 0)) ++end;
+    chunks.emplace_back(r, end);
+    r = end;
+  }
+  return chunks;
+}
+
 // x [M, K] f32 rounded to bf16 (round to nearest even, XLA's f32 -> bf16 convert) as
-// [M, 2 K2] (zero past K), in a buffer of the calling thread, valid until its next call
+// [M, 2 K2] (zero past K; only the rows the call computes), in a buffer of the calling thread, valid until its next call
 // (the helpers read it only while Run waits for them): M * K values against the
 // product's M * K * N multiply-adds. The widening kernel keeps the rounded values as f32
 // (its broadcasts are loads), the vdpbf16ps one as bf16 pairs. Rounding here, not in
 // XLA, saves a convert-and-pad fusion before every bf16 call of the layer loop.
 template <typename X>
-const X* RoundX(const float* x, int64_t M, int64_t K, int64_t K2) {
+const X* RoundX(const float* x, int64_t M, int64_t K, int64_t K2, const Chunks& rows) {
   thread_local std::vector<X> buf;
   const int64_t ld = 2 * K2;
   if (static_cast<int64_t>(buf.size()) < M * ld) buf.resize(M * ld);
   const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
   const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
-  for (int64_t m = 0; m < M; ++m) {
+  for (const auto& [begin, end] : rows)
+  for (int64_t m = begin; m < end; ++m) {
     const float* row = x + m * K;
     X* out = buf.data() + m * ld;
     int64_t k = 0;
@@ -291,7 +321,7 @@ ffi::ErrorOr<Matrix> LayerMatrix(ffi::Span<const int64_t> wd, size_t rank,
 
 ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                         ffi::Buffer<ffi::F32> wp, ffi::Buffer<ffi::S32> layer,
-                        ffi::ResultBuffer<ffi::F32> y) {
+                        ffi::Buffer<ffi::S32> mask, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto yd = y->dimensions();
   const auto m = LayerMatrix(wp.dimensions(), 3, layer);
@@ -300,8 +330,10 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (xd.size() != 2 || yd.size() != 2 || wd[2] != kNR || wd[1] != xd[1] || yd[0] != xd[0])
     return ffi::Error::InvalidArgument("packed_matmul: want x [M, K], w [P, K, 64], y [M, N]");
   if (auto e = CheckN(yd[1], wd[0]); e.failure()) return e;
-  if (xd[0] == 0) return ffi::Error::Success();
-  Run<F32Step>(pool, x.typed_data(), wp.typed_data() + m->offset, y->typed_data(), xd[0],
+  const auto rows = RowMask(mask, xd[0], y->typed_data(), yd[1]);
+  if (rows.has_error()) return rows.error();
+  if (rows->empty()) return ffi::Error::Success();
+  Run<F32Step>(pool, x.typed_data(), wp.typed_data() + m->offset, y->typed_data(), *rows,
                xd[1], xd[1], yd[1], wd[0]);
   return ffi::Error::Success();
 }
@@ -309,7 +341,7 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 template <typename Step>
 ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
                             ffi::Buffer<ffi::BF16> wp, ffi::Buffer<ffi::S32> layer,
-                            ffi::ResultBuffer<ffi::F32> y) {
+                            ffi::Buffer<ffi::S32> mask, ffi::ResultBuffer<ffi::F32> y) {
   const auto xd = x.dimensions();
   const auto yd = y->dimensions();
   const auto m = LayerMatrix(wp.dimensions(), 4, layer);
@@ -320,10 +352,12 @@ ffi::Error PackedMatmulBf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
     return ffi::Error::InvalidArgument(
         "packed_matmul: want x [M, K] f32, w [P, ceil(K / 2), 64, 2] bf16, y [M, N]");
   if (auto e = CheckN(yd[1], wd[0]); e.failure()) return e;
-  if (xd[0] == 0) return ffi::Error::Success();
-  const auto* xs = RoundX<typename Step::X>(x.typed_data(), xd[0], xd[1], wd[1]);
+  const auto rows = RowMask(mask, xd[0], y->typed_data(), yd[1]);
+  if (rows.has_error()) return rows.error();
+  if (rows->empty()) return ffi::Error::Success();
+  const auto* xs = RoundX<typename Step::X>(x.typed_data(), xd[0], xd[1], wd[1], *rows);
   Run<Step>(pool, xs, reinterpret_cast<const uint16_t*>(wp.typed_data()) + m->offset,
-            y->typed_data(), xd[0], 2 * wd[1], wd[1], yd[1], wd[0]);
+            y->typed_data(), *rows, 2 * wd[1], wd[1], yd[1], wd[0]);
   return ffi::Error::Success();
 }
 
@@ -332,6 +366,7 @@ auto Bf16Binding() {
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::F32>>()
       .Arg<ffi::Buffer<ffi::BF16>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Ret<ffi::Buffer<ffi::F32>>();
 }
@@ -343,6 +378,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmul, PackedMatmul,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 

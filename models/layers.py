@@ -23,7 +23,7 @@ import cpu_kernels
 from cpu_kernels import PackedWeight, at_layer, packed_matmul
 from pallas_kernels import get_paged_attention_fn
 from runtime.config import ModelConfig, RopeScaling
-from runtime.forward_batch import ForwardBatch
+from runtime.forward_batch import ForwardBatch, real_token_mask
 from runtime.kv_pool import KVPool, write_kv
 
 Mlp = Callable[[dict, jax.Array], jax.Array]
@@ -270,8 +270,15 @@ def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
             o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh)
             return jax.lax.switch(layer, out_fns, h, o), (k, v)
     else:
+        # The packed CPU matmul skips the bucket's padding tokens (their rows come out
+        # zero): on that compute-bound path each costs what a real token does. Under a
+        # `dp` mesh the batch's statics are one rank's, so the mask is not built there.
+        rows = real_token_mask(batch) if mesh is None else None
+
         def body(h, layer):
             lp = layer_weights(params["layers"], layer)
+            if rows is not None:
+                lp = cpu_kernels.only_rows(lp, rows)
             q, k, v = qkv(lp, h, cos, sin, cfg)
             o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh)
             return out_mlp(lp, h, o, cfg, mlp), (k, v)
@@ -324,11 +331,14 @@ def run_decoder_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: Forwa
 
 
 def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,
-                   cfg: ModelConfig) -> jax.Array:
-    """h [T, D] -> logits [B, V] in f32, only for the tokens that are sampled."""
+                   cfg: ModelConfig, rows: jax.Array | None = None) -> jax.Array:
+    """h [T, D] -> logits [B, V] in f32, only for the tokens that are sampled. `rows`
+    [B] (forward_batch.real_row_mask): the packed CPU head skips the padding rows (their
+    logits come out zero)."""
     x = rms_norm(h[logits_indices], params["final_norm"], cfg.rms_norm_eps)  # [B, D]
     if isinstance(params.get("lm_head"), PackedWeight):
-        return linear(x, params["lm_head"])
+        head = params["lm_head"]
+        return linear(x, head if rows is None else cpu_kernels.only_rows(head, rows))
     if cfg.tie_word_embeddings:
         return jnp.einsum("bd,vd->bv", x, params["embed"], preferred_element_type=jnp.float32)
     return jnp.einsum("bd,dv->bv", x, params["lm_head"], preferred_element_type=jnp.float32)

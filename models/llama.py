@@ -15,7 +15,7 @@ import cpu_kernels
 from models import layers
 from models.layers import compute_logits, embed, fused_gated_mlp, gated_mlp, unstack_layers
 from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch
+from runtime.forward_batch import ForwardBatch, real_row_mask
 from runtime.kv_pool import KVPool
 
 __all__ = ["compute_logits", "embed", "forward", "init_params", "pack_for_cpu",
@@ -100,4 +100,4 @@ def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
     h = embed(params, batch.input_ids)
     h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend,
                        mesh=mesh)
-    return compute_logits(params, h, batch.logits_indices, cfg), kv
+    return compute_logits(params, h, batch.logits_indices, cfg, real_row_mask(batch)), kv

@@ -17,8 +17,10 @@ the pool (at out_cache_loc) after the layer stack.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import struct
 
+from runtime.batch_builder import PAD_POSITION
 from runtime.forward_mode import ForwardMode
 
 __all__ = ["ForwardBatch", "ForwardMode"]
@@ -48,3 +50,14 @@ class ForwardBatch:
     @property
     def num_decode_seqs(self) -> int:
         return self.num_seqs - self.num_extend_seqs
+
+
+def real_row_mask(batch: ForwardBatch) -> jax.Array:
+    """[B] int32: 1 for a real row, 0 for a bucket's padding row (seq_len 0)."""
+    return (batch.seq_lens > 0).astype(jnp.int32)
+
+
+def real_token_mask(batch: ForwardBatch) -> jax.Array:
+    """[T] int32: 1 for a real token, 0 for padding (at PAD_POSITION; the last extend row's
+    query_start span runs to the bucket's end, so it does not tell them apart)."""
+    return (batch.positions < PAD_POSITION).astype(jnp.int32)

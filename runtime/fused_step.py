@@ -27,7 +27,7 @@ from models import layers
 from models.registry import model_module
 from runtime.batch_builder import BucketShape
 from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode, real_row_mask
 from runtime.split_prefill import MeshPlacement
 
 
@@ -104,7 +104,9 @@ class FusedExecutables:
             ids = jnp.arange(cfg.num_layers, dtype=jnp.int32)
             ids = jnp.where((ids >= start) & (ids < start + k), cfg.num_layers, ids)
             kv = layers.write_step_kv(kv, ids, dec.out_cache_loc, *new_kv, mesh, backend)
-            return model.compute_logits(params, h_dec, dec.logits_indices, cfg), hidden, kv
+            logits = model.compute_logits(params, h_dec, dec.logits_indices, cfg,
+                                          real_row_mask(dec))
+            return logits, hidden, kv
 
         return jax.jit(fused, donate_argnums=(1,),
                        **place.out(place.replicated, place.replicated, place.kv))

@@ -169,7 +169,8 @@ class SplitExecutables:
                 # (params, ids [T]) -> [T, D]
                 fn = jax.jit(model_module(self.cfg).embed, **place.out(place.replicated))
             elif kind == "head":
-                args, fn = (params, hidden, i32(s.num_extend_seqs)), self._head()
+                rows = i32(s.num_extend_seqs)
+                args, fn = (params, hidden, rows, rows), self._head()
             else:
                 args = (params, kv, hidden, arrays_for(s), i32())
                 fn = self._interval(s, k)
@@ -194,8 +195,11 @@ class SplitExecutables:
 
     def _head(self) -> Callable:
         cfg, model, place = self.cfg, model_module(self.cfg), self.place
-        return jax.jit(lambda params, hidden, idx: model.compute_logits(params, hidden, idx, cfg),
-                       **place.out(place.replicated))
+        def head(params, hidden, logits_indices, seq_lens):  # seq_len 0: a padding row
+            return model.compute_logits(params, hidden, logits_indices, cfg,
+                                        (seq_lens > 0).astype(jnp.int32))
+
+        return jax.jit(head, **place.out(place.replicated))
 
     # ---- running ----
 
@@ -210,7 +214,8 @@ class SplitExecutables:
     def logits(self, params: Any, split: SplitPrefill) -> Any:
         s = split.shape
         exe = self._exe[f"split_head/te{s.num_extend_tokens}_be{s.num_extend_seqs}"]
-        return exe(params, split.hidden, split.arrays["logits_indices"])  # [B, V]
+        return exe(params, split.hidden, split.arrays["logits_indices"],
+                   split.arrays["seq_lens"])  # [B, V]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ import cpu_kernels
 from models import llama
 from runtime.config import RunnerConfig, ServerArgs
 from runtime.engine_setup import default_attention_backend, default_cpu_matmul
+from runtime.forward_batch import ForwardMode, real_token_mask
 from tests.model_utils import TINY
 
 
@@ -222,6 +223,58 @@ def test_row_results_do_not_depend_on_the_batch():
     np.testing.assert_array_equal(np.asarray(f(x[3:10], w)), full[3:10])
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_masked_rows_come_out_zero_and_the_others_unchanged(dtype):
+    """only_rows: the masked rows of y are zero, every other row bitwise what the
+    unmasked call gives, for runs of every kind (one row, a tile tail, a run across the
+    96-row work unit, the last row) and for an all-zero mask."""
+    rng = np.random.default_rng(4)
+    w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((300, 200)), dtype))
+    x = jnp.asarray(rng.standard_normal((150, 300), np.float32))
+    f = jax.jit(cpu_kernels.packed_matmul)
+    full = np.asarray(f(x, w))
+    mask = np.zeros(150, np.int32)
+    for begin, end in ((0, 1), (3, 10), (40, 47), (90, 130), (149, 150)):
+        mask[begin:end] = 1
+    got = np.asarray(f(x, cpu_kernels.only_rows(w, jnp.asarray(mask))))
+    np.testing.assert_array_equal(got[mask == 1], full[mask == 1])
+    assert not got[mask == 0].any()
+    none = np.asarray(f(x, cpu_kernels.only_rows(w, jnp.zeros(150, jnp.int32))))
+    assert not none.any()
+    with pytest.raises(ValueError, match="row mask"):
+        f(x, cpu_kernels.only_rows(w, jnp.ones(149, jnp.int32)))
+
+
+def test_padding_tokens_do_not_change_the_real_ones(monkeypatch):
+    """A packed model's forward over a padded MIXED batch skips the padding tokens and
+    rows in its matmuls: the real rows' logits are bitwise those of the same batch with
+    the padding computed, the padding rows' logits zero."""
+    from models import layers
+    from runtime.batch_builder import BucketShape
+    from runtime.config import CacheConfig
+    from runtime.kv_pool import init_kv_pool
+    from tests.model_utils import SimpleRow, make_batch
+
+    params = llama.pack_for_cpu(llama.init_params(TINY, jax.random.key(5)))
+    kv = init_kv_pool(TINY, CacheConfig(page_size=16, num_pages=8), np.float32)
+    # One extend row of 5 tokens in a 16-token, 2-row bucket; 2 decode rows of 4.
+    batch = make_batch(ForwardMode.MIXED, [SimpleRow(list(range(3, 8)), 0, [1])],
+                       [SimpleRow([9], 20, [2, 3]), SimpleRow([11], 7, [4])],
+                       BucketShape(16, 2, 4, 2), 16)
+    real = np.array([True, False, True, True, False, False])
+
+    def logits() -> np.ndarray:  # a fresh trace each call
+        return np.asarray(jax.jit(lambda p, kv, b: llama.forward(p, kv, b, TINY, "cpu")[0])(
+            params, kv, batch))
+
+    got = logits()
+    monkeypatch.setattr(layers, "real_token_mask", lambda b: jnp.ones_like(b.input_ids))
+    monkeypatch.setattr(llama, "real_row_mask", lambda b: jnp.ones_like(b.seq_lens))
+    want = logits()
+    np.testing.assert_array_equal(got[real], want[real])
+    assert not got[~real].any() and want[~real].any()
+
+
 def test_packed_model_matches_unpacked():
     """pack_for_cpu (fused QKV and gate/up, packed head) gives the same logits, stacked
     and per-layer, tied and untied heads."""
@@ -327,21 +380,27 @@ def test_attention_matches_reference(page_size, group, extend, window, cap, kv_d
     else:
         want = _attention(batch, args, "xla", **kw)
         got = _attention(batch, args, "cpu", **kw)
-    np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+    # Padding tokens: what either path gives them is unused (the CPU kernel skips the
+    # extend ones; the jnp path attends them as queries).
+    real = np.asarray(real_token_mask(batch)) == 1
+    np.testing.assert_allclose(got[real], want[real], atol=2e-5, rtol=2e-5)
 
 
 def test_extend_attention_padding_in_last_row_and_no_page_table():
     """No spare row (the bucket's padding tokens sit in the last row's span) and a width-0
-    page table (fresh prompts): the same as the jnp path on the real tokens."""
+    page table (fresh prompts): the same as the jnp path on the real tokens, and the
+    padding tokens are not attended at all (zero, not a query that sees every key)."""
     from tests.test_pallas_attention import _batch, _inputs
 
     batch, n_pages = _batch([(13, 0), (30, 0), (18, 0)], [], 16, spare_row=False)
+    assert batch.num_extend_tokens > 61
     for table_width in (None, 0):
         b = batch if table_width is None else batch.replace(page_table=batch.page_table[:, :0])
         args = _inputs(b, n_pages, 16, 3, jnp.float32, seed=2)
         want = _attention(b, args, "xla")[:61]
-        np.testing.assert_allclose(_attention(b, args, "cpu")[:61], want, atol=2e-5,
-                                   rtol=2e-5)
+        got = _attention(b, args, "cpu")
+        np.testing.assert_allclose(got[:61], want, atol=2e-5, rtol=2e-5)
+        assert not got[61:].any()
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
