@@ -17,6 +17,15 @@ import numpy as np
 PAD_POSITION = 1 << 30
 
 
+@dataclasses.dataclass
+class SeedRow:
+    """A Row not tied to a request (warm-up's cost seeding)."""
+
+    input_ids: list[int]
+    start_pos: int
+    pages: list[int]
+
+
 class Row(Protocol):
     input_ids: Sequence[int]  # tokens fed this step; -1 = "the token sampled last step"
     start_pos: int            # tokens of this row already in the KV cache

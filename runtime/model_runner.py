@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import cpu_kernels
 from models.registry import model_module
 from runtime import sharding, two_batch_overlap
-from runtime.batch_builder import BucketShape, pack_rows
+from runtime.batch_builder import BucketShape, SeedRow, pack_rows
 from runtime.bucket_plan import BucketPlan, StepKey, cost_key, key_name
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig
@@ -295,10 +295,21 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         """The runner's long-lived device arrays: weights, KV pool, sampler slot state."""
         return self.params, self.kv, self.state
 
-    def _padding_inputs(self, shape: BucketShape) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def _cost_seed_inputs(self, shape: BucketShape) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """Inputs that fill `shape` with real tokens (the CPU fast path skips padding, so
+        a padded step would time as nearly free): one extend row over every extend token
+        and decode rows at their first position, all writing to the padding page (page
+        0, never handed out), with the padding sampler slot."""
+        page = self.cache_cfg.page_size
+        te = shape.num_extend_tokens
+
+        def row(n: int) -> SeedRow:
+            return SeedRow(input_ids=[0] * n, start_pos=0, pages=[0] * -(-n // page))
+
+        arrays = pack_rows([row(te)] if te else [],
+                           [row(1) for _ in range(shape.num_decode_seqs)], shape, page)
         b = shape.num_extend_seqs + shape.num_decode_seqs
-        return (pack_rows([], [], shape, self.cache_cfg.page_size),
-                np.full(b, self.max_running, np.int32))
+        return arrays, np.full(b, self.max_running, np.int32)
 
     @property
     def num_executables(self) -> int:

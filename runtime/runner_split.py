@@ -43,17 +43,17 @@ class SplitLaunch:
                                 self.split.sizes, self._place)
 
     def _seed_costs(self) -> None:
-        """Time every DECODE bucket and one interval of every split shape once, on padding
-        inputs (they write only the padding page), so the multiplexing policy has costs
+        """Time every DECODE bucket and one interval of every split shape once, full of
+        tokens that write only the padding page, so the multiplexing policy has costs
         from its first iteration on; serving keeps them current."""
         for key in self.step_keys():
             if key.mode is ForwardMode.DECODE:
-                arrays, slots = self._padding_inputs(key.shape)
+                arrays, slots = self._cost_seed_inputs(key.shape)
                 logits, self.kv = self._executables[key](self.params, self.kv,
                                                          self.state.last_tokens, arrays, slots)
                 self.costs.watch(cost_key(key.mode, key.shape), logits)
         for shape in self.split.shapes:
-            arrays, _ = self._padding_inputs(shape)
+            arrays, _ = self._cost_seed_inputs(shape)
             split = SplitPrefill(ScheduleBatch(ForwardMode.SPLIT_PREFILL, [], []), shape, arrays,
                                  self.split.embed(self.params, shape, arrays),
                                  self.model_cfg.num_layers)

@@ -201,3 +201,19 @@ def test_layer_work_charges_a_chunk_its_prefix():
     assert first == pytest.approx(512 + 512 * 256.5 * 4 * 576 / linear)
     assert layer_work(cfg, 512, [chunk(1536)]) / first == pytest.approx(1.46, abs=0.01)
     assert layer_work(cfg, 512, []) == 512
+
+
+def test_cost_seeds_run_real_tokens_into_the_padding_page(runner):
+    """Warm-up times each step full of tokens, not of padding (which the CPU fast path
+    skips: a padded seed would tell the multiplexing policy a step is nearly free), and
+    those tokens write only page 0."""
+    from runtime.forward_batch import ForwardBatch, real_token_mask
+
+    for shape in (BucketShape(0, 0, 4, 2), BucketShape(32, 2, 0, 2), BucketShape(16, 1, 2, 2)):
+        arrays, slots = runner._cost_seed_inputs(shape)
+        batch = ForwardBatch(**arrays, mode=ForwardMode.MIXED,
+                             num_extend_tokens=shape.num_extend_tokens,
+                             num_extend_seqs=shape.num_extend_seqs)
+        assert np.asarray(real_token_mask(batch)).all()
+        assert (arrays["out_cache_loc"] < PAGE).all()
+        assert (slots == runner.max_running).all()
