@@ -12,7 +12,10 @@ zeros, which costs the same as real K/V) timed over --iters calls after --warmup
   EXTEND  one prompt of N tokens from position 0 (a prefill);
   MIXED   (--mixed) a prefill of N tokens plus B decode rows in one forward.
 The buckets are the server's (runtime.engine_setup.runner_config), so each point runs
-the executable a server would run for that batch. The machine's roofline is measured in
+the executable a server would run for that batch; --decode_buckets / --extend_buckets
+pad the points into given buckets instead (what padding costs:
+    .venv/bin/python scripts/bench_one_batch.py --decode_batches=16,17,32 \
+      --decode_buckets=16,32 --extend_tokens=300,512 --extend_buckets=512). The machine's roofline is measured in
 the same run, and every point reports the fraction of the compute bound (useful FLOPs /
 f32 matmul peak) and of the memory bound (weights + cached K/V read / read bandwidth)
 it reaches. --variants (MATMUL+ATTENTION pairs: cpu_matmul packed / xla, attention
@@ -64,6 +67,11 @@ flags.DEFINE_bool("smoke", False, "alias of --tiny with few iterations and a sma
 flags.DEFINE_list("decode_batches", ["1", "2", "4", "8", "16", "32"], "decode rows per step")
 flags.DEFINE_list("decode_contexts", ["128"], "tokens already cached per decode row")
 flags.DEFINE_list("extend_tokens", ["64", "256", "512"], "prefill lengths (one row each)")
+flags.DEFINE_list("decode_buckets", [], "decode buckets to pad the batches into (default: "
+                  "each batch's own size); e.g. 16,32 with --decode_batches=16,17,32 times "
+                  "17 rows in the 32-row bucket")
+flags.DEFINE_list("extend_buckets", [], "extend token buckets likewise (default: each "
+                  "prompt's own length)")
 flags.DEFINE_bool("mixed", False, "also time MIXED: each prefill length with each decode "
                   "batch (compiles one executable per pair)")
 flags.DEFINE_integer("iters", 10, "timed calls per point")
@@ -135,13 +143,23 @@ def _server_args(points: list[Point], cfg: ModelConfig) -> ServerArgs:
     need = {max([*p.extend, p.context + 1]) for p in points}
     defaults = runner_config(base, cfg).kv_len_buckets
     kv = sorted({next((b for b in defaults if b >= n), defaults[-1]) for n in need})
-    dec = sorted({p.decode for p in points if p.decode})
-    ext = sorted({sum(p.extend) for p in points if p.extend})
+    dec = _buckets(FLAGS.decode_buckets, {p.decode for p in points if p.decode}, "decode")
+    ext = _buckets(FLAGS.extend_buckets, {sum(p.extend) for p in points if p.extend}, "extend")
     return dataclasses.replace(
         base, max_running_requests=max(dec, default=1) + 1, max_extend_seqs=1,
         decode_buckets=tuple(dec) or (1,), extend_token_buckets=tuple(ext) or (64,),
         kv_len_buckets=tuple(kv), max_top_logprobs=0,
         enable_mixed_chunk=any(p.mode is ForwardMode.MIXED for p in points))
+
+
+def _buckets(flag: list[str], sizes: set[int], name: str) -> list[int]:
+    """The bucket list: --<name>_buckets, which must hold every size, or the sizes."""
+    if not flag:
+        return sorted(sizes)
+    buckets = sorted(_ints(flag))
+    if sizes and max(sizes) > buckets[-1]:
+        raise app.UsageError(f"--{name}_buckets {buckets} cannot hold {max(sizes)}")
+    return buckets
 
 
 def _base_args() -> ServerArgs:
@@ -406,7 +424,10 @@ def main(argv: list[str]) -> None:
         timed += _time_interleaved([runners[v] for v in variants], batch, iters, warmup,
                                    min(FLAGS.rounds, iters))
         for v, (_, total) in zip(variants, timed[-len(variants):], strict=True):
-            bc.log(f"{p.label(v):<49} median {bc.median(total) * 1e3:8.2f} ms")
+            shape = runners[v].bucket_for(batch)
+            padded = (f" in {shape.num_extend_tokens}+{shape.num_decode_seqs}"
+                      if shape.num_extend_tokens + shape.num_decode_seqs > p.new_tokens else "")
+            bc.log(f"{p.label(v) + padded:<49} median {bc.median(total) * 1e3:8.2f} ms")
     probes.append(_probe("after"))
     # The best probe is the machine's capability; a probe slowed by a neighbour would
     # flatter every fraction.

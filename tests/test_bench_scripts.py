@@ -36,8 +36,10 @@ def _positive(d: dict, *keys: str) -> None:
 
 
 def test_bench_one_batch_smoke(tmp_path: Path) -> None:
-    r = _run("bench_one_batch.py", tmp_path)
+    r = _run("bench_one_batch.py", tmp_path, "--decode_buckets=4")
     assert r["script"] == "bench_one_batch" and "--smoke" in r["command"]
+    # --decode_buckets: the one-row points run padded in the 4-row bucket
+    assert {p["bucket"]["num_decode_seqs"] for p in r["points"] if p["decode_rows"]} == {4}
     _positive(r["roofline"], "matmul_gflops", "mem_read_gbps")
     assert len(r["machine"]["load_average"]) == 3
     assert r["model"]["params"] > r["model"]["matmul_params"] > 0
