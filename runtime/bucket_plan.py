@@ -38,9 +38,6 @@ class BucketPlan:
     def _pages(self, kv_len: int) -> int:
         return kv_len // self.page_size
 
-    def _pages(self, kv_len: int) -> int:
-        return kv_len // self.page_size
-
     def step_keys(self) -> list[StepKey]:
         """Every forward executable the runner may call, fixed at start-up."""
         c = self.cfg

@@ -75,7 +75,11 @@ class SplitLaunch:
         return None if per_work is None else per_work * self._layer_work(split)
 
     def _layer_work(self, split: SplitPrefill) -> float:
-        return layer_work(self.model_cfg, split.shape.num_extend_tokens, split.batch.extend_rows)
+        rows = split.batch.extend_rows
+        tokens = split.shape.num_extend_tokens
+        if rows and self.cfg.cpu_matmul == "packed":  # the packed matmul skips the padding
+            tokens = sum(len(r.input_ids) for r in rows)
+        return layer_work(self.model_cfg, tokens, rows)
 
     def _watch_interval(self, split: SplitPrefill, k: int) -> None:
         """Charge split's shape for k layers' device time, per unit of layer work."""

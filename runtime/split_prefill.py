@@ -70,9 +70,10 @@ def next_interval(remaining: int, want: int, sizes: list[int]) -> int:
     return max(k for k in sizes if k <= cap)
 
 
-def layer_work(cfg: ModelConfig, padded_tokens: int, rows: list) -> float:
+def layer_work(cfg: ModelConfig, tokens: int, rows: list) -> float:
     """Relative device work of one decoder layer of a split prefill, in token-equivalents:
-    the matmuls run on every padded token; attention runs on the real rows' (query, key)
+    the matmuls run on `tokens` (every padded token, or on the packed CPU matmul, which
+    skips the padding, the real ones); attention runs on the real rows' (query, key)
     pairs, each costing what its FLOPs are worth next to one token's matmul FLOPs. A chunk
     over a long prefix costs more per layer than the first chunk of the same bucket (on
     SmolLM2 a 512-token chunk over 1,536 cached tokens ~1.5x), and the interval policy's
@@ -82,7 +83,7 @@ def layer_work(cfg: ModelConfig, padded_tokens: int, rows: list) -> float:
     linear = 2 * cfg.hidden_size * (2 * heads_dim + 2 * cfg.num_kv_heads * cfg.head_dim) \
         + 6 * cfg.hidden_size * cfg.intermediate_size  # FLOPs per token: q, o, k, v, mlp
     pairs = sum(len(r.input_ids) * (r.start_pos + (len(r.input_ids) + 1) / 2) for r in rows)
-    return padded_tokens + pairs * 4 * heads_dim / linear  # QK^T + PV: 4 FLOPs per pair-dim
+    return tokens + pairs * 4 * heads_dim / linear  # QK^T + PV: 4 FLOPs per pair-dim
 
 
 @dataclasses.dataclass

@@ -15,12 +15,13 @@ The buckets are the server's (runtime.engine_setup.runner_config), so each point
 the executable a server would run for that batch; --decode_buckets / --extend_buckets
 pad the points into given buckets instead (what padding costs:
     .venv/bin/python scripts/bench_one_batch.py --decode_batches=16,17,32 \
-      --decode_buckets=16,32 --extend_tokens=300,512 --extend_buckets=512). The machine's roofline is measured in
-the same run, and every point reports the fraction of the compute bound (useful FLOPs /
-f32 matmul peak) and of the memory bound (weights + cached K/V read / read bandwidth)
-it reaches. --variants (MATMUL+ATTENTION pairs: cpu_matmul packed / xla, attention
-backend cpu / xla / pallas) builds one runner per pair and times each point on them back
-to back; the table gives each one's speed-up over the last pair.
+      --decode_buckets=16,32 --extend_tokens=300,512 --extend_buckets=512).
+The machine's roofline is measured in the same run, and every point reports the
+fraction of the compute bound (useful FLOPs / f32 matmul peak) and of the memory bound
+(weights + cached K/V read / read bandwidth) it reaches. --variants (MATMUL+ATTENTION
+pairs: cpu_matmul packed / xla, attention backend cpu / xla / pallas) builds one runner
+per pair and times each point on them back to back; the table gives each one's speed-up
+over the last pair.
 --model takes anything ServerArgs.model does (a preset such as tiny-moe too); --tp / --ep
 put the runner on a mesh (on a CPU host the devices are XLA_FLAGS' fakes). The MoE layer's
 per-op split (dispatch, exchange, experts, combine) is scripts/bench_moe_ops.py.

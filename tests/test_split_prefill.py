@@ -186,7 +186,7 @@ def test_launch_whole_is_the_extend_step(runner):
 
 
 def test_layer_work_charges_a_chunk_its_prefix():
-    """A chunk's layer work is its padded tokens plus its attention pairs at their FLOP
+    """A chunk's layer work is its matmul tokens plus its attention pairs at their FLOP
     worth: on SmolLM2's shape a 512-token chunk over 1,536 cached tokens is ~1.5x the
     first chunk, and padding rows add nothing but their tokens."""
     cfg = dataclasses.replace(TINY, hidden_size=576, intermediate_size=1536, num_heads=9,
@@ -217,3 +217,13 @@ def test_cost_seeds_run_real_tokens_into_the_padding_page(runner):
         assert np.asarray(real_token_mask(batch)).all()
         assert (arrays["out_cache_loc"] < PAGE).all()
         assert (slots == runner.max_running).all()
+
+
+def test_a_splits_layer_work_counts_the_tokens_its_matmuls_run(runner):
+    """The packed CPU matmul skips the bucket's padding, so a split there is charged its
+    real tokens; on XLA's dot every padded token is computed and charged."""
+    rows = _rows([17, 30, 5], 0, 1, seed=4)
+    split = runner.start_split(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, []))
+    tokens = 52 if runner.cfg.cpu_matmul == "packed" else split.shape.num_extend_tokens
+    assert split.shape.num_extend_tokens == 64
+    assert runner._layer_work(split) == layer_work(CFG, tokens, rows)
