@@ -100,4 +100,4 @@ def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
     h = embed(params, batch.input_ids)
     h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend,
                        mesh=mesh)
-    return compute_logits(params, h, batch.logits_indices, cfg, real_row_mask(batch)), kv
+    return compute_logits(params, h, batch.logits_indices, cfg, real_row_mask(batch.seq_lens)), kv

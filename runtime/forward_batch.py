@@ -52,9 +52,10 @@ class ForwardBatch:
         return self.num_seqs - self.num_extend_seqs
 
 
-def real_row_mask(batch: ForwardBatch) -> jax.Array:
-    """[B] int32: 1 for a real row, 0 for a bucket's padding row (seq_len 0)."""
-    return (batch.seq_lens > 0).astype(jnp.int32)
+def real_row_mask(seq_lens: jax.Array) -> jax.Array:
+    """seq_lens [B] -> [B] int32: 1 for a real row, 0 for a bucket's padding row (seq_len
+    0)."""
+    return (seq_lens > 0).astype(jnp.int32)
 
 
 def real_token_mask(batch: ForwardBatch) -> jax.Array:

@@ -105,7 +105,7 @@ class FusedExecutables:
             ids = jnp.where((ids >= start) & (ids < start + k), cfg.num_layers, ids)
             kv = layers.write_step_kv(kv, ids, dec.out_cache_loc, *new_kv, mesh, backend)
             logits = model.compute_logits(params, h_dec, dec.logits_indices, cfg,
-                                          real_row_mask(dec))
+                                          real_row_mask(dec.seq_lens))
             return logits, hidden, kv
 
         return jax.jit(fused, donate_argnums=(1,),

@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from models.registry import model_module
 from runtime.batch_builder import BucketShape
 from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.forward_batch import ForwardBatch, ForwardMode, real_row_mask
 from runtime.schedule_batch import ScheduleBatch
 
 # Largest interval compiled besides the depth: while streams decode, an interval is sized
@@ -196,9 +196,9 @@ class SplitExecutables:
 
     def _head(self) -> Callable:
         cfg, model, place = self.cfg, model_module(self.cfg), self.place
-        def head(params, hidden, logits_indices, seq_lens):  # seq_len 0: a padding row
+        def head(params, hidden, logits_indices, seq_lens):
             return model.compute_logits(params, hidden, logits_indices, cfg,
-                                        (seq_lens > 0).astype(jnp.int32))
+                                        real_row_mask(seq_lens))
 
         return jax.jit(head, **place.out(place.replicated))
 
