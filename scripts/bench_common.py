@@ -147,21 +147,39 @@ class Roofline:
 
 
 def measure_roofline(small: bool = False, iters: int = 10) -> Roofline:
-    """f32 [1024, 1024] @ [1024, 4096] matmul GFLOP/s and the GB/s of summing a 1 GiB f32
-    array, both jitted, medians of `iters` calls. `small` shrinks both (smoke runs; the
-    numbers then mean little)."""
+    """f32 [1024, 1024] @ [1024, 4096] matmul GFLOP/s and measure_read_gbps, both jitted,
+    medians of `iters` calls. `small` shrinks both (smoke runs; the numbers then mean
+    little)."""
     m, k, n = (256, 256, 1024) if small else (1024, 1024, 4096)
-    nbytes = (64 if small else 1024) << 20
     a = jnp.ones((m, k), jnp.float32)
     b = jnp.ones((k, n), jnp.float32)
     matmul = jax.jit(lambda x, y: x @ y)
     t_mm = median(time_calls(lambda: matmul(a, b).block_until_ready(), iters, 2))
+    return Roofline(matmul_gflops=2 * m * k * n / t_mm / 1e9,
+                    mem_read_gbps=measure_read_gbps(small, iters))
+
+
+def measure_read_gbps(small: bool = False, iters: int = 10) -> float:
+    """GB/s of summing a 1 GiB f32 array (64 MiB if `small`), jitted, median of `iters`
+    calls: a streaming read, the ceiling of weight-bound decode."""
+    nbytes = (64 if small else 1024) << 20
     # Fill with distinct values (not a broadcast constant XLA could fold) and keep the
     # array resident: the sum then only reads memory.
     x = jax.jit(lambda: jnp.arange(nbytes // 4, dtype=jnp.float32))()
     total = jax.jit(jnp.sum)
-    t_rd = median(time_calls(lambda: total(x).block_until_ready(), iters, 2))
-    return Roofline(matmul_gflops=2 * m * k * n / t_mm / 1e9, mem_read_gbps=nbytes / t_rd / 1e9)
+    return nbytes / median(time_calls(lambda: total(x).block_until_ready(), iters, 2)) / 1e9
+
+
+def bracket_read(run: Callable[[], dict[str, Any]], small: bool = False) -> dict[str, Any]:
+    """run()'s record plus "read_gbps_around": the read probe just before and just after
+    it. This VM's read bandwidth switches between ~28 and ~46 GB/s from one minute to the
+    next (session 13: probes of 28.1 and 45.9 GB/s within the hour, and a 1-row decode
+    step reading its weights at 93-97% of the probes around it while the run's best probe
+    was 1.5x higher), so a weight-bound run is only comparable with the probes taken
+    around it."""
+    before = measure_read_gbps(small)
+    rec = run()
+    return {**rec, "read_gbps_around": [before, measure_read_gbps(small)]}
 
 
 # ---------------------------------------------------------------- model costs

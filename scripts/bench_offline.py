@@ -253,7 +253,8 @@ def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
     bc.log(f"round {r}: xlaserve {w.num_prompts} requests: {x['output_tok_s']:.1f} output "
            f"tok/s, {x['total_tok_s']:.1f} total tok/s ({x['wall_s']:.1f} s, "
            f"{x['frac_compute']:.1%} of compute roofline)")
-    s = bc.xla_single(engine, single_ids, w.single_new_tokens)
+    s = bc.bracket_read(lambda: bc.xla_single(engine, single_ids, w.single_new_tokens),
+                        FLAGS.smoke)
     bc.log(f"round {r}: xlaserve single stream: {s['decode_tok_s']:.1f} decode tok/s, "
            f"ttft {s['ttft_s'] * 1e3:.0f} ms")
     pre_ids = np.random.default_rng(FLAGS.seed + 5000 + r).integers(
@@ -309,7 +310,8 @@ def _llama_round(r: int, llama: offline_peers.LlamaPeers, sweep: dict[int, list[
             rec[f"c{c}"] = t = llama.throughput(v, ps, w.output_len)
             bc.log(f"round {r}: llama-server {v} {c} concurrent: {t['output_tok_s']:.1f} "
                    "output tok/s")
-        rec["single"] = s = llama.single(v, single_ids, w.single_new_tokens)
+        rec["single"] = s = bc.bracket_read(
+            lambda v=v: llama.single(v, single_ids, w.single_new_tokens), FLAGS.smoke)
         bc.log(f"round {r}: llama-server {v} single stream: {s['decode_tok_s']:.1f} decode "
                "tok/s")
         out[v] = rec

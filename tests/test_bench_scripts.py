@@ -77,9 +77,15 @@ def test_bench_offline_smoke(tmp_path: Path) -> None:
     # 2 and 4, which have no target (8 and 32 do).
     assert set(s["targets"]) == {"single_stream_vs_hf", "throughput_frac_compute",
                                  "single_frac_bandwidth"}
-    bound = s["mem_read_gbps"] * 1e9 / r["model"]["weight_bytes"]
+    single = x["single"]
+    assert len(single["read_gbps_around"]) == 2 and min(single["read_gbps_around"]) > 0
+    bound = max(single["read_gbps_around"]) * 1e9 / r["model"]["weight_bytes"]
     assert s["targets"]["single_frac_bandwidth"]["value"] == pytest.approx(
-        s["xlaserve_single_decode_tok_s"] / bound)
+        single["decode_tok_s"] / bound)
+    assert s["single_frac_best_probe"] == pytest.approx(
+        single["decode_tok_s"] * r["model"]["weight_bytes"] / (s["mem_read_gbps"] * 1e9))
+    for v in r["rounds"][0].get("llama_server", {}).values():
+        assert len(v["single"]["read_gbps_around"]) == 2
     if HAVE_REFERENCE:
         hf = r["rounds"][0]["transformers"]
         for b in w["hf_batch_sizes"]:
@@ -100,6 +106,25 @@ def test_c64_goal_is_against_the_runs_best_probe() -> None:
         rounds, {"matmul_gflops": 200.0, "mem_read_gbps": 24.0}, weight_bytes=1)
     assert values["c64_frac_compute"] == pytest.approx(0.55)
     assert best["c64_frac_compute"] == pytest.approx(0.6)
+
+
+def test_single_stream_goal_is_against_the_probes_around_it() -> None:
+    """The single stream's share of its bandwidth bound uses the higher of the read probes
+    taken just before and after it in its round, not a probe from another minute."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import offline_summary
+
+    # weight_bytes 1e9: tok/s x 1 GB = GB/s read
+    rounds = [{"roofline": {"matmul_gflops": 200.0, "mem_read_gbps": g},
+               "xlaserve": {"single": {"decode_tok_s": tok_s, "read_gbps_around": around}}}
+              for g, tok_s, around in ((45.0, 27.0, [30.0, 28.0]), (29.0, 40.0, [44.0, 42.0]),
+                                       (30.0, 20.0, [31.0, 32.0]))]
+    summary = {"matmul_gflops": 200.0, "mem_read_gbps": 45.0}
+    values, best = offline_summary._bound_goals(rounds, summary, weight_bytes=10**9)
+    # rounds: 27 / 30, 40 / 44, 20 / 32
+    assert values["single_frac_bandwidth"] == pytest.approx(0.9)
+    assert best["single_frac_bandwidth"] == pytest.approx(40.0 / 44.0)
+    assert summary["single_frac_best_probe"] == pytest.approx(40.0 / 45.0)
 
 
 def test_bench_offline_reference_off(tmp_path: Path) -> None:
