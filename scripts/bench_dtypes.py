@@ -9,6 +9,7 @@ weights in their dtype) plus the row's cached K/V, so bytes / token x tok/s over
 round's measured read bandwidth is the share of the bound.
 
   .venv/bin/python scripts/bench_dtypes.py --out_dir=bench_out/dtypes
+  .venv/bin/python scripts/bench_dtypes.py --smoke --out_dir=/tmp/bd  # tiny model, no peers
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ flags.DEFINE_integer("output_len", 128, "new tokens per throughput request")
 flags.DEFINE_integer("single_new_tokens", 128, "new tokens of the single stream")
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs")
+flags.DEFINE_bool("smoke", False, "tiny random model, tiny workload, one round, no "
+                  "llama-server (checks the script)")
 
 _CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -56,7 +59,7 @@ def _engine(config: str) -> Engine:
                       checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
     t0 = time.perf_counter()
-    eng = Engine(args)
+    eng = Engine(bc.smoke_args(args), model=bc.tiny_model()) if FLAGS.smoke else Engine(args)
     bc.log(f"xlaserve {config} ready in {time.perf_counter() - t0:.1f} s "
            f"({eng.runner.cfg.cpu_matmul} matmul, {eng.runner.cfg.attention_backend} attention)")
     return eng
@@ -70,19 +73,22 @@ def _decode_bytes(cfg: Any, weight_bytes: int, kv_itemsize: int, context: float)
 
 def _round(r: int, engines: dict[str, Engine], llama: offline_peers.LlamaPeers,
            single_ids: list[int], prompts: list[list[int]]) -> dict[str, Any]:
-    roof = bc.measure_roofline()
+    roof = bc.measure_roofline(small=FLAGS.smoke)
     rec: dict[str, Any] = {"round": r, "roofline": roof.to_json(),
                            "load_average": bc.load_average()}
     bc.log(f"round {r}: read bandwidth {roof.mem_read_gbps:.1f} GB/s, load "
            f"{rec['load_average']}")
     for name, eng in engines.items():
-        s = bc.bracket_read(lambda eng=eng: bc.xla_single(eng, single_ids, FLAGS.single_new_tokens))
+        s = bc.bracket_read(
+            lambda eng=eng: bc.xla_single(eng, single_ids, FLAGS.single_new_tokens),
+            FLAGS.smoke)
         t = bc.xla_throughput(eng, prompts, FLAGS.output_len)
         rec[f"xlaserve {name}"] = {"single": s, "throughput": t}
         bc.log(f"round {r}: xlaserve {name}: single {s['decode_tok_s']:.1f} tok/s, "
                f"{FLAGS.concurrency}-way {t['output_tok_s']:.1f} output tok/s")
     for v in llama.servers:
-        s = bc.bracket_read(lambda v=v: llama.single(v, single_ids, FLAGS.single_new_tokens))
+        s = bc.bracket_read(
+            lambda v=v: llama.single(v, single_ids, FLAGS.single_new_tokens), FLAGS.smoke)
         t = llama.throughput(v, prompts, FLAGS.output_len)
         rec[f"llama-server {v}"] = {"single": s, "throughput": t}
         bc.log(f"round {r}: llama-server {v}: single {s['decode_tok_s']:.1f} tok/s, "
@@ -141,12 +147,17 @@ def _bf16_kernel(eng: Engine) -> str | None:
 
 def main(argv: list[str]) -> None:
     del argv
+    if FLAGS.smoke:
+        for name, value in (("llama_variants", []), ("repeats", 1), ("concurrency", 4),
+                            ("input_len", 16), ("output_len", 8), ("single_new_tokens", 8)):
+            FLAGS[name].value = value
     t_start = time.perf_counter()
     machine = bc.machine_info()
     engines = {c: _engine(c) for c in FLAGS.configs}
     first = next(iter(engines.values()))
     cfg = first.model_cfg
-    single_ids = list(first.tokenizer.apply_chat_template(_CHAT, tokenize=True))
+    single_ids = (list(range(3, 40)) if first.tokenizer is None  # the tiny model has none
+                  else list(first.tokenizer.apply_chat_template(_CHAT, tokenize=True)))
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, cfg.vocab_size, FLAGS.input_len).tolist()
                for _ in range(FLAGS.concurrency)]

@@ -108,13 +108,7 @@ def _server_args(w: Workload) -> ServerArgs:
                       kv_len_buckets=kv, max_top_logprobs=0,
                       checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
-    if not FLAGS.smoke:
-        return base
-    # Few buckets (each is a compile); the scheduler's token budget must fit the largest.
-    return dataclasses.replace(base, max_running_requests=4, decode_buckets=(4,),
-                               extend_token_buckets=(64,), kv_len_buckets=(64,),
-                               max_prefill_tokens=64, chunked_prefill_size=64,
-                               max_extend_seqs=4)
+    return bc.smoke_args(base) if FLAGS.smoke else base
 
 
 def _make_engine(args: ServerArgs) -> tuple[Engine, str]:

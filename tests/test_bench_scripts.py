@@ -18,14 +18,14 @@ HAVE_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformer
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 
-def _run(script: str, out_dir: Path, *extra: str) -> dict:
+def _run(script: str, out_dir: Path, *extra: str, png: bool = True) -> dict:
     cmd = [sys.executable, str(REPO / "scripts" / script), "--smoke", f"--out_dir={out_dir}",
            "--compilation_cache_dir=", *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = script.removesuffix(".py") + ".json"
     result = json.loads((out_dir / name).read_text())
-    if HAVE_MATPLOTLIB:
+    if HAVE_MATPLOTLIB and png:
         assert (out_dir / name.replace(".json", ".png")).stat().st_size > 0
     return result
 
@@ -106,6 +106,26 @@ def test_c64_goal_is_against_the_runs_best_probe() -> None:
         rounds, {"matmul_gflops": 200.0, "mem_read_gbps": 24.0}, weight_bytes=1)
     assert values["c64_frac_compute"] == pytest.approx(0.55)
     assert best["c64_frac_compute"] == pytest.approx(0.6)
+
+
+def test_bench_dtypes_smoke(tmp_path: Path) -> None:
+    """f32 and bf16 side by side on the tiny model (the llama-server peers need `make
+    peers`; the smoke run leaves them out): every contender's single stream, bracketed by
+    read probes, and its throughput."""
+    r = _run("bench_dtypes.py", tmp_path, png=False)
+    assert r["workload"]["repeats"] == 1 and r["llama_server"] == {}
+    names = ["xlaserve float32:float32", "xlaserve bfloat16:bfloat16"]
+    assert list(r["summary"]["contenders"]) == names
+    for name in names:
+        run = r["rounds"][0][name]
+        assert run["single"]["new_tokens"] == r["workload"]["single_new_tokens"]
+        assert len(run["single"]["read_gbps_around"]) == 2
+        assert run["throughput"]["output_tokens"] == 4 * r["workload"]["output_len"]
+        c = r["summary"]["contenders"][name]
+        _positive(c, "single_decode_tok_s", "share_of_bandwidth_bound",
+                  "share_of_bound_probed_around")
+    bf16, f32 = (r["summary"]["contenders"][n]["bytes_per_token"] for n in names[::-1])
+    assert bf16 < f32
 
 
 def test_single_stream_goal_is_against_the_probes_around_it() -> None:
