@@ -173,10 +173,9 @@ def measure_read_gbps(small: bool = False, iters: int = 10) -> float:
 def bracket_read(run: Callable[[], dict[str, Any]], small: bool = False) -> dict[str, Any]:
     """run()'s record plus "read_gbps_around": the read probe just before and just after
     it. This VM's read bandwidth switches between ~28 and ~46 GB/s from one minute to the
-    next (session 13: probes of 28.1 and 45.9 GB/s within the hour, and a 1-row decode
-    step reading its weights at 93-97% of the probes around it while the run's best probe
-    was 1.5x higher), so a weight-bound run is only comparable with the probes taken
-    around it."""
+    next (session 13: probes of 28.1 and 45.9 GB/s within the hour, while a 1-row decode
+    step read its weights at 92-97% of the probes taken around it), so a weight-bound
+    run is only comparable with the probes taken around it."""
     before = measure_read_gbps(small)
     rec = run()
     return {**rec, "read_gbps_around": [before, measure_read_gbps(small)]}

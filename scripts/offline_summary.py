@@ -16,8 +16,8 @@ TARGETS = {"single_stream_vs_hf": 2.5, "throughput_vs_hf_batch_8": 3.0,
 # Issue 15: ahead of llama-server F32 at 8 concurrent, 2x at 32 and 64.
 LLAMA_TARGETS = {"c8_vs_llama_f32": 1.0, "c32_vs_llama_f32": 2.0, "c64_vs_llama_f32": 2.0}
 # Issue 15 too: single-stream decode at 90% of its memory-bandwidth bound (weights / the
-# read bandwidth probed around it), 64-way at 65% of the compute roofline, 4x transformers' batched
-# throughput at 32 concurrent.
+# read bandwidth probed around it), 64-way at 65% of the compute roofline, 4x
+# transformers' batched throughput at 32 concurrent.
 BOUND_TARGETS = {"single_frac_bandwidth": 0.9, "c64_frac_compute": 0.65,
                  "c32_vs_hf_batch_32": 4.0}
 
