@@ -174,7 +174,7 @@ def bracket_read(run: Callable[[], dict[str, Any]], small: bool = False) -> dict
     """run()'s record plus "read_gbps_around": the read probe just before and just after
     it. This VM's read bandwidth switches between ~28 and ~46 GB/s from one minute to the
     next (session 13: probes of 28.1 and 45.9 GB/s within the hour, while a 1-row decode
-    step read its weights at 92-97% of the probes taken around it), so a weight-bound
+    step read its weights at 87-95% of the probes taken around it), so a weight-bound
     run is only comparable with the probes taken around it."""
     before = measure_read_gbps(small)
     rec = run()
