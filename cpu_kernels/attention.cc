@@ -211,8 +211,9 @@ void AttendKeys(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& k
 // from memory and was latency-bound (16-17 GB/s against ~40 GB/s with the same pages in
 // L3), so the score pass also keeps more reads in flight: the K page ~8 KiB ahead and
 // the current token's V row go to L2, and the value pass then reads V from L2. Against
-// the next page alone: 32 rows x 192 keys x 30 layers, f32 16-18 -> 11.5-12 ms, bf16
-// 9.5-9.8 -> 6.9-7.2 ms (scripts/bench_cpu_attention.py, scattered pages).
+// the next page alone: 32 rows x 192 keys x 30 layers, f32 15.6-17.2 -> 11.2-14.5 ms,
+// bf16 8.9-9.7 -> 6.7-8.0 ms (scripts/bench_cpu_attention.py, scattered pages, A B A B;
+// docs/results/bench_cpu_attention_session13_*.json).
 template <typename T, typename F>
 void WalkPages(const Shapes& s, const T* k_pool, const T* v_pool,
                const int32_t* table_row, int64_t h, int64_t first, int64_t end, bool values,
@@ -239,12 +240,10 @@ void WalkPages(const Shapes& s, const T* k_pool, const T* v_pool,
         for (int64_t l = i * per_token; l < std::min(lines, (i + 1) * per_token); ++l)
           _mm_prefetch(reinterpret_cast<const char*>(ahead + next) + 64 * l, _MM_HINT_T0);
       }
-      if (far >= 0 && !values) {
-        for (int64_t l = i * per_token; l < std::min(lines, (i + 1) * per_token); ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(ahead + far) + 64 * l, _MM_HINT_T1);
-      }
       const int64_t row = page + (slot + i) * s.D;
-      if (!values) {
+      if (!values) {  // the score pass: K further ahead and this token's V, into L2
+        for (int64_t l = i * per_token; far >= 0 && l < std::min(lines, (i + 1) * per_token); ++l)
+          _mm_prefetch(reinterpret_cast<const char*>(k_pool + far) + 64 * l, _MM_HINT_T1);
         for (int64_t l = 0; l < row_lines; ++l)
           _mm_prefetch(reinterpret_cast<const char*>(v_pool + row) + 64 * l, _MM_HINT_T1);
       }
