@@ -10,8 +10,9 @@ converts a whole bf16 pool every step).
 
 The library is compiled on first use with the machine's C++ compiler (`$CXX`, else g++)
 for this CPU (-march=native) and cached under ~/.cache/xlaserve/cpu_kernels, keyed by the
-source, the compiler, the jaxlib headers and the CPU. It needs x86-64 with AVX-512F;
-`unavailable_reason()` says why not, and the engine then falls back to XLA's dot and the
+source, the compiler, the jaxlib headers and the CPU. It needs x86-64 with AVX-512F, or
+AVX2 and FMA (simd16.h: the same kernels on 8-lane halves); `unavailable_reason()` says
+why not, and the engine then falls back to XLA's dot and the
 jnp attention (runtime.engine_setup).
 """
 
@@ -43,7 +44,8 @@ log = logging.getLogger(__name__)
 
 PANEL = 64  # panel width, kNR in packed_matmul.cc
 _SOURCES = [pathlib.Path(__file__).with_name(n)
-            for n in ("packed_matmul.cc", "attention.cc", "write_kv.cc", "parallel.h")]
+            for n in ("packed_matmul.cc", "attention.cc", "write_kv.cc", "parallel.h",
+                      "simd16.h")]
 _TARGETS = {"xlaserve_packed_matmul": "XlaservePackedMatmul",
             "xlaserve_decode_attention": "XlaserveDecodeAttention",
             "xlaserve_extend_attention": "XlaserveExtendAttention",
@@ -74,8 +76,9 @@ def unavailable_reason() -> str | None:
     """None when the kernels can be built and run here, else why not."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"needs x86-64, this is {platform.machine()}"
-    if "avx512f" not in _cpu_flags():
-        return "needs a CPU with AVX-512F"
+    flags = _cpu_flags()
+    if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
+        return "needs a CPU with AVX-512F, or AVX2 and FMA"
     if _compiler() is None:
         return f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH"
     return None

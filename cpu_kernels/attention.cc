@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -55,32 +56,31 @@ constexpr int32_t kPadPosition = 1 << 30;
 // exp(x) for 16 floats: x = n ln2 + r, |r| <= ln2 / 2, exp(r) by a degree-6 polynomial,
 // times 2^n by scalef. Relative error ~2e-7; inputs below -87 give 0 (softmax terms far
 // under the max), never NaN.
-inline __m512 Exp(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145752f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.42860677e-6f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+inline v16::F Exp(v16::F x) {
+  x = v16::max_ps(x, v16::set1_ps(-87.0f));
+  const v16::F n = v16::round_nearest_ps(v16::mul_ps(x, v16::set1_ps(1.44269504f)));
+  v16::F r = v16::fnmadd_ps(n, v16::set1_ps(0.693145752f), x);
+  r = v16::fnmadd_ps(n, v16::set1_ps(1.42860677e-6f), r);
+  v16::F p = v16::set1_ps(1.0f / 720);
+  p = v16::fmadd_ps(p, r, v16::set1_ps(1.0f / 120));
+  p = v16::fmadd_ps(p, r, v16::set1_ps(1.0f / 24));
+  p = v16::fmadd_ps(p, r, v16::set1_ps(1.0f / 6));
+  p = v16::fmadd_ps(p, r, v16::set1_ps(0.5f));
+  p = v16::fmadd_ps(p, r, v16::set1_ps(1.0f));
+  p = v16::fmadd_ps(p, r, v16::set1_ps(1.0f));
+  return v16::scalef_ps(p, n);
 }
 
 // 16 K/V elements as f32 (masked: lanes off m are 0); bf16 is f32's top half.
-inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 Load16(__mmask16 m, const float* p) { return _mm512_maskz_loadu_ps(m, p); }
-inline __m512 Widen(__m256i bf16) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16), 16));
+inline v16::F Load16(const float* p) { return v16::loadu_ps(p); }
+inline v16::F Load16(v16::Mask m, const float* p) { return v16::maskz_loadu_ps(m, p); }
+inline v16::F Widen(__m256i bf16) {
+  return v16::castsi_ps(v16::slli_epi32<16>(v16::cvtepu16_epi32(bf16)));
 }
-inline __m512 Load16(const uint16_t* p) {
+inline v16::F Load16(const uint16_t* p) {
   return Widen(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-inline __m512 Load16(__mmask16 m, const uint16_t* p) { return Widen(_mm256_maskz_loadu_epi16(m, p)); }
+inline v16::F Load16(v16::Mask m, const uint16_t* p) { return Widen(v16::maskz_loadu_epi16(m, p)); }
 
 struct Shapes {
   int64_t Hq, Hkv, G, D, P, S, W;  // heads, group, head dim, pool pages, page size, table
@@ -93,27 +93,27 @@ struct Shapes {
 
 template <typename T>
 inline float Dot(const float* a, const T* b, int64_t d) {
-  __m512 acc = _mm512_setzero_ps();
+  v16::F acc = v16::setzero_ps();
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), Load16(b + i), acc);
+  for (; i + 16 <= d; i += 16) acc = v16::fmadd_ps(v16::loadu_ps(a + i), Load16(b + i), acc);
   if (i < d) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (d - i)) - 1u);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), Load16(m, b + i), acc);
+    const v16::Mask m = static_cast<v16::Mask>((1u << (d - i)) - 1u);
+    acc = v16::fmadd_ps(v16::maskz_loadu_ps(m, a + i), Load16(m, b + i), acc);
   }
-  return _mm512_reduce_add_ps(acc);
+  return v16::reduce_add_ps(acc);
 }
 
 // out[0:d] += p * v[0:d]
 template <typename T>
 inline void Axpy(float p, const T* v, float* out, int64_t d) {
-  const __m512 pp = _mm512_set1_ps(p);
+  const v16::F pp = v16::set1_ps(p);
   int64_t i = 0;
   for (; i + 16 <= d; i += 16)
-    _mm512_storeu_ps(out + i, _mm512_fmadd_ps(pp, Load16(v + i), _mm512_loadu_ps(out + i)));
+    v16::storeu_ps(out + i, v16::fmadd_ps(pp, Load16(v + i), v16::loadu_ps(out + i)));
   if (i < d) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (d - i)) - 1u);
-    _mm512_mask_storeu_ps(out + i, m, _mm512_fmadd_ps(pp, Load16(m, v + i),
-                                                      _mm512_maskz_loadu_ps(m, out + i)));
+    const v16::Mask m = static_cast<v16::Mask>((1u << (d - i)) - 1u);
+    v16::mask_storeu_ps(out + i, m, v16::fmadd_ps(pp, Load16(m, v + i),
+                                                      v16::maskz_loadu_ps(m, out + i)));
   }
 }
 
@@ -134,16 +134,16 @@ void AttendKeys(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& k
   const int64_t stride = (n + 15) / 16 * 16;
   scores.resize(G * stride);
   if constexpr (kG > 0) {
-    __m512 qv[kG][kDV];
+    v16::F qv[kG][kDV];
     for (int g = 0; g < kG; ++g)
-      for (int c = 0; c < kDV; ++c) qv[g][c] = _mm512_loadu_ps(qb + g * D + 16 * c);
+      for (int c = 0; c < kDV; ++c) qv[g][c] = v16::loadu_ps(qb + g * D + 16 * c);
     keys([&](int64_t i, const T* k, const T*) {
-      __m512 kv[kDV];
+      v16::F kv[kDV];
       for (int c = 0; c < kDV; ++c) kv[c] = Load16(k + 16 * c);
       for (int g = 0; g < kG; ++g) {
-        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < kDV; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
-        scores[g * stride + i] = _mm512_reduce_add_ps(a);
+        v16::F a = v16::mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < kDV; ++c) a = v16::fmadd_ps(qv[g][c], kv[c], a);
+        scores[g * stride + i] = v16::reduce_add_ps(a);
       }
     }, false);
   } else {
@@ -153,49 +153,49 @@ void AttendKeys(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& k
   }
 
   // Softmax per query head, in place: scores -> probabilities.
-  const __m512 scale = _mm512_set1_ps(s.scale);
+  const v16::F scale = v16::set1_ps(s.scale);
   for (int64_t g = 0; g < G; ++g) {
     float* sc = scores.data() + g * stride;
-    __m512 vmx = _mm512_set1_ps(-INFINITY);
+    v16::F vmx = v16::set1_ps(-INFINITY);
     for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
-      __m512 x = _mm512_mul_ps(_mm512_loadu_ps(sc + i), scale);
+      const v16::Mask m = static_cast<v16::Mask>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
+      v16::F x = v16::mul_ps(v16::loadu_ps(sc + i), scale);
       if (s.soft_cap > 0) {  // rare (Gemma-style models): scalar tanh
         alignas(64) float tmp[16];
-        _mm512_store_ps(tmp, x);
+        v16::store_ps(tmp, x);
         for (float& v : tmp) v = s.soft_cap * std::tanh(v / s.soft_cap);
-        x = _mm512_load_ps(tmp);
+        x = v16::load_ps(tmp);
       }
-      _mm512_storeu_ps(sc + i, x);
-      vmx = _mm512_mask_max_ps(vmx, m, vmx, x);
+      v16::storeu_ps(sc + i, x);
+      vmx = v16::mask_max_ps(vmx, m, vmx, x);
     }
-    vmx = _mm512_set1_ps(_mm512_reduce_max_ps(vmx));
-    __m512 sum = _mm512_setzero_ps();
+    vmx = v16::set1_ps(v16::reduce_max_ps(vmx));
+    v16::F sum = v16::setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
-      const __mmask16 m = static_cast<__mmask16>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
-      const __m512 e = _mm512_maskz_mov_ps(m, Exp(_mm512_sub_ps(_mm512_loadu_ps(sc + i), vmx)));
-      _mm512_storeu_ps(sc + i, e);
-      sum = _mm512_add_ps(sum, e);
+      const v16::Mask m = static_cast<v16::Mask>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
+      const v16::F e = v16::maskz_mov_ps(m, Exp(v16::sub_ps(v16::loadu_ps(sc + i), vmx)));
+      v16::storeu_ps(sc + i, e);
+      sum = v16::add_ps(sum, e);
     }
-    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));  // >= exp(0)
+    const v16::F inv = v16::set1_ps(1.0f / v16::reduce_add_ps(sum));  // >= exp(0)
     for (int64_t i = 0; i < n; i += 16)
-      _mm512_storeu_ps(sc + i, _mm512_mul_ps(_mm512_loadu_ps(sc + i), inv));
+      v16::storeu_ps(sc + i, v16::mul_ps(v16::loadu_ps(sc + i), inv));
   }
 
   if constexpr (kG > 0) {
-    __m512 acc[kG][kDV];
+    v16::F acc[kG][kDV];
     for (int g = 0; g < kG; ++g)
-      for (int c = 0; c < kDV; ++c) acc[g][c] = _mm512_setzero_ps();
+      for (int c = 0; c < kDV; ++c) acc[g][c] = v16::setzero_ps();
     keys([&](int64_t i, const T*, const T* v) {
-      __m512 vv[kDV];
+      v16::F vv[kDV];
       for (int c = 0; c < kDV; ++c) vv[c] = Load16(v + 16 * c);
       for (int g = 0; g < kG; ++g) {
-        const __m512 p = _mm512_set1_ps(scores[g * stride + i]);
-        for (int c = 0; c < kDV; ++c) acc[g][c] = _mm512_fmadd_ps(p, vv[c], acc[g][c]);
+        const v16::F p = v16::set1_ps(scores[g * stride + i]);
+        for (int c = 0; c < kDV; ++c) acc[g][c] = v16::fmadd_ps(p, vv[c], acc[g][c]);
       }
     }, true);
     for (int g = 0; g < kG; ++g)
-      for (int c = 0; c < kDV; ++c) _mm512_storeu_ps(ob + g * D + 16 * c, acc[g][c]);
+      for (int c = 0; c < kDV; ++c) v16::storeu_ps(ob + g * D + 16 * c, acc[g][c]);
   } else {
     std::fill(ob, ob + G * D, 0.0f);
     keys([&](int64_t i, const T*, const T* v) {
@@ -323,27 +323,27 @@ constexpr int kBlock = 16;  // keys per block: key-stream indices [16j, 16j + 16
 constexpr int kAhead = 2;   // blocks prefetched ahead: pool pages lie anywhere
 
 // In-register transpose of 16 rows of 16 floats: r[i][j] -> r[j][i].
-inline void Transpose16(__m512 r[16]) {
-  __m512 t[16];
+inline void Transpose16(v16::F r[16]) {
+  v16::F t[16];
   for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    t[i] = v16::unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = v16::unpackhi_ps(r[i], r[i + 1]);
   }
   for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    r[i] = v16::shuffle_ps<0x44>(t[i], t[i + 2]);
+    r[i + 1] = v16::shuffle_ps<0xEE>(t[i], t[i + 2]);
+    r[i + 2] = v16::shuffle_ps<0x44>(t[i + 1], t[i + 3]);
+    r[i + 3] = v16::shuffle_ps<0xEE>(t[i + 1], t[i + 3]);
   }
   for (int i = 0; i < 4; ++i) {
-    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
-    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
-    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
-    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    t[i] = v16::shuffle_f32x4<0x88>(r[i], r[i + 4]);
+    t[i + 4] = v16::shuffle_f32x4<0xDD>(r[i], r[i + 4]);
+    t[i + 8] = v16::shuffle_f32x4<0x88>(r[i + 8], r[i + 12]);
+    t[i + 12] = v16::shuffle_f32x4<0xDD>(r[i + 8], r[i + 12]);
   }
   for (int i = 0; i < 8; ++i) {
-    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
-    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    r[i] = v16::shuffle_f32x4<0x88>(t[i], t[i + 8]);
+    r[i + 8] = v16::shuffle_f32x4<0xDD>(t[i], t[i + 8]);
   }
 }
 
@@ -361,7 +361,7 @@ struct Stream {
 
   // Row pointers and positions of block b's keys (stream indices [16b, 16b + 16) within
   // [first, end)); lanes off the stream get null rows. Returns the lanes present.
-  __mmask16 Block(const Shapes& s, int64_t b, const T** k, const T** v, int32_t* pos) const {
+  v16::Mask Block(const Shapes& s, int64_t b, const T** k, const T** v, int32_t* pos) const {
     const int64_t t0 = b * kBlock;
     const int64_t j0 = std::max<int64_t>(first - t0, 0), j1 = std::min<int64_t>(end - t0, kBlock);
     // Page ids are clipped into the pool, as the jnp path's gathers do: a bad table entry
@@ -385,7 +385,7 @@ struct Stream {
         k[j] = k_new + i * new_stride, v[j] = v_new + i * new_stride, pos[j] = new_pos[i];
       }
     }
-    return static_cast<__mmask16>(((1u << j1) - 1u) & ~((1u << j0) - 1u));
+    return static_cast<v16::Mask>(((1u << j1) - 1u) & ~((1u << j0) - 1u));
   }
 };
 
@@ -410,14 +410,14 @@ struct Scratch {
         p(n * kBlock), alpha(n), visible(n) {}
 
   std::vector<float> kt, vr, q, o, l, m, p, alpha;
-  std::vector<__mmask16> visible;  // per query: the block's keys it sees
+  std::vector<v16::Mask> visible;  // per query: the block's keys it sees
   const float* vrow[kBlock];       // the block's value rows as f32 [Dp] (vr, or the pool's)
 };
 
 inline void LoadRow(const float* src, float* dst, int64_t D) { std::copy(src, src + D, dst); }
 inline void LoadRow(const uint16_t* src, float* dst, int64_t D) {
   int64_t d = 0;
-  for (; d + 16 <= D; d += 16) _mm512_storeu_ps(dst + d, Load16(src + d));
+  for (; d + 16 <= D; d += 16) v16::storeu_ps(dst + d, Load16(src + d));
   for (; d < D; ++d) {
     const uint32_t bits = static_cast<uint32_t>(src[d]) << 16;
     std::memcpy(dst + d, &bits, 4);
@@ -427,19 +427,19 @@ inline void LoadRow(const uint16_t* src, float* dst, int64_t D) {
 // scores[i] (16 keys) = q_i . kt for N queries: four partial sums per query (d mod 4)
 // keep enough FMAs in flight; the same order for every query whatever N is.
 template <int N>
-inline void Scores(const float* q, int64_t Dp, const float* kt, __m512* scores) {
-  __m512 a[N][4];
+inline void Scores(const float* q, int64_t Dp, const float* kt, v16::F* scores) {
+  v16::F a[N][4];
   for (int i = 0; i < N; ++i)
-    for (int r = 0; r < 4; ++r) a[i][r] = _mm512_setzero_ps();
+    for (int r = 0; r < 4; ++r) a[i][r] = v16::setzero_ps();
   for (int64_t d = 0; d < Dp; d += 4) {
     for (int r = 0; r < 4; ++r) {
-      const __m512 k = _mm512_loadu_ps(kt + (d + r) * kBlock);
+      const v16::F k = v16::loadu_ps(kt + (d + r) * kBlock);
       for (int i = 0; i < N; ++i)
-        a[i][r] = _mm512_fmadd_ps(_mm512_set1_ps(q[i * Dp + d + r]), k, a[i][r]);
+        a[i][r] = v16::fmadd_ps(v16::set1_ps(q[i * Dp + d + r]), k, a[i][r]);
     }
   }
   for (int i = 0; i < N; ++i)
-    scores[i] = _mm512_add_ps(_mm512_add_ps(a[i][0], a[i][1]), _mm512_add_ps(a[i][2], a[i][3]));
+    scores[i] = v16::add_ps(v16::add_ps(a[i][0], a[i][1]), v16::add_ps(a[i][2], a[i][3]));
 }
 
 // o_i = o_i * alpha_i + sum over the block's keys `keys`, ascending, of p_i[k] * v[k],
@@ -448,28 +448,28 @@ inline void Scores(const float* q, int64_t Dp, const float* kt, __m512* scores) 
 // queries share its item.
 template <int N>
 inline void AddValues(Scratch& sc, int64_t Dp, int64_t i0, int64_t col, unsigned keys) {
-  __m512 acc[N][4];
+  v16::F acc[N][4];
   for (int i = 0; i < N; ++i) {
     const float* o = sc.o.data() + (i0 + i) * Dp + col;
     const float alpha = sc.alpha[i0 + i];
     for (int c = 0; c < 4; ++c) {
-      acc[i][c] = _mm512_loadu_ps(o + 16 * c);
-      if (alpha != 1.0f) acc[i][c] = _mm512_mul_ps(acc[i][c], _mm512_set1_ps(alpha));
+      acc[i][c] = v16::loadu_ps(o + 16 * c);
+      if (alpha != 1.0f) acc[i][c] = v16::mul_ps(acc[i][c], v16::set1_ps(alpha));
     }
   }
   for (; keys; keys &= keys - 1) {
     const int k = __builtin_ctz(keys);
     const float* v = sc.vrow[k] + col;
-    __m512 p[N];
-    for (int i = 0; i < N; ++i) p[i] = _mm512_set1_ps(sc.p[(i0 + i) * kBlock + k]);
+    v16::F p[N];
+    for (int i = 0; i < N; ++i) p[i] = v16::set1_ps(sc.p[(i0 + i) * kBlock + k]);
     for (int c = 0; c < 4; ++c) {
-      const __m512 vv = _mm512_loadu_ps(v + 16 * c);
-      for (int i = 0; i < N; ++i) acc[i][c] = _mm512_fmadd_ps(p[i], vv, acc[i][c]);
+      const v16::F vv = v16::loadu_ps(v + 16 * c);
+      for (int i = 0; i < N; ++i) acc[i][c] = v16::fmadd_ps(p[i], vv, acc[i][c]);
     }
   }
   for (int i = 0; i < N; ++i)
     for (int c = 0; c < 4; ++c)
-      _mm512_storeu_ps(sc.o.data() + (i0 + i) * Dp + col + 16 * c, acc[i][c]);
+      v16::storeu_ps(sc.o.data() + (i0 + i) * Dp + col + 16 * c, acc[i][c]);
 }
 
 // One extend item: its queries against its key stream (see the file comment).
@@ -504,7 +504,7 @@ void AttendBlock(const Shapes& s, const Queries& qs, const Stream<T>& st, Scratc
   alignas(64) float tmp[kBlock];
   for (int64_t b = first_block; b < end_block; ++b) {
     if (b + kAhead < end_block) prefetch(b + kAhead);
-    const __mmask16 present = st.Block(s, b, krow, vrow, kpos);
+    const v16::Mask present = st.Block(s, b, krow, vrow, kpos);
     for (int j = 0; j < kBlock; ++j) {
       if (!krow[j]) continue;
       if (in_place) {
@@ -517,18 +517,18 @@ void AttendBlock(const Shapes& s, const Queries& qs, const Stream<T>& st, Scratc
     // kt [Dp][16]: 16 columns of K at a time, absent keys 0.
     for (int64_t c = 0; c < (D + 15) / 16; ++c) {
       const int64_t width = std::min<int64_t>(16, D - 16 * c);
-      const __mmask16 cols = static_cast<__mmask16>(width == 16 ? 0xFFFFu : (1u << width) - 1u);
-      __m512 r[16];
+      const v16::Mask cols = static_cast<v16::Mask>(width == 16 ? 0xFFFFu : (1u << width) - 1u);
+      v16::F r[16];
       for (int j = 0; j < kBlock; ++j)
-        r[j] = krow[j] ? Load16(cols, krow[j] + 16 * c) : _mm512_setzero_ps();
+        r[j] = krow[j] ? Load16(cols, krow[j] + 16 * c) : v16::setzero_ps();
       Transpose16(r);
-      for (int j = 0; j < width; ++j) _mm512_storeu_ps(sc.kt.data() + (16 * c + j) * kBlock, r[j]);
+      for (int j = 0; j < width; ++j) v16::storeu_ps(sc.kt.data() + (16 * c + j) * kBlock, r[j]);
     }
-    const __m512i key_pos = _mm512_load_si512(kpos);
+    const v16::I key_pos = v16::load_si(kpos);
 
     // Scores, then the online softmax step per query: p (0 off its visible keys), alpha.
     for (int64_t i0 = 0; i0 < n; i0 += 4) {
-      __m512 sv[4];
+      v16::F sv[4];
       const float* q = sc.q.data() + i0 * Dp;
       switch (std::min<int64_t>(4, n - i0)) {
         case 1: Scores<1>(q, Dp, sc.kt.data(), sv); break;
@@ -537,31 +537,31 @@ void AttendBlock(const Shapes& s, const Queries& qs, const Stream<T>& st, Scratc
         default: Scores<4>(q, Dp, sc.kt.data(), sv); break;
       }
       for (int64_t i = i0; i < std::min(n, i0 + 4); ++i) {
-        __m512 x = sv[i - i0];
+        v16::F x = sv[i - i0];
         if (s.soft_cap > 0) {  // rare (Gemma-style models): scalar tanh
-          _mm512_store_ps(tmp, x);
+          v16::store_ps(tmp, x);
           for (float& v : tmp) v = s.soft_cap * std::tanh(v / s.soft_cap);
-          x = _mm512_load_ps(tmp);
+          x = v16::load_ps(tmp);
         }
         const int64_t tok = i / G;
-        const __mmask16 visible =
-            present & _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(qs.pos[tok])) &
-            _mm512_cmpge_epi32_mask(key_pos, _mm512_set1_epi32(qs.lo[tok]));
+        const v16::Mask visible =
+            present & v16::cmple_epi32_mask(key_pos, v16::set1_epi32(qs.pos[tok])) &
+            v16::cmpge_epi32_mask(key_pos, v16::set1_epi32(qs.lo[tok]));
         sc.visible[i] = visible;
         if (!visible) {  // nothing here for this query: o, l and m stay as they are
           sc.alpha[i] = 1.0f;
           continue;
         }
         const float m_old = sc.m[i];
-        const float m_new = std::max(m_old, _mm512_mask_reduce_max_ps(visible, x));
+        const float m_new = std::max(m_old, v16::mask_reduce_max_ps(visible, x));
         // exp(0) is exactly 1: the common case skips the call.
         const float alpha = m_old == m_new      ? 1.0f
                             : m_old == -INFINITY ? 0.0f
-                                 : _mm512_cvtss_f32(Exp(_mm512_set1_ps(m_old - m_new)));
-        const __m512 e = _mm512_maskz_mov_ps(visible, Exp(_mm512_sub_ps(x, _mm512_set1_ps(m_new))));
-        _mm512_storeu_ps(sc.p.data() + i * kBlock, e);
+                                 : v16::cvtss_f32(Exp(v16::set1_ps(m_old - m_new)));
+        const v16::F e = v16::maskz_mov_ps(visible, Exp(v16::sub_ps(x, v16::set1_ps(m_new))));
+        v16::storeu_ps(sc.p.data() + i * kBlock, e);
         float* l = sc.l.data() + i * kBlock;
-        _mm512_storeu_ps(l, _mm512_fmadd_ps(_mm512_loadu_ps(l), _mm512_set1_ps(alpha), e));
+        v16::storeu_ps(l, v16::fmadd_ps(v16::loadu_ps(l), v16::set1_ps(alpha), e));
         sc.m[i] = m_new, sc.alpha[i] = alpha;
       }
     }
@@ -580,7 +580,7 @@ void AttendBlock(const Shapes& s, const Queries& qs, const Stream<T>& st, Scratc
   }
   // out = o / l; no visible key (padding tokens): 0, as the jnp path gives.
   for (int64_t i = 0; i < n; ++i) {
-    const float l = _mm512_reduce_add_ps(_mm512_loadu_ps(sc.l.data() + i * kBlock));
+    const float l = v16::reduce_add_ps(v16::loadu_ps(sc.l.data() + i * kBlock));
     const float inv = l > 0 ? 1.0f / l : 0.0f;
     float* dst = qs.out + (i / G) * qs.stride + (i % G) * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = sc.o[i * Dp + d] * inv;

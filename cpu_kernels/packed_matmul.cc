@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "parallel.h"
+#include "simd16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -43,22 +44,21 @@ constexpr int64_t kRowBytes = 256;  // one panel step, both dtypes
 // docs/benchmarks.md).
 constexpr int64_t kStreamAhead = 4096;
 
-// One k step (f32) of a tile: acc[m] += x[m, k] * w[k, 0:64].
+// One k step (f32) of a tile of J column groups (16 columns each, from the pointer w):
+// acc[m] += x[m, k] * w[k, 0:16 J].
 struct F32Step {
   using T = float;
   using X = float;
-  static constexpr int64_t kPerStep = 64;  // panel elements per step
-  template <int MR>
-  static inline void Run(__m512 (&acc)[MR][4], const float* x, int64_t ldx, const float* w,
+  static constexpr int64_t kPerStep = 64;   // panel elements per step
+  static constexpr int64_t kPerGroup = 16;  // of them per 16-column group
+  template <int MR, int J>
+  static inline void Run(v16::F (&acc)[MR][J], const float* x, int64_t ldx, const float* w,
                          int64_t k) {
-    const __m512 w0 = _mm512_loadu_ps(w), w1 = _mm512_loadu_ps(w + 16);
-    const __m512 w2 = _mm512_loadu_ps(w + 32), w3 = _mm512_loadu_ps(w + 48);
+    v16::F wv[J];
+    for (int j = 0; j < J; ++j) wv[j] = v16::loadu_ps(w + 16 * j);
     for (int m = 0; m < MR; ++m) {
-      const __m512 b = _mm512_set1_ps(x[m * ldx + k]);
-      acc[m][0] = _mm512_fmadd_ps(b, w0, acc[m][0]);
-      acc[m][1] = _mm512_fmadd_ps(b, w1, acc[m][1]);
-      acc[m][2] = _mm512_fmadd_ps(b, w2, acc[m][2]);
-      acc[m][3] = _mm512_fmadd_ps(b, w3, acc[m][3]);
+      const v16::F b = v16::set1_ps(x[m * ldx + k]);
+      for (int j = 0; j < J; ++j) acc[m][j] = v16::fmadd_ps(b, wv[j], acc[m][j]);
     }
   }
 };
@@ -69,24 +69,25 @@ struct Bf16WidenStep {
   using T = uint16_t;
   using X = float;  // x rounded once per call (RoundX), kept f32: its broadcasts are loads
   static constexpr int64_t kPerStep = 128;
-  template <int MR>
-  static inline void Run(__m512 (&acc)[MR][4], const X* x, int64_t ldx, const uint16_t* w,
+  static constexpr int64_t kPerGroup = 32;
+  template <int MR, int J>
+  static inline void Run(v16::F (&acc)[MR][J], const X* x, int64_t ldx, const uint16_t* w,
                          int64_t s) {
     // bf16 -> f32 is a 16-bit shift: the even k of each pair sits in the low half of a
     // 32-bit lane (shift it up), the odd k in the high half (mask the low one off).
-    const __m512i hi = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+    const v16::I hi = v16::set1_epi32(static_cast<int32_t>(0xFFFF0000u));
     for (int half = 0; half < 2; ++half) {
-      __m512 wv[4];
-      for (int j = 0; j < 4; ++j) {
-        const __m512i raw = _mm512_loadu_si512(w + 32 * j);
-        wv[j] = _mm512_castsi512_ps(half == 0 ? _mm512_slli_epi32(raw, 16)
-                                              : _mm512_and_si512(raw, hi));
+      v16::F wv[J];
+      for (int j = 0; j < J; ++j) {
+        const v16::I raw = v16::loadu_si(w + 32 * j);
+        wv[j] = v16::castsi_ps(half == 0 ? v16::slli_epi32<16>(raw)
+                                              : v16::and_si(raw, hi));
       }
       // A broadcast from memory is a load-port uop; one from a bf16 scalar was a shift
       // and a vpbroadcastd on the FMA ports (M=32: 12 of every 68 port-0/5 uops).
       for (int m = 0; m < MR; ++m) {
-        const __m512 b = _mm512_set1_ps(x[m * ldx + 2 * s + half]);
-        for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_fmadd_ps(b, wv[j], acc[m][j]);
+        const v16::F b = v16::set1_ps(x[m * ldx + 2 * s + half]);
+        for (int j = 0; j < J; ++j) acc[m][j] = v16::fmadd_ps(b, wv[j], acc[m][j]);
       }
     }
   }
@@ -99,15 +100,17 @@ struct Bf16DotStep {
   using T = uint16_t;
   using X = uint16_t;  // vdpbf16ps takes the x pair as bf16
   static constexpr int64_t kPerStep = 128;
-  template <int MR>
-  static inline void Run(__m512 (&acc)[MR][4], const X* x, int64_t ldx, const uint16_t* w,
+  static constexpr int64_t kPerGroup = 32;
+  template <int MR, int J>
+  static inline void Run(v16::F (&acc)[MR][J], const X* x, int64_t ldx, const uint16_t* w,
                          int64_t s) {
-    __m512i wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + 32 * j);
+    static_assert(J == 4, "AVX-512 only: whole panels");
+    v16::I wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = v16::loadu_si(w + 32 * j);
     for (int m = 0; m < MR; ++m) {
       int32_t pair;  // x[m, 2s] and x[m, 2s + 1], broadcast to every lane
       std::memcpy(&pair, x + m * ldx + 2 * s, sizeof(pair));
-      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+      const __m512bh b = (__m512bh)v16::set1_epi32(pair);
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, (__m512bh)wv[j]);
     }
   }
@@ -123,14 +126,27 @@ struct Prefetch {
   bool stream = false;
 };
 
-// y[0:MR, 0:64] = x[0:MR, :] @ panel over `steps` steps; columns beyond the matrix are
-// masked.
-template <typename Step, int MR>
+// Column groups (of 16) per tile of MR rows: the whole 64-column panel where the
+// registers hold MR x 4 accumulators and the panel row (AVX-512's 32 zmm), else fewer, so
+// that AVX2's 16 ymm registers hold a 6-row tile's accumulators without spilling; a row
+// tile then passes over its panel once per group (from L2 after the first).
+template <int MR>
+constexpr int Groups() {
+  if constexpr (v16::kWideRegisters || MR == 1) {
+    return 4;
+  } else {
+    return MR == 2 ? 2 : 1;
+  }
+}
+
+// y[0:MR, 0:16 J] = x[0:MR, :] @ the panel's J column groups from `panel` (that many
+// elements into each panel row) over `steps` steps; columns beyond the matrix are masked.
+template <typename Step, int MR, int J>
 inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T* panel,
-                 int64_t steps, float* y, int64_t ldy, const __mmask16* mask, Prefetch pf) {
-  __m512 acc[MR][4];
+                 int64_t steps, float* y, int64_t ldy, const v16::Mask* mask, Prefetch pf) {
+  v16::F acc[MR][J];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_setzero_ps();
+    for (int j = 0; j < J; ++j) acc[m][j] = v16::setzero_ps();
   const int64_t pf_rows = pf.next != nullptr ? pf.end - pf.begin : 0;
   int64_t pf_row = pf.begin, pf_acc = 0;  // fixed point: pf_rows rows per `steps` steps
   // Past the last panel this touches memory beyond the weights: prefetches never fault.
@@ -148,10 +164,22 @@ inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T*
         for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T1);
       }
     }
-    Step::template Run<MR>(acc, x, ldx, panel + k * Step::kPerStep, k);
+    Step::template Run<MR, J>(acc, x, ldx, panel + k * Step::kPerStep, k);
   }
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < 4; ++j) _mm512_mask_storeu_ps(y + m * ldy + 16 * j, mask[j], acc[m][j]);
+    for (int j = 0; j < J; ++j)
+      v16::mask_storeu_ps(y + m * ldy + 16 * j, mask[j], acc[m][j]);
+}
+
+// y[0:MR, 0:64] = x[0:MR, :] @ panel, a group of columns at a time (Groups); the first
+// pass does the tile's prefetching.
+template <typename Step, int MR>
+inline void TileRow(const typename Step::X* x, int64_t ldx, const typename Step::T* panel,
+                    int64_t steps, float* y, int64_t ldy, const v16::Mask* mask, Prefetch pf) {
+  constexpr int J = Groups<MR>();
+  for (int g = 0; g < 4; g += J)
+    Tile<Step, MR, J>(x, ldx, panel + g * Step::kPerGroup, steps, y + 16 * g, ldy, mask + g,
+                      g == 0 ? pf : Prefetch{});
 }
 
 // Rows [m0, m1) of panel `p`. The first tile reads this panel from memory; the later
@@ -160,11 +188,11 @@ template <typename Step>
 void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64_t ldx,
           int64_t steps, int64_t N, int64_t p, int64_t m0, int64_t m1, const char* next) {
   using T = typename Step::T;
-  __mmask16 mask[4];
+  v16::Mask mask[4];
   const int64_t cols = std::min(kNR, N - p * kNR);
   for (int j = 0; j < 4; ++j) {
     const int64_t c = std::clamp<int64_t>(cols - 16 * j, 0, 16);
-    mask[j] = static_cast<__mmask16>((1u << c) - 1u);
+    mask[j] = static_cast<v16::Mask>((1u << c) - 1u);
   }
   const T* panel = wp + p * steps * Step::kPerStep;
   const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
@@ -182,12 +210,12 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
       pf = {next, 0, steps};
     }
     switch (std::min(kMR, m1 - m)) {
-      case 6: Tile<Step, 6>(xm, ldx, panel, steps, ym, N, mask, pf); break;
-      case 5: Tile<Step, 5>(xm, ldx, panel, steps, ym, N, mask, pf); break;
-      case 4: Tile<Step, 4>(xm, ldx, panel, steps, ym, N, mask, pf); break;
-      case 3: Tile<Step, 3>(xm, ldx, panel, steps, ym, N, mask, pf); break;
-      case 2: Tile<Step, 2>(xm, ldx, panel, steps, ym, N, mask, pf); break;
-      default: Tile<Step, 1>(xm, ldx, panel, steps, ym, N, mask, pf); break;
+      case 6: TileRow<Step, 6>(xm, ldx, panel, steps, ym, N, mask, pf); break;
+      case 5: TileRow<Step, 5>(xm, ldx, panel, steps, ym, N, mask, pf); break;
+      case 4: TileRow<Step, 4>(xm, ldx, panel, steps, ym, N, mask, pf); break;
+      case 3: TileRow<Step, 3>(xm, ldx, panel, steps, ym, N, mask, pf); break;
+      case 2: TileRow<Step, 2>(xm, ldx, panel, steps, ym, N, mask, pf); break;
+      default: TileRow<Step, 1>(xm, ldx, panel, steps, ym, N, mask, pf); break;
     }
   }
 }
@@ -196,23 +224,20 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
 // a call computes (RowMask), so large M splits across threads.
 using Chunks = std::vector<std::pair<int64_t, int64_t>>;
 
-// Work units are (panel, row chunk) pairs in panel-major order, cut into one contiguous
-// range per thread so each thread can prefetch its own next panel.
+// Work units are (panel, row chunk) pairs in panel-major order, one contiguous range per
+// thread (ParallelStealing) so that each thread prefetches its own next panel.
 template <typename Step>
 void Run(ffi::ThreadPool& pool, const typename Step::X* x, const typename Step::T* w,
          float* y, const Chunks& rows, int64_t ldx, int64_t steps, int64_t N, int64_t P) {
   const int64_t chunks = static_cast<int64_t>(rows.size());
   const int64_t panel_elems = steps * Step::kPerStep;
-  const auto units = [=, &rows](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t p = u / chunks, c = u % chunks;
-      const char* next = c == chunks - 1 && u + 1 < u1
-                             ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems)
-                             : nullptr;
-      Unit<Step>(x, w, y, ldx, steps, N, p, rows[c].first, rows[c].second, next);
-    }
-  };
-  xlaserve::ParallelRanges(pool, P * chunks, xlaserve::Workers(pool), units);
+  xlaserve::ParallelStealing(pool, P * chunks, [=, &rows](int64_t u, int64_t after) {
+    const int64_t p = u / chunks, c = u % chunks;
+    const char* next = c == chunks - 1 && after == u + 1
+                           ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems)
+                           : nullptr;
+    Unit<Step>(x, w, y, ldx, steps, N, p, rows[c].first, rows[c].second, next);
+  });
 }
 
 // The rows of y[M, N] a call computes, as chunks: `mask` [M] (nonzero: compute) or, empty,
@@ -252,22 +277,22 @@ const X* RoundX(const float* x, int64_t M, int64_t K, int64_t K2, const Chunks& 
   thread_local std::vector<X> buf;
   const int64_t ld = 2 * K2;
   if (static_cast<int64_t>(buf.size()) < M * ld) buf.resize(M * ld);
-  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1);
-  const __m512i top = _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u));
+  const v16::I half = v16::set1_epi32(0x7FFF), one = v16::set1_epi32(1);
+  const v16::I top = v16::set1_epi32(static_cast<int32_t>(0xFFFF0000u));
   for (const auto& [begin, end] : rows)
   for (int64_t m = begin; m < end; ++m) {
     const float* row = x + m * K;
     X* out = buf.data() + m * ld;
     int64_t k = 0;
     for (; k + 16 <= K; k += 16) {
-      const __m512i v = _mm512_castps_si512(_mm512_loadu_ps(row + k));
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(v, 16), one);
-      const __m512i r = _mm512_add_epi32(v, _mm512_add_epi32(half, lsb));
+      const v16::I v = v16::castps_si(v16::loadu_ps(row + k));
+      const v16::I lsb = v16::and_si(v16::srli_epi32<16>(v), one);
+      const v16::I r = v16::add_epi32(v, v16::add_epi32(half, lsb));
       if constexpr (sizeof(X) == 4) {
-        _mm512_storeu_si512(out + k, _mm512_and_si512(r, top));
+        v16::storeu_si(out + k, v16::and_si(r, top));
       } else {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + k),
-                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
+                            v16::cvtepi32_epi16(v16::srli_epi32<16>(r)));
       }
     }
     for (; k < ld; ++k) {

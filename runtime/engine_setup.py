@@ -72,7 +72,7 @@ def _default_cpu_kernel_choice(args: ServerArgs, flag: str, value: str | None, o
 
 def default_cpu_matmul(args: ServerArgs, model_cfg: ModelConfig | None = None) -> str:
     """`packed` (cpu_kernels) wherever it runs: CPU backend, x86-64 with AVX-512
-    and a C++ compiler, a dense Llama-family model; else XLA's dot."""
+    or AVX2 + FMA and a C++ compiler, a dense Llama-family model; else XLA's dot."""
     if args.cpu_matmul is None and model_cfg and not registry.has_packed_matmul(model_cfg):
         logger.info("cpu_matmul: xla (the packed CPU matmul covers dense Llama weights, not "
                     "%s)", model_cfg.architecture)

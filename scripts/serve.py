@@ -99,7 +99,7 @@ flags.DEFINE_bool("per_layer_weights", None, "layer weights as per-layer buffers
                   "packed kernel, which reads the stacked weights in place)")
 flags.DEFINE_enum("cpu_matmul", None, ["packed", "xla"], "CPU matmuls: our kernel over "
                   "weights packed at load, or XLA's dot (default: packed where it builds: "
-                  "x86-64 with AVX-512 and a C++ compiler)")
+                  "x86-64 with AVX-512 or AVX2 + FMA, and a C++ compiler)")
 flags.DEFINE_string("trace_dir", None, "write the execution trace as Chrome trace / "
                     "Perfetto JSON here (ui.perfetto.dev), a file each time the ring fills "
                     "and one at shutdown; also the default /start_profile folder")

@@ -23,8 +23,9 @@ from tests.model_utils import TINY
 
 
 def test_kernels_build_here():
-    """CI machines are x86-64 with AVX-512 and g++: the default CPU path must be ours
-    (elsewhere the engine falls back to XLA's dot, see default_cpu_matmul)."""
+    """CI machines are x86-64 with AVX-512 or AVX2 + FMA (both seen) and g++: the default
+    CPU path must be ours (elsewhere the engine falls back to XLA's dot, see
+    default_cpu_matmul)."""
     assert cpu_kernels.unavailable_reason() is None
     cpu_kernels.load()
 
@@ -307,14 +308,15 @@ def test_config_choices():
 
 
 def test_fallback_where_the_kernels_cannot_build(monkeypatch, caplog):
-    """A CPU without AVX-512 (or without g++): XLA's dot and the jnp attention, said in
+    """A CPU without AVX2 (or without g++): XLA's dot and the jnp attention, said in
     the log; asking for the kernels there is an error that says why."""
-    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: "needs a CPU with AVX-512F")
+    reason = "needs a CPU with AVX-512F, or AVX2 and FMA"
+    monkeypatch.setattr(cpu_kernels, "unavailable_reason", lambda: reason)
     with caplog.at_level("WARNING"):
         assert default_cpu_matmul(ServerArgs()) == "xla"
         assert default_attention_backend(ServerArgs()) == "xla"
-    assert "AVX-512F" in caplog.text
-    with pytest.raises(ValueError, match="needs the CPU kernels: needs a CPU with AVX-512F"):
+    assert "AVX2 and FMA" in caplog.text
+    with pytest.raises(ValueError, match=f"needs the CPU kernels: {reason}"):
         default_cpu_matmul(ServerArgs(cpu_matmul="packed"))
     with pytest.raises(ValueError, match="needs the CPU kernels"):
         default_attention_backend(ServerArgs(attention_backend="cpu"))
