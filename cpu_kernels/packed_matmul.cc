@@ -44,50 +44,49 @@ constexpr int64_t kRowBytes = 256;  // one panel step, both dtypes
 // docs/benchmarks.md).
 constexpr int64_t kStreamAhead = 4096;
 
-// One k step (f32) of a tile of J column groups (16 columns each, from the pointer w):
-// acc[m] += x[m, k] * w[k, 0:16 J].
+// The panel's 64 columns as native vectors (simd16.h, vn): 4 on AVX-512, 8 on AVX2.
+constexpr int kVecs = kNR / vn::kLanes;
+
+// One k step (f32) of a tile of J native vectors of columns (from the pointer w):
+// acc[m] += x[m, k] * w[k, 0:J lanes].
 struct F32Step {
   using T = float;
   using X = float;
-  static constexpr int64_t kPerStep = 64;   // panel elements per step
-  static constexpr int64_t kPerGroup = 16;  // of them per 16-column group
+  static constexpr int64_t kPerStep = 64;            // panel elements per step
+  static constexpr int64_t kPerVec = vn::kLanes;     // of them per native vector
   template <int MR, int J>
-  static inline void Run(v16::F (&acc)[MR][J], const float* x, int64_t ldx, const float* w,
+  static inline void Run(vn::F (&acc)[MR][J], const float* x, int64_t ldx, const float* w,
                          int64_t k) {
-    v16::F wv[J];
-    for (int j = 0; j < J; ++j) wv[j] = v16::loadu_ps(w + 16 * j);
+    vn::F wv[J];
+    for (int j = 0; j < J; ++j) wv[j] = vn::loadu(w + vn::kLanes * j);
     for (int m = 0; m < MR; ++m) {
-      const v16::F b = v16::set1_ps(x[m * ldx + k]);
-      for (int j = 0; j < J; ++j) acc[m][j] = v16::fmadd_ps(b, wv[j], acc[m][j]);
+      const vn::F b = vn::set1(x[m * ldx + k]);
+      for (int j = 0; j < J; ++j) acc[m][j] = vn::fmadd(b, wv[j], acc[m][j]);
     }
   }
 };
 
 // One k-pair step (bf16, weights widened) of a tile:
-// acc[m] += x[m, 2s:2s+2] . w[2s:2s+2, 0:64].
+// acc[m] += x[m, 2s:2s+2] . w[2s:2s+2, 0:J lanes].
 struct Bf16WidenStep {
   using T = uint16_t;
   using X = float;  // x rounded once per call (RoundX), kept f32: its broadcasts are loads
   static constexpr int64_t kPerStep = 128;
-  static constexpr int64_t kPerGroup = 32;
+  static constexpr int64_t kPerVec = 2 * vn::kLanes;
   template <int MR, int J>
-  static inline void Run(v16::F (&acc)[MR][J], const X* x, int64_t ldx, const uint16_t* w,
+  static inline void Run(vn::F (&acc)[MR][J], const X* x, int64_t ldx, const uint16_t* w,
                          int64_t s) {
-    // bf16 -> f32 is a 16-bit shift: the even k of each pair sits in the low half of a
-    // 32-bit lane (shift it up), the odd k in the high half (mask the low one off).
-    const v16::I hi = v16::set1_epi32(static_cast<int32_t>(0xFFFF0000u));
     for (int half = 0; half < 2; ++half) {
-      v16::F wv[J];
+      vn::F wv[J];
       for (int j = 0; j < J; ++j) {
-        const v16::I raw = v16::loadu_si(w + 32 * j);
-        wv[j] = v16::castsi_ps(half == 0 ? v16::slli_epi32<16>(raw)
-                                              : v16::and_si(raw, hi));
+        const vn::I raw = vn::loadu_si(w + 2 * vn::kLanes * j);
+        wv[j] = half == 0 ? vn::widen_even(raw) : vn::widen_odd(raw);
       }
       // A broadcast from memory is a load-port uop; one from a bf16 scalar was a shift
       // and a vpbroadcastd on the FMA ports (M=32: 12 of every 68 port-0/5 uops).
       for (int m = 0; m < MR; ++m) {
-        const v16::F b = v16::set1_ps(x[m * ldx + 2 * s + half]);
-        for (int j = 0; j < J; ++j) acc[m][j] = v16::fmadd_ps(b, wv[j], acc[m][j]);
+        const vn::F b = vn::set1(x[m * ldx + 2 * s + half]);
+        for (int j = 0; j < J; ++j) acc[m][j] = vn::fmadd(b, wv[j], acc[m][j]);
       }
     }
   }
@@ -100,17 +99,17 @@ struct Bf16DotStep {
   using T = uint16_t;
   using X = uint16_t;  // vdpbf16ps takes the x pair as bf16
   static constexpr int64_t kPerStep = 128;
-  static constexpr int64_t kPerGroup = 32;
+  static constexpr int64_t kPerVec = 32;
   template <int MR, int J>
-  static inline void Run(v16::F (&acc)[MR][J], const X* x, int64_t ldx, const uint16_t* w,
+  static inline void Run(vn::F (&acc)[MR][J], const X* x, int64_t ldx, const uint16_t* w,
                          int64_t s) {
     static_assert(J == 4, "AVX-512 only: whole panels");
-    v16::I wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = v16::loadu_si(w + 32 * j);
+    __m512i wv[4];
+    for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + 32 * j);
     for (int m = 0; m < MR; ++m) {
       int32_t pair;  // x[m, 2s] and x[m, 2s + 1], broadcast to every lane
       std::memcpy(&pair, x + m * ldx + 2 * s, sizeof(pair));
-      const __m512bh b = (__m512bh)v16::set1_epi32(pair);
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, (__m512bh)wv[j]);
     }
   }
@@ -126,27 +125,30 @@ struct Prefetch {
   bool stream = false;
 };
 
-// Column groups (of 16) per tile of MR rows: the whole 64-column panel where the
-// registers hold MR x 4 accumulators and the panel row (AVX-512's 32 zmm), else fewer, so
-// that AVX2's 16 ymm registers hold a 6-row tile's accumulators without spilling; a row
-// tile then passes over its panel once per group (from L2 after the first).
+// Native vectors of columns per tile of MR rows: the whole panel where the registers hold
+// MR x kVecs accumulators and a panel row (AVX-512's 32 zmm: 6 x 4 + 4), else fewer, so
+// that AVX2's 16 ymm registers hold a 6-row tile's 12 accumulators, its 2 weight vectors
+// and a broadcast; a row tile then passes over its panel once per group of columns
+// (from L2 after the first). Whole panels at 6 rows on AVX2 spill: 1.3-2.7x slower at
+// M=32 on a Zen 3 (scripts/bench_cpu_matmul.py, A B A B; docs/benchmarks.md).
 template <int MR>
 constexpr int Groups() {
-  if constexpr (v16::kWideRegisters || MR == 1) {
-    return 4;
+  if constexpr (vn::kLanes == 16 || MR == 1) {
+    return kVecs;
   } else {
-    return MR == 2 ? 2 : 1;
+    return MR == 2 ? kVecs / 2 : kVecs / 4;
   }
 }
 
-// y[0:MR, 0:16 J] = x[0:MR, :] @ the panel's J column groups from `panel` (that many
-// elements into each panel row) over `steps` steps; columns beyond the matrix are masked.
+// y[0:MR, 0:J lanes] = x[0:MR, :] @ the panel's J native vectors of columns from `panel`
+// (that many elements into each panel row) over `steps` steps; columns beyond the matrix
+// are masked.
 template <typename Step, int MR, int J>
 inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T* panel,
-                 int64_t steps, float* y, int64_t ldy, const v16::Mask* mask, Prefetch pf) {
-  v16::F acc[MR][J];
+                 int64_t steps, float* y, int64_t ldy, const vn::Mask* mask, Prefetch pf) {
+  vn::F acc[MR][J];
   for (int m = 0; m < MR; ++m)
-    for (int j = 0; j < J; ++j) acc[m][j] = v16::setzero_ps();
+    for (int j = 0; j < J; ++j) acc[m][j] = vn::setzero();
   const int64_t pf_rows = pf.next != nullptr ? pf.end - pf.begin : 0;
   int64_t pf_row = pf.begin, pf_acc = 0;  // fixed point: pf_rows rows per `steps` steps
   // Past the last panel this touches memory beyond the weights: prefetches never fault.
@@ -168,18 +170,18 @@ inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T*
   }
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < J; ++j)
-      v16::mask_storeu_ps(y + m * ldy + 16 * j, mask[j], acc[m][j]);
+      vn::mask_storeu(y + m * ldy + vn::kLanes * j, mask[j], acc[m][j]);
 }
 
 // y[0:MR, 0:64] = x[0:MR, :] @ panel, a group of columns at a time (Groups); the first
 // pass does the tile's prefetching.
 template <typename Step, int MR>
 inline void TileRow(const typename Step::X* x, int64_t ldx, const typename Step::T* panel,
-                    int64_t steps, float* y, int64_t ldy, const v16::Mask* mask, Prefetch pf) {
+                    int64_t steps, float* y, int64_t ldy, const vn::Mask* mask, Prefetch pf) {
   constexpr int J = Groups<MR>();
-  for (int g = 0; g < 4; g += J)
-    Tile<Step, MR, J>(x, ldx, panel + g * Step::kPerGroup, steps, y + 16 * g, ldy, mask + g,
-                      g == 0 ? pf : Prefetch{});
+  for (int g = 0; g < kVecs; g += J)
+    Tile<Step, MR, J>(x, ldx, panel + g * Step::kPerVec, steps, y + vn::kLanes * g, ldy,
+                      mask + g, g == 0 ? pf : Prefetch{});
 }
 
 // Rows [m0, m1) of panel `p`. The first tile reads this panel from memory; the later
@@ -188,12 +190,10 @@ template <typename Step>
 void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64_t ldx,
           int64_t steps, int64_t N, int64_t p, int64_t m0, int64_t m1, const char* next) {
   using T = typename Step::T;
-  v16::Mask mask[4];
+  vn::Mask mask[kVecs];
   const int64_t cols = std::min(kNR, N - p * kNR);
-  for (int j = 0; j < 4; ++j) {
-    const int64_t c = std::clamp<int64_t>(cols - 16 * j, 0, 16);
-    mask[j] = static_cast<v16::Mask>((1u << c) - 1u);
-  }
+  for (int j = 0; j < kVecs; ++j)
+    mask[j] = vn::first_lanes(std::clamp<int64_t>(cols - vn::kLanes * j, 0, vn::kLanes));
   const T* panel = wp + p * steps * Step::kPerStep;
   const int64_t tiles = (m1 - m0 + kMR - 1) / kMR;
   for (int64_t m = m0, tile = 0; m < m1; m += kMR, ++tile) {

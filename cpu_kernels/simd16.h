@@ -251,3 +251,60 @@ inline __m256i maskz_loadu_epi16(Mask m, const uint16_t* p) {
 #endif
 
 }  // namespace v16
+
+// The matmul's tiles keep their accumulators in registers, which a 16-lane pair does not
+// reliably do on AVX2 (GCC kept a stack copy of a 6 x 16 tile's pairs and stored all 12
+// halves every k step: 2-3x slower at 32 rows). So the matmul works in the CPU's native
+// vectors: 16 lanes on AVX-512, 8 on AVX2.
+namespace vn {
+
+#ifdef __AVX512F__
+
+constexpr int kLanes = 16;
+using F = __m512;
+using I = __m512i;
+using Mask = __mmask16;
+
+inline F loadu(const float* p) { return _mm512_loadu_ps(p); }
+inline I loadu_si(const void* p) { return _mm512_loadu_si512(p); }
+inline F set1(float v) { return _mm512_set1_ps(v); }
+inline F setzero() { return _mm512_setzero_ps(); }
+inline F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+// A bf16 k pair per 32-bit lane: the even k's value sits in the low half, the odd k's in
+// the high half; bf16 -> f32 is a 16-bit shift.
+inline F widen_even(I pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+inline F widen_odd(I pairs) {
+  return _mm512_castsi512_ps(
+      _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+inline Mask first_lanes(int64_t n) {  // lanes [0, n) on, n in [0, 16]
+  return static_cast<Mask>((1u << n) - 1u);
+}
+inline void mask_storeu(float* p, Mask m, F x) { _mm512_mask_storeu_ps(p, m, x); }
+
+#else
+
+constexpr int kLanes = 8;
+using F = __m256;
+using I = __m256i;
+using Mask = __m256i;  // all ones on the lanes to store
+
+inline F loadu(const float* p) { return _mm256_loadu_ps(p); }
+inline I loadu_si(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+inline F set1(float v) { return _mm256_set1_ps(v); }
+inline F setzero() { return _mm256_setzero_ps(); }
+inline F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F widen_even(I pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
+inline F widen_odd(I pairs) {
+  return _mm256_castsi256_ps(
+      _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+inline Mask first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline void mask_storeu(float* p, Mask m, F x) { _mm256_maskstore_ps(p, m, x); }
+
+#endif
+
+}  // namespace vn
