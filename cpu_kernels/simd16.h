@@ -11,8 +11,8 @@
 // f32 rounding, and each build alone keeps every determinism property the kernels claim.
 //
 // Register pressure differs: AVX2 has 16 ymm registers where AVX-512 has 32 zmm of twice
-// the width, so a tile that fills AVX-512's file spills on AVX2. packed_matmul.cc picks
-// its tile width with kWideRegisters.
+// the width, so a tile that fills AVX-512's file spills on AVX2. packed_matmul.cc's
+// tiles therefore use the native vectors below (vn) and pick their width per ISA.
 #pragma once
 
 #include <immintrin.h>
@@ -25,8 +25,6 @@ namespace v16 {
 using Mask = uint16_t;  // lane i on: bit i
 
 #ifdef __AVX512F__
-
-constexpr bool kWideRegisters = true;
 
 using F = __m512;
 using I = __m512i;
@@ -85,8 +83,6 @@ inline __m256i maskz_loadu_epi16(Mask m, const uint16_t* p) {
 }
 
 #else  // AVX2 + FMA: each 16-lane vector is two 8-lane halves, lanes 0-7 in lo.
-
-constexpr bool kWideRegisters = false;
 
 struct F {
   __m256 lo, hi;
