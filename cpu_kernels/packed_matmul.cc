@@ -129,8 +129,9 @@ struct Prefetch {
 // MR x kVecs accumulators and a panel row (AVX-512's 32 zmm: 6 x 4 + 4), else fewer, so
 // that AVX2's 16 ymm registers hold a 6-row tile's 12 accumulators, its 2 weight vectors
 // and a broadcast; a row tile then passes over its panel once per group of columns
-// (from L2 after the first). Whole panels at 6 rows on AVX2 spill: 1.6-3.5x slower at
-// M=32 on a Zen 3 (scripts/bench_cpu_matmul.py; docs/benchmarks.md, session 14).
+// (from L2 after the first). Whole-panel tiles of 6 rows, as 16-lane pairs, spilled on
+// AVX2 and were 1.6-3.5x slower at M=32 than these on a Zen 3
+// (scripts/bench_cpu_matmul.py; docs/benchmarks.md, session 14).
 template <int MR>
 constexpr int Groups() {
   if constexpr (vn::kLanes == 16 || MR == 1) {

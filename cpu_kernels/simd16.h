@@ -6,9 +6,10 @@
 // re-packs every weight on every call. So the kernels use these names: with __AVX512F__
 // each is the AVX-512 intrinsic itself (a typedef or a one-line inline: the same code as
 // before), else a pair of 8-lane AVX2 operations on the low and high halves. Results are
-// the same sums in the same lane order, except the horizontal reductions (another tree)
-// and Exp's scaling (2^n built from the exponent bits, below), so the two builds agree to
-// f32 rounding, and each build alone keeps every determinism property the kernels claim.
+// the same sums in the same lane order except the horizontal reductions (another tree),
+// so the two builds agree to f32 rounding (Exp's 2^n, built from exponent bits on AVX2,
+// is exact on both), and each build alone keeps every determinism property the kernels
+// claim.
 //
 // Register pressure differs: AVX2 has 16 ymm registers where AVX-512 has 32 zmm of twice
 // the width, so a tile that fills AVX-512's file spills on AVX2. packed_matmul.cc's
