@@ -114,8 +114,10 @@ def _build() -> pathlib.Path:
 
 
 # The bf16 matmul kernels (packed_matmul.cc): symbol per name; "dot" only where the
-# compiler targets avx512_bf16.
-_BF16_SYMBOLS = {"widen": "XlaservePackedMatmulBf16Widen", "dot": "XlaservePackedMatmulBf16Dot"}
+# compiler targets avx512_bf16, "amx" only where it targets AMX-BF16 and Linux lets this
+# process use the tile registers (XlaserveAmxReady).
+_BF16_SYMBOLS = {"widen": "XlaservePackedMatmulBf16Widen", "dot": "XlaservePackedMatmulBf16Dot",
+                 "amx": "XlaservePackedMatmulBf16Amx"}
 _BF16_TARGET = "xlaserve_packed_matmul_bf16"  # the one that serves: bf16_kernel()
 
 
@@ -127,7 +129,7 @@ def load() -> ctypes.CDLL:
         raise RuntimeError(f"xlaserve CPU kernels unavailable: {reason}")
     path = _build()
     lib = ctypes.cdll.LoadLibrary(str(path))
-    kernels = [n for n, symbol in _BF16_SYMBOLS.items() if hasattr(lib, symbol)]
+    kernels = _bf16_kernels(lib)
     symbols = {**_TARGETS, **{f"{_BF16_TARGET}_{n}": _BF16_SYMBOLS[n] for n in kernels}}
     for target, symbol in symbols.items():
         jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)),
@@ -139,16 +141,23 @@ def load() -> ctypes.CDLL:
     return lib
 
 
+def _bf16_kernels(lib: ctypes.CDLL) -> list[str]:
+    """The bf16 matmul kernels `lib` holds and this process can run."""
+    kernels = [n for n, symbol in _BF16_SYMBOLS.items() if hasattr(lib, symbol)]
+    if "amx" in kernels and not lib.XlaserveAmxReady():
+        kernels.remove("amx")
+    return kernels
+
+
 def bf16_targets() -> dict[str, str]:
-    """FFI target of each bf16 matmul kernel this CPU runs ({"widen": ..., "dot": ...}),
-    for tests and benchmarks; packed_matmul serves bf16_kernel()'s."""
-    lib = load()
-    return {n: f"{_BF16_TARGET}_{n}" for n, symbol in _BF16_SYMBOLS.items()
-            if hasattr(lib, symbol)}
+    """FFI target of each bf16 matmul kernel this CPU runs ({"widen": ..., "dot": ...,
+    "amx": ...}), for tests and benchmarks; packed_matmul serves bf16_kernel()'s."""
+    return {n: f"{_BF16_TARGET}_{n}" for n in _bf16_kernels(load())}
 
 
 def bf16_kernel() -> str:
-    """The bf16 matmul kernel that serves on this CPU: "widen" or "dot" (_choose_bf16)."""
+    """The bf16 matmul kernel that serves on this CPU: "widen", "dot" or "amx"
+    (_choose_bf16)."""
     load()
     return _bf16_choice
 

@@ -9,8 +9,9 @@ for another model): qkv [D, (Hq + 2 Hkv) Dh], wo [Hq Dh, D], gate_up [D, 2 F], d
 and lm_head [D, V]. Each timed call is one jitted program that multiplies --layers
 distinct weights of the shape in turn, each input depending on the last output, as a
 decode step does: the weights come from memory, not cache, and XLA cannot run the calls
-concurrently. Contenders: f32, bf16 with the weights widened to f32 (`bf16`) and bf16
-`vdpbf16ps` (`bf16_dot`, where the CPU has it; cpu_kernels.bf16_targets). The JSON names
+concurrently. Contenders: f32, bf16 with the weights widened to f32 (`bf16`), bf16
+`vdpbf16ps` (`bf16_dot`) and bf16 on AMX tiles (`bf16_amx`), each where the CPU has it
+(cpu_kernels.bf16_targets; by default every one it has). The JSON names
 the bf16 kernel that serves here (cpu_kernels.bf16_kernel). Each round times every
 contender once in turn; the table gives medians over rounds, the weight bytes read per us
 (GB/s) and GFLOP/s. Writes bench_cpu_matmul.json (and a PNG with the `bench` extra).
@@ -35,7 +36,8 @@ flags.DEFINE_string("out_dir", "bench_out/cpu_matmul", "where the JSON and PNG g
 flags.DEFINE_bool("smoke", False, "tiny shapes, few rounds (CI)")
 flags.DEFINE_list("rows", ["1", "32"], "M: rows of x (decode batch sizes)")
 flags.DEFINE_list("ops", ["qkv", "wo", "gate_up", "down", "lm_head"], "which shapes")
-flags.DEFINE_list("contenders", ["f32", "bf16", "bf16_dot"], "f32, bf16, bf16_dot")
+flags.DEFINE_list("contenders", [], "f32, bf16 (widening), bf16_dot, bf16_amx; default: f32 "
+                  "and every bf16 kernel this CPU runs")
 flags.DEFINE_integer("rounds", 15, "timed rounds (each times every contender once)")
 flags.DEFINE_integer("layers", 30, "distinct weights per call (lm_head: --head_copies)")
 flags.DEFINE_integer("head_copies", 3, "distinct lm_head weights per call")
@@ -70,14 +72,13 @@ def _time_op(op: str, k: int, n: int, rows: list[int], rng: np.random.Generator
     copies = FLAGS.head_copies if op == "lm_head" else FLAGS.layers
     w32 = [rng.standard_normal((k, n), np.float32) * 0.05 for _ in range(copies)]
     packed = {"f32": [cpu_kernels.pack(jnp.asarray(w)) for w in w32]}
-    packed["bf16"] = packed["bf16_dot"] = [cpu_kernels.pack(jnp.asarray(w, jnp.bfloat16))
-                                           for w in w32]
-    bf16 = cpu_kernels.bf16_targets()
-    targets = {"f32": None, "bf16": bf16["widen"], "bf16_dot": bf16.get("dot", bf16["widen"])}
+    targets = _targets()
+    w16 = [cpu_kernels.pack(jnp.asarray(w, jnp.bfloat16)) for w in w32]
+    packed.update({c: w16 for c in targets if c != "f32"})
     out = []
     for m in rows:
         x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-        fns = {c: _chain(m, k, n, targets[c]) for c in FLAGS.contenders}
+        fns = {c: _chain(m, k, n, targets[c]) for c in _contenders()}
         for c, fn in fns.items():  # compile and fault the weights in
             fn(x, packed[c]).block_until_ready()
         secs: dict[str, list[float]] = {c: [] for c in fns}
@@ -97,6 +98,22 @@ def _time_op(op: str, k: int, n: int, rows: list[int], rng: np.random.Generator
     return out
 
 
+def _targets() -> dict[str, str | None]:
+    """Contender -> the packed_matmul target it runs (None: f32)."""
+    bf16 = cpu_kernels.bf16_targets()
+    return {"f32": None, "bf16": bf16["widen"],
+            **{f"bf16_{n}": t for n, t in bf16.items() if n != "widen"}}
+
+
+def _contenders() -> list[str]:
+    """--contenders, checked against what this CPU runs; all of them by default."""
+    have = list(_targets())
+    missing = [c for c in FLAGS.contenders if c not in have]
+    if missing:
+        raise app.UsageError(f"--contenders {missing}: this CPU runs {have}")
+    return FLAGS.contenders or have
+
+
 def _plot(records: list[dict[str, Any]]) -> None:
     plt = bc.pyplot()
     if plt is None:
@@ -105,10 +122,12 @@ def _plot(records: list[dict[str, Any]]) -> None:
     fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4), squeeze=False)
     for ax, m in zip(axes[0], rows, strict=True):
         ops = [o for o in FLAGS.ops if any(r["op"] == o and r["rows"] == m for r in records)]
-        for i, c in enumerate(FLAGS.contenders):
+        names = _contenders()
+        width = 0.8 / len(names)
+        for i, c in enumerate(names):
             us = [next(r["median_us"] for r in records
                        if r["op"] == o and r["rows"] == m and r["contender"] == c) for o in ops]
-            ax.bar(np.arange(len(ops)) + 0.27 * (i - 1), us, 0.27, label=c)
+            ax.bar(np.arange(len(ops)) + width * (i - (len(names) - 1) / 2), us, width, label=c)
         ax.set_xticks(range(len(ops)), ops)
         ax.set_yscale("log")
         ax.set_ylabel("us per call (median)")

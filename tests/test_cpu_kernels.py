@@ -50,8 +50,8 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 
 def _bf16_targets() -> list[str | None]:
-    """The bf16 matmul that serves and each kernel by name: weights widened to f32, and
-    vdpbf16ps where the CPU has avx512_bf16."""
+    """The bf16 matmul that serves and each kernel by name: weights widened to f32,
+    vdpbf16ps where the CPU has avx512_bf16, AMX tiles where it has AMX-BF16."""
     return [None, *cpu_kernels.bf16_targets().values()]
 
 
@@ -95,7 +95,8 @@ def test_bf16_kernel_rounds_x_as_xla_converts(k):
 
 def test_bf16_rows_do_not_depend_on_the_batch():
     """As for f32: bitwise equal alone, in a tile, in a tail tile and a second work unit,
-    on both bf16 kernels."""
+    on every bf16 kernel (AMX: in a 16-row tile, alone with 15 rows of whatever x holds
+    there, and past a k tail of 7 pairs)."""
     rng = np.random.default_rng(2)
     w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((301, 200)), jnp.bfloat16))
     x = jnp.asarray(rng.standard_normal((150, 301), np.float32))
