@@ -3,11 +3,14 @@
 //   float32: wp[P, K, 64].
 //   bfloat16: wp[P, K2, 64, 2], K2 = ceil(K / 2): rows k and k + 1 interleaved per column,
 //     the operand layout of vdpbf16ps; x comes as f32 [M, K], is rounded to bf16 here
-//     (RoundX), and products accumulate in f32. Two kernels over the same panels, the same
-//     products summed in another order: "widen" shifts the weights to f32 and FMAs them
-//     (any AVX-512 CPU); "dot" runs vdpbf16ps, two k steps of 16 columns an instruction
-//     (built where the compiler targets avx512_bf16). Which one serves is measured per
-//     CPU (cpu_kernels.bf16_kernel): widening won on an Intel Xeon, dot on an AMD EPYC.
+//     (RoundX), and products accumulate in f32. Three kernels over the same panels, the
+//     same products summed in other orders: "widen" shifts the weights to f32 and FMAs
+//     them (any CPU the kernels build on); "dot" runs vdpbf16ps, two k steps of 16
+//     columns an instruction (built where the compiler targets avx512_bf16); "amx" runs
+//     tdpbf16ps on AMX tiles, 16 rows x 16 columns x 32 k an instruction (built where it
+//     targets AMX-BF16). Which one serves is measured per CPU (cpu_kernels.bf16_kernel):
+//     widening won on an Intel Xeon without AMX in use, dot on an AMD EPYC, amx on an
+//     Intel Xeon with it.
 //
 // Why: XLA CPU's GEMM re-packs the weight operand on every call. A decode step multiplies
 // a few rows by every weight, so the packing pass (a read and a write of all weights)

@@ -137,12 +137,25 @@ def model_path(variant: str, checkpoint_cache_dir: str) -> Path:
 # ---------------------------------------------------------------- launching
 
 
+def _has_amx() -> bool:
+    """Whether this CPU has AMX tiles (/proc/cpuinfo's amx_tile)."""
+    try:
+        return "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return False
+
+
 def llama_target(variant: str, parallel: int, ctx_per_slot: int, threads: int,
                  cmd: str, checkpoint_cache_dir: str, extra: str = "") -> Target:
     """llama-server with `parallel` slots (continuous batching over them), each with
     ctx_per_slot tokens of KV. `cmd`: the launch command template ({llama_server}: the
     built binary, {python}: this interpreter; tests put a fake server there)."""
     import shlex
+    if _has_amx() and "--no-repack" not in extra:
+        # llama.cpp's AMX weight buffers (its "repack" path on AMX CPUs) died at start-up
+        # on session 15's Xeon: SIGILL on a tilezero in libggml-cpu during the warm-up run,
+        # for the Q4_1 GGUF; with --no-repack it serves.
+        extra = f"{extra} --no-repack".strip()
     binary = str(find_llama_server()) if "{llama_server}" in cmd else ""
     model = model_path(variant, checkpoint_cache_dir)
     argv = (*shlex.split(cmd.format(llama_server=binary, python=sys.executable)),
