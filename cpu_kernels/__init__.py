@@ -1,8 +1,9 @@
 """CPU kernels of our own, called from jit through the XLA FFI.
 
 `packed_matmul`: x [M, K] @ W [K, N] with W packed once at load (`pack`) into 64-column
-panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized M. Two
-bf16 kernels; the faster on this CPU serves (bf16_kernel, measured once per machine).
+panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized M. Up to
+three bf16 kernels (widening, vdpbf16ps, AMX tiles); the fastest on this CPU serves
+(bf16_kernel, measured once per machine).
 `decode_attention`, `extend_attention`: paged attention of decode rows / of prefill
 (extend) tokens, reading the pool (float32 or bfloat16) in place; see attention.cc.
 `write_kv`: this step's K/V into the pool in place (write_kv.cc: XLA CPU's scatter

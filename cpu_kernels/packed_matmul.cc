@@ -481,10 +481,58 @@ inline void Step(const uint16_t* x, int64_t ldx_bytes, const uint16_t* w, const 
   _tile_dpbf16ps(3, 4, 5);
 }
 
+// Accumulators += two x tiles (rows 0-15 and 16-31 from x) @ the 16 pairs of 32 of the
+// panel's columns at w: tiles 0 / 1 rows 0-15, columns 0-15 / 16-31, tiles 2 / 3 the
+// same for rows 16-31. Four loads feed four products (Step: five for four), and every
+// load has three others between it and its first use; prefetches the 4 KiB at `pf`.
+template <int kHint>
+inline void PairStep(const uint16_t* x, int64_t ldx_bytes, const uint16_t* w, const char* pf) {
+  _tile_loadd(4, x, ldx_bytes);
+  Prefetch16<kHint>(pf);
+  _tile_loadd(6, w, kRowBytes);
+  Prefetch16<kHint>(pf ? pf + 1024 : nullptr);
+  _tile_loadd(5, x + kRows * ldx_bytes / 2, ldx_bytes);
+  Prefetch16<kHint>(pf ? pf + 2048 : nullptr);
+  _tile_loadd(7, w + 32, kRowBytes);
+  Prefetch16<kHint>(pf ? pf + 3072 : nullptr);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+  _tile_dpbf16ps(2, 5, 6);
+  _tile_dpbf16ps(3, 5, 7);
+}
+
+// Accumulator tile t (0-3) to p, rows `stride` bytes apart (GCC's _tile_stored takes
+// the register as a literal).
+inline void StoreTile(int t, float* p, int64_t stride) {
+  switch (t) {
+    case 0: _tile_stored(0, p, stride); break;
+    case 1: _tile_stored(1, p, stride); break;
+    case 2: _tile_stored(2, p, stride); break;
+    default: _tile_stored(3, p, stride); break;
+  }
+}
+
+// Accumulator tile t (16 x 16 f32) into y rows [0, rows) from ym (rows N apart),
+// columns [c, c + 16) clipped to `cols`; through `out` (16 x 16) when clipped.
+inline void Store(int t, float* ym, int64_t N, int64_t rows, int64_t c, int64_t cols,
+                  float* out) {
+  if (c >= cols) return;
+  if (rows == kRows && c + 16 <= cols) {
+    StoreTile(t, ym + c, N * sizeof(float));
+    return;
+  }
+  StoreTile(t, out, 16 * sizeof(float));
+  for (int64_t r = 0; r < rows; ++r)
+    std::memcpy(ym + r * N + c, out + r * 16, std::min<int64_t>(16, cols - c) * sizeof(float));
+}
+
 // Rows [m0, m1) of panel `panel` (K2 pairs) into y's columns [c0, c0 + cols). x: bf16
 // rows ldx apart, ldx a multiple of 2 kPairs (zero past K), readable 16 rows past m1.
-// The first tile streams the panel in; the second, from L2, pulls `next` (the panel this
-// thread computes next, or null) into L2 meanwhile, as the f32 tiles do.
+// 32 rows at a time in two passes of 32 columns (PairStep), a last 16 or fewer in one
+// pass of 64 (Step); each row sees the same products in the same order either way, so
+// its result does not depend on the blocking. The first pass streams the panel in; the
+// second, from L2, pulls `next` (the panel this thread computes next, or null) into L2
+// meanwhile, as the f32 tiles do.
 void Unit(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, float* y,
           int64_t N, int64_t c0, int64_t m0, int64_t m1, const char* next) {
   const int64_t steps = K2 / kPairs, rem = K2 % kPairs;
@@ -495,41 +543,65 @@ void Unit(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, flo
     std::memcpy(tail, panel + steps * kBlock, rem * kRowBytes);
     std::memset(tail + rem * kRowBytes / 2, 0, (kPairs - rem) * kRowBytes);
   }
-  alignas(64) float out[kRows * kNR];
+  alignas(64) float out[kRows * 16];
   const int64_t cols = std::min(kNR, N - c0);
+  // The prefetch of pass `pass` at step s: the panel ahead of itself, then `next`.
+  auto pf = [&](int64_t pass, int64_t s) -> const char* {
+    if (pass == 0) return reinterpret_cast<const char*>(panel + s * kBlock) + kAhead;
+    return pass == 1 && next != nullptr ? next + s * kBlock * 2 : nullptr;
+  };
   Configure();
-  for (int64_t m = m0; m < m1; m += kRows) {
+  int64_t pass = 0;
+  for (int64_t m = m0; m < m1;) {
+    const uint16_t* xm = x + m * ldx;
+    float* ym = y + m * N + c0;
+    const int64_t rows = std::min(2 * kRows, m1 - m);
+    if (rows > kRows) {
+      for (int64_t half = 0; half < 2; ++half, ++pass) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const int64_t w0 = 64 * half;  // 32 columns of k pairs
+        for (int64_t s = 0; s < steps; ++s) {
+          if (pass == 0) {
+            PairStep<_MM_HINT_T0>(xm + 2 * kPairs * s, 2 * ldx, panel + s * kBlock + w0,
+                                  pf(pass, s));
+          } else {
+            PairStep<_MM_HINT_T1>(xm + 2 * kPairs * s, 2 * ldx, panel + s * kBlock + w0,
+                                  pf(pass, s));
+          }
+        }
+        if (rem != 0)
+          PairStep<_MM_HINT_T0>(xm + 2 * kPairs * steps, 2 * ldx, tail + w0, nullptr);
+        const int64_t c = 32 * half;
+        Store(0, ym, N, kRows, c, cols, out);
+        Store(1, ym, N, kRows, c + 16, cols, out);
+        Store(2, ym + kRows * N, N, rows - kRows, c, cols, out);
+        Store(3, ym + kRows * N, N, rows - kRows, c + 16, cols, out);
+      }
+      m += 2 * kRows;
+      continue;
+    }
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
-    const uint16_t* xm = x + m * ldx;
     for (int64_t s = 0; s < steps; ++s) {
       const uint16_t* w = panel + s * kBlock;
-      if (m == m0) {
-        Step<_MM_HINT_T0>(xm + 2 * kPairs * s, 2 * ldx, w,
-                          reinterpret_cast<const char*>(w) + kAhead);
+      if (pass == 0) {
+        Step<_MM_HINT_T0>(xm + 2 * kPairs * s, 2 * ldx, w, pf(pass, s));
       } else {
-        Step<_MM_HINT_T1>(xm + 2 * kPairs * s, 2 * ldx, w,
-                          m == m0 + kRows && next != nullptr ? next + s * kBlock * 2 : nullptr);
+        Step<_MM_HINT_T1>(xm + 2 * kPairs * s, 2 * ldx, w, pf(pass, s));
       }
     }
     if (rem != 0) Step<_MM_HINT_T0>(xm + 2 * kPairs * steps, 2 * ldx, tail, nullptr);
-    const int64_t rows = std::min(kRows, m1 - m);
-    float* ym = y + m * N + c0;
-    if (rows == kRows && cols == kNR) {
-      _tile_stored(0, ym, N * sizeof(float));
-      _tile_stored(1, ym + 16, N * sizeof(float));
-      _tile_stored(2, ym + 32, N * sizeof(float));
-      _tile_stored(3, ym + 48, N * sizeof(float));
-      continue;
-    }
-    _tile_stored(0, out, kNR * sizeof(float));
-    _tile_stored(1, out + 16, kNR * sizeof(float));
-    _tile_stored(2, out + 32, kNR * sizeof(float));
-    _tile_stored(3, out + 48, kNR * sizeof(float));
-    for (int64_t r = 0; r < rows; ++r)
-      std::memcpy(ym + r * N, out + r * kNR, cols * sizeof(float));
+    Store(0, ym, N, rows, 0, cols, out);
+    Store(1, ym, N, rows, 16, cols, out);
+    Store(2, ym, N, rows, 32, cols, out);
+    Store(3, ym, N, rows, 48, cols, out);
+    ++pass;
+    m += kRows;
   }
   _tile_release();
 }

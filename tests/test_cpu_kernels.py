@@ -153,6 +153,21 @@ def test_the_bf16_kernels_are_measured_from_inside_a_trace(monkeypatch, tmp_path
     assert json.loads(record.read_text())["kernel"] in kernels
 
 
+def test_amx_is_offered_only_where_the_process_may_use_it():
+    """The AMX kernel needs Linux's leave to use the tile registers (XlaserveAmxReady);
+    refused, the kernel is not offered, so the per-machine choice cannot pick it."""
+    class Lib:
+        XlaservePackedMatmulBf16Widen = XlaservePackedMatmulBf16Amx = object()
+
+        def __init__(self, ready: int) -> None:
+            self.XlaserveAmxReady = lambda: ready
+
+    assert cpu_kernels._bf16_kernels(Lib(1)) == ["widen", "amx"]
+    assert cpu_kernels._bf16_kernels(Lib(0)) == ["widen"]
+    if "amx_bf16" in cpu_kernels._cpu_flags():  # built with AMX here: it must be offered
+        assert "amx" in cpu_kernels.bf16_targets()
+
+
 def test_bf16_kernels_agree():
     """Same panels, same bf16 products, summed in another order: the kernels differ only
     by f32 rounding; the serving target is one of them, bitwise."""
