@@ -292,11 +292,12 @@ ffi::ErrorOr<Chunks> RowMask(ffi::Buffer<ffi::S32>& mask, int64_t M, float* y, i
 }
 
 // x [M, K] f32 rounded to bf16 (round to nearest even, XLA's f32 -> bf16 convert) as
-// [M, ld], ld >= K (zero past K; only the rows the call computes), in a buffer of the calling thread, valid until its next call
-// (the helpers read it only while Run waits for them): M * K values against the
-// product's M * K * N multiply-adds. The widening kernel keeps the rounded values as f32
-// (its broadcasts are loads), the vdpbf16ps one as bf16 pairs. Rounding here, not in
-// XLA, saves a convert-and-pad fusion before every bf16 call of the layer loop.
+// [M, ld], ld >= K (zero past K; only the rows the call computes), in a buffer of the
+// calling thread, valid until its next call (the helpers read it only while Run waits
+// for them): M * K values against the product's M * K * N multiply-adds. The widening
+// kernel keeps the rounded values as f32 (its broadcasts are loads), the vdpbf16ps and
+// AMX ones as bf16 pairs. Rounding here, not in XLA, saves a convert-and-pad fusion
+// before every bf16 call of the layer loop.
 template <typename X>
 const X* RoundX(const float* x, int64_t M, int64_t K, int64_t ld, const Chunks& rows,
                 int64_t spare_rows = 0) {
@@ -407,15 +408,14 @@ void RunBf16(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const 
 // bf16 on AMX (the tile matrix unit of Intel Xeons from Sapphire Rapids on): one
 // tdpbf16ps multiplies a tile of x (16 rows x 16 k pairs) by one of the weights (16 k
 // pairs x 16 columns, pairs interleaved) into 16 x 16 f32 accumulators, 8192
-// multiply-adds an instruction (a probe on session 15's Xeon: 1.7-2.2 TFLOP/s a core,
-// against ~0.3 for AVX-512 vdpbf16ps). The panels are already its weight layout: a
-// weight tile is 64 bytes of each of 16 consecutive 256-byte panel rows, one strided load.
+// multiply-adds an instruction (a probe on session 15's Xeon: 1.7-2.2 TFLOP/s a core;
+// there the AVX-512 kernels reached 0.1-0.2 TFLOP/s on two cores at 32-128 rows). The
+// panels are already its weight layout: a weight tile is 64 bytes of each of 16
+// consecutive 256-byte panel rows, one strided load.
 //
 // A tile's 16 rows are independent (row r of the product reads row r of x only), so a
 // row's result does not depend on its batch here either; a unit with fewer than 16 rows
 // computes the others from whatever x holds there and drops them.
-
-
 namespace amx {
 
 constexpr int64_t kRows = 16;   // rows of x a tile holds
@@ -429,9 +429,9 @@ bool Ready() {
   return ready;
 }
 
-// Every tile 16 rows x 64 bytes: 0-3 accumulate y's 16 rows x 64 columns, 4 holds x,
-// 5-7 the weights (three in turn, so a load need not wait on the product reading the
-// last one).
+// Every tile 16 rows x 64 bytes: 0-3 accumulate y (16 rows x 64 columns in Step, 32 x 32
+// in PairStep); Step loads x into 4 and the weights into 5-7 in turn (so a load need not
+// wait on the product reading the last one), PairStep x into 4-5 and weights into 6-7.
 void Configure() {
   struct alignas(64) {
     uint8_t palette = 1, start_row = 0, reserved[14] = {};
