@@ -187,6 +187,21 @@ def test_permute_rows_is_llama_cpp_order() -> None:
     assert permute_rows(rows, 1)[:, 0].tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
 
 
+def test_llama_server_skips_its_amx_repacking_on_amx_cpus(monkeypatch) -> None:
+    """On an AMX CPU llama-server starts with --no-repack (its AMX buffers crashed at
+    warm-up on one), recorded in the target's flags; elsewhere it runs as built."""
+    import llama_peer
+
+    for amx in (True, False):
+        monkeypatch.setattr(llama_peer, "_has_amx", lambda amx=amx: amx)
+        t = llama_peer.llama_target("q4_1", 4, 256, 2, "{python} fake.py", "/unused")
+        assert ("--no-repack" in t.argv) == amx
+        assert ("--no-repack" in t.flags) == amx
+    t = llama_peer.llama_target("q4_1", 4, 256, 2, "{python} fake.py", "/unused",
+                                extra="--no-repack")
+    assert t.argv.count("--no-repack") == 1
+
+
 @pytest.mark.slow
 def test_f32_gguf_round_trip(tmp_path: Path) -> None:
     """The F32 GGUF written for llama-server, read back by xlaserve's GGUF importer,
