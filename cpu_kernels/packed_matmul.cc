@@ -448,8 +448,8 @@ void Configure() {
 // How far ahead of itself the first tile of a unit prefetches the panel it streams in
 // (and then the next panel, which follows it in memory), into L1: two steps. One row at
 // a time over 900 panels of [576, 64], two threads (a probe on session 15's Xeon):
-// 13.5-16.9 GB/s at 8-16 KiB into L1, 12.3-15.8 into L2, 5.3 without (vdpbf16ps'
-// one-row stream: 19.3-19.9).
+// 13.0-16.9 GB/s at 8-12 KiB into L1, 8.4-15.8 at 8 KiB into L2, 5.2-5.3 without
+// (vdpbf16ps' one-row stream: 16.1-19.9).
 constexpr int64_t kAhead = 2 * kBlock * 2;
 
 // 16 lines from p (none when p is null) into L1 (_MM_HINT_T0) or L2 (_MM_HINT_T1).
