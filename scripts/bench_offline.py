@@ -10,14 +10,15 @@ Workloads (greedy, EOS ignored, so every request makes exactly the tokens asked 
                  template) and --single_new_tokens new tokens; decode tok/s counts the
                  tokens after the first over the time after the first token.
 With the `reference` extra installed, transformers runs the same prompts: batched
-`generate` at each --hf_batch_sizes (f32, all-ones attention mask, min_new_tokens =
-max_new_tokens), and the same single stream. The contenders alternate round by round
-(A B A B, --repeats rounds; round r uses prompts drawn with seed + r, so the prefix
-cache never serves one round's prompts from an earlier round) and medians are reported,
-with ratios xlaserve / transformers paired within each round. The machine's roofline
-is measured at the start of every round; the throughput run's useful FLOPs (prefill
-logits for the last prompt token only) over its time give its fraction of the compute
-roofline. Writes bench_offline.json and bench_offline.png to --out_dir.
+`generate` at each --hf_batch_sizes (in xlaserve's dtype, all-ones attention mask,
+min_new_tokens = max_new_tokens), and the same single stream. The contenders alternate
+round by round (A B A B, --repeats rounds; round r uses prompts drawn with seed + r, so
+the prefix cache never serves one round's prompts from an earlier round) and medians are
+reported, with ratios xlaserve / transformers paired within each round. The machine's
+roofline is measured at the start of every round; the throughput run's useful FLOPs
+(prefill logits for the last prompt token only) over its time give its fraction of the
+compute roofline. Writes bench_offline.json and bench_offline.png to --out_dir
+(bench_offline_<tag>.* with --tag: `make bench` runs f32 and, tagged bf16, bfloat16).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ from runtime.engine import Engine
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
+flags.DEFINE_string("tag", "", "output files bench_offline_<tag>.json / .png ('' plain "
+                    "bench_offline.*), so runs in two dtypes sit side by side")
 flags.DEFINE_bool("smoke", False, "tiny random model, tiny workload (checks the script)")
 flags.DEFINE_integer("num_prompts", 32, "requests in the throughput run")
 flags.DEFINE_integer("input_len", 128, "prompt tokens per request")
@@ -142,19 +145,21 @@ def reference_available() -> bool:
 
 
 class HFReference:
-    """transformers on the same weights (the GGUF, dequantized to f32) on all CPU threads."""
+    """transformers on the same weights (the GGUF, dequantized) in xlaserve's dtype, on all
+    CPU threads: a bf16 xlaserve meets a bf16 transformers."""
 
-    def __init__(self, smoke: bool, cfg: ModelConfig) -> None:
+    def __init__(self, smoke: bool, cfg: ModelConfig, dtype: str) -> None:
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
         import transformers
         transformers.logging.set_verbosity_error()  # sampling-flag chatter under greedy
         torch.set_num_threads(FLAGS.hf_threads or os.cpu_count() or 1)
         self.torch = torch
+        self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         t0 = time.perf_counter()
-        self.model = (self._tiny(cfg) if smoke else self._smollm2()).eval()
+        self.model = (self._tiny(cfg) if smoke else self._smollm2()).to(self.dtype).eval()
         self.pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
-        bc.log(f"transformers {transformers.__version__} model ready in "
+        bc.log(f"transformers {transformers.__version__} model ({dtype}) ready in "
                f"{time.perf_counter() - t0:.1f} s, {torch.get_num_threads()} threads")
 
     def _smollm2(self) -> Any:
@@ -164,7 +169,7 @@ class HFReference:
         path = default_gguf_path()
         return AutoModelForCausalLM.from_pretrained(
             os.path.dirname(path), gguf_file=os.path.basename(path),
-            dtype=self.torch.float32)
+            dtype=self.dtype)
 
     def _tiny(self, cfg: ModelConfig) -> Any:
         from transformers import LlamaConfig, LlamaForCausalLM
@@ -383,7 +388,8 @@ def main(argv: list[str]) -> None:
     args = _server_args(w)
     engine, name = _make_engine(args)
     want_ref = FLAGS.reference == "on" or (FLAGS.reference == "auto" and reference_available())
-    hf = HFReference(FLAGS.smoke, engine.model_cfg) if want_ref else None
+    dtype = str(engine.runner.cfg.dtype)
+    hf = HFReference(FLAGS.smoke, engine.model_cfg, dtype) if want_ref else None
     if hf is None:
         bc.log("transformers not compared (pip install -e '.[reference]' to compare)")
     single_ids = _single_prompt_ids(engine)
@@ -400,19 +406,21 @@ def main(argv: list[str]) -> None:
     cfg = engine.model_cfg
     result = {"script": "bench_offline", "command": bc.command_line(),
               "git_revision": bc.git_revision(), "machine": machine,
-              "model": bc.model_summary(cfg, name, engine.runner.cfg.dtype),
+              "model": bc.model_summary(cfg, name, engine.runner.cfg.dtype), "tag": FLAGS.tag,
               "engine_args": dataclasses.asdict(args), "workload": dataclasses.asdict(w),
               "flops_per_output_token": throughput_flops(cfg, w) / (w.num_prompts
                                                                      * w.output_len),
               "transformers_threads": hf.torch.get_num_threads() if hf else None,
+              "transformers_dtype": dtype if hf else None,
               "llama_server": llama.info() if llama else None,
               "rounds": rounds}
     result["summary"] = osum.summarize(rounds, w, FLAGS.smoke,
-                                       result["model"]["weight_bytes"])
+                                       result["model"]["weight_bytes"], dtype)
     result["wall_s"] = time.perf_counter() - t_start
     osum.print_summary(result["summary"])
-    bc.write_json(FLAGS.out_dir, "bench_offline.json", result)
-    op.plot(result, FLAGS.out_dir)
+    stem = "bench_offline" + (f"_{FLAGS.tag}" if FLAGS.tag else "")
+    bc.write_json(FLAGS.out_dir, f"{stem}.json", result)
+    op.plot(result, FLAGS.out_dir, f"{stem}.png")
 
 
 if __name__ == "__main__":

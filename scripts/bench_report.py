@@ -6,8 +6,9 @@ runs it last).
 Everything between the BEGIN / END GENERATED markers is replaced (the markers are added
 at the end of the page the first time); the hand-written analysis around them stays.
 Tables come from whichever JSON files exist in --results_dir: bench_offline.json,
-bench_serving_frontier.json, bench_serving_sweep.json, check_llama_peer.json; plots are
-linked, relative to the page. Every table carries its command line, revision and load.
+bench_offline_bf16.json, bench_serving_frontier.json, bench_serving_sweep.json,
+check_llama_peer.json; plots are linked, relative to the page. Every table carries its
+command line, revision and load.
 """
 
 from __future__ import annotations
@@ -61,10 +62,15 @@ def _img(results: Path, doc: Path, name: str) -> list[str]:
 def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
     s, w, rounds = r["summary"], r["workload"], r["rounds"]
     llama = list(rounds[0].get("llama_server", {}))
-    out = [f"### Offline throughput ({r['model']['name']}, {r['model']['dtype']}, "
+    dtype = r["model"]["dtype"]
+    out = [f"### Offline throughput ({r['model']['name']}, {dtype}, "
            f"{w['input_len']} in / {w['output_len']} out, {len(rounds)} round(s), medians)",
            "", *_provenance(r)]
-    head = ["concurrent", "xlaserve tok/s", "of compute roofline"]
+    if r.get("transformers_dtype"):
+        out += [f"transformers runs in {r['transformers_dtype']} too.", ""]
+    # The probe is an f32 GEMM; bf16's roof (AMX, vdpbf16ps) is higher.
+    roof = "of compute roofline" if dtype == "float32" else "of the f32 matmul probe"
+    head = ["concurrent", "xlaserve tok/s", roof]
     head += [f"llama-server {v.upper()} tok/s" for v in llama]
     head += [f"xlaserve / llama {v.upper()}" for v in llama] + ["transformers tok/s"]
     rows = []
@@ -110,13 +116,14 @@ def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
                          _pct(_median([p["frac_compute"] for p in pts]))])
     out += [f"{w['prefill_len']}-token prefill (one random prompt, one new token: tokens / "
             "TTFT; llama-server's over HTTP, so it includes a request's overhead):", ""]
-    out += _table(["system", "prefill tok/s", "of compute roofline"], rows)
+    out += _table(["system", "prefill tok/s", roof], rows)
     out += ["Targets:", ""]
     out += _table(["target", "want", "median", "best round", ""],
                   [[k, f">= {t['target']}", _f(t["value"], "{:.3g}"),
                     _f(t["value_best"], "{:.3g}"), "met" if t["met"] else "**not met**"]
                    for k, t in s["targets"].items()])
-    return out + _img(results, doc, "bench_offline.png")
+    stem = "bench_offline" + (f"_{r['tag']}" if r.get("tag") else "")
+    return out + _img(results, doc, f"{stem}.png")
 
 
 def _dig(d: Any, *path: str) -> Any:
@@ -204,6 +211,7 @@ def _check(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
 
 SECTIONS: list[tuple[str, Callable[[dict[str, Any], Path, Path], list[str]]]] = [
     ("check_llama_peer.json", _check), ("bench_offline.json", _offline),
+    ("bench_offline_bf16.json", _offline),
     ("bench_serving_sweep.json", _sweep), ("bench_serving_frontier.json", _frontier)]
 
 

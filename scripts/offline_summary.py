@@ -20,6 +20,9 @@ LLAMA_TARGETS = {"c8_vs_llama_f32": 1.0, "c32_vs_llama_f32": 2.0, "c64_vs_llama_
 # transformers' batched throughput at 32 concurrent.
 BOUND_TARGETS = {"single_frac_bandwidth": 0.9, "c64_frac_compute": 0.65,
                  "c32_vs_hf_batch_32": 4.0}
+# Issue 17, for bf16 weights: a single stream ahead of llama-server's Q4_1, 32-way at 2.5x
+# llama-server F32 (replacing issue 15's 2x there).
+DTYPE_TARGETS = {"bfloat16": {"single_stream_vs_llama_q4_1": 1.0, "c32_vs_llama_f32": 2.5}}
 
 
 def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
@@ -111,11 +114,12 @@ def _bound_goals(rounds: list[dict[str, Any]], s: dict[str, Any],
     return values, best
 
 
-def summarize(rounds: list[dict[str, Any]], w: Any, smoke: bool,
-              weight_bytes: int) -> dict[str, Any]:
+def summarize(rounds: list[dict[str, Any]], w: Any, smoke: bool, weight_bytes: int,
+              dtype: str = "float32") -> dict[str, Any]:
     """Medians over rounds (and ratios paired within rounds), plus the best round of each
     rate: a neighbour can only slow a run down, so the best is the least disturbed one.
-    weight_bytes: what one decode step reads of weights (the single stream's bound)."""
+    weight_bytes: what one decode step reads of weights (the single stream's bound);
+    dtype: the weights', which adds its own targets (DTYPE_TARGETS)."""
     with_hf = any("transformers" in rec for rec in rounds)
     llama = _llama_variants(rounds)
     paths = _rate_paths(w, with_hf, llama)
@@ -153,6 +157,7 @@ def summarize(rounds: list[dict[str, Any]], w: Any, smoke: bool,
     if "f32" in llama:
         targets.update({k: t for k, t in LLAMA_TARGETS.items() if k in ratios})
     targets.update({k: t for k, t in BOUND_TARGETS.items() if values.get(k) is not None})
+    targets.update({k: t for k, t in DTYPE_TARGETS.get(dtype, {}).items() if k in ratios})
     s["targets"] = {k: {"target": t, "value": values.get(k), "value_best": best.get(k),
                         "met": values.get(k) is not None and values[k] >= t}
                     for k, t in targets.items()}
