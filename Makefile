@@ -59,10 +59,7 @@ bench: setup
 	@test -x $(LLAMA_SERVER) || echo "NOTE: llama-server is not built; run 'make peers' to compare it"
 	test ! -x $(LLAMA_SERVER) || $(PY) scripts/check_llama_peer.py --out_dir=$(BENCH_OUT)
 	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64 \
-		--hf_batch_sizes=32 --llama_variants=f32
-	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64 \
-		--hf_batch_sizes=32 --dtype=bfloat16 --tag=bf16 --concurrency=1,32 \
-		--llama_variants=f32,q4_1
+		--hf_batch_sizes=32 --dtype=float32 --also_dtypes=bfloat16
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \
 		$(BENCH_PEERS) --scenarios=poisson --num_prompts=16 --request_rates=2,8,inf
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=frontier \

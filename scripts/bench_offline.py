@@ -17,8 +17,9 @@ the prefix cache never serves one round's prompts from an earlier round) and med
 reported, with ratios xlaserve / transformers paired within each round. The machine's
 roofline is measured at the start of every round; the throughput run's useful FLOPs
 (prefill logits for the last prompt token only) over its time give its fraction of the
-compute roofline. Writes bench_offline.json and bench_offline.png to --out_dir
-(bench_offline_<tag>.* with --tag: `make bench` runs f32 and, tagged bf16, bfloat16).
+compute roofline. Writes bench_offline.json and bench_offline.png to --out_dir, and
+with --also_dtypes=bfloat16 (as `make bench` runs it) bench_offline_bf16.* as well: the
+bf16 engine measured in the same rounds, against the same llama-server runs.
 """
 
 from __future__ import annotations
@@ -42,9 +43,8 @@ from runtime.config import ModelConfig, ServerArgs
 from runtime.engine import Engine
 
 FLAGS = flags.FLAGS
+SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16"}
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
-flags.DEFINE_string("tag", "", "output files bench_offline_<tag>.json / .png ('' plain "
-                    "bench_offline.*), so runs in two dtypes sit side by side")
 flags.DEFINE_bool("smoke", False, "tiny random model, tiny workload (checks the script)")
 flags.DEFINE_integer("num_prompts", 32, "requests in the throughput run")
 flags.DEFINE_integer("input_len", 128, "prompt tokens per request")
@@ -62,6 +62,9 @@ flags.DEFINE_integer("hf_threads", 0, "torch threads, 0 = os.cpu_count() (on a l
                      "OpenMP's spinning threads can slow torch down many times over)")
 flags.DEFINE_integer("max_running_requests", 32, "see ServerArgs")
 flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
+flags.DEFINE_list("also_dtypes", [], "further xlaserve weight dtypes measured in the same "
+                  "rounds against the same peer runs (transformers in each dtype): "
+                  "bench_offline_<bf16|f32>.json / .png beside --dtype's bench_offline.*")
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "concurrent requests of the "
@@ -101,13 +104,13 @@ def _workload() -> Workload:
 # ---------------------------------------------------------------- xlaserve
 
 
-def _server_args(w: Workload) -> ServerArgs:
+def _server_args(w: Workload, dtype: str | None) -> ServerArgs:
     """The server's defaults, except: KV-length buckets cut to the smallest default bucket
     these requests fit (no batch here could use a longer one; fewer executables to compile
     at start-up), and no top-logprobs (no request asks for them)."""
     longest = _longest_request(w)
     kv = tuple(b for b in (256, 1024, 4096, 8192) if b >= longest)[:1] or (8192,)
-    base = ServerArgs(dtype=FLAGS.dtype, max_running_requests=FLAGS.max_running_requests,
+    base = ServerArgs(dtype=dtype, max_running_requests=FLAGS.max_running_requests,
                       kv_len_buckets=kv, max_top_logprobs=0,
                       checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
@@ -236,48 +239,71 @@ def throughput_flops(cfg: ModelConfig, w: Workload) -> float:
     return w.num_prompts * bc.step_flops(cfg, rows)
 
 
-def run_round(r: int, engine: Engine, hf: HFReference | None, w: Workload,
+def run_round(r: int, xla: dict[str, Engine], hf: dict[str, HFReference], w: Workload,
               single_ids: list[int], llama: offline_peers.LlamaPeers | None) -> dict[str, Any]:
-    cfg = engine.model_cfg
+    """One round: every xlaserve dtype, then transformers in each, then llama-server, on
+    the same prompts. "xlaserve" and "transformers" hold a record per dtype (_view splits
+    them into one round per dtype)."""
+    cfg = next(iter(xla.values())).model_cfg
     rec: dict[str, Any] = {"round": r, "load_average": bc.load_average()}
     roof = bc.measure_roofline(small=FLAGS.smoke)
     rec["roofline"] = roof.to_json()
     bc.log(f"round {r}: roofline {roof.matmul_gflops:.1f} GFLOP/s, "
            f"{roof.mem_read_gbps:.1f} GB/s; load {rec['load_average']}")
     prompts = w.prompts(FLAGS.seed + r, cfg.vocab_size)
-
-    x = bc.xla_throughput(engine, prompts, w.output_len)
-    x["gflops"] = throughput_flops(cfg, w) / x["wall_s"] / 1e9
-    x["frac_compute"] = x["gflops"] / roof.matmul_gflops
-    bc.log(f"round {r}: xlaserve {w.num_prompts} requests: {x['output_tok_s']:.1f} output "
-           f"tok/s, {x['total_tok_s']:.1f} total tok/s ({x['wall_s']:.1f} s, "
-           f"{x['frac_compute']:.1%} of compute roofline)")
-    s = bc.bracket_read(lambda: bc.xla_single(engine, single_ids, w.single_new_tokens),
-                        FLAGS.smoke)
-    bc.log(f"round {r}: xlaserve single stream: {s['decode_tok_s']:.1f} decode tok/s, "
-           f"ttft {s['ttft_s'] * 1e3:.0f} ms")
     pre_ids = np.random.default_rng(FLAGS.seed + 5000 + r).integers(
         3, cfg.vocab_size, w.prefill_len).tolist()
-    p = _prefill(cfg, roof, engine.generate([pre_ids], bc.greedy(1))[0].meta_info["ttft"],
-                 w.prefill_len)
-    bc.log(f"round {r}: xlaserve {w.prefill_len}-token prefill: {p['prefill_tok_s']:.1f} "
-           f"tok/s ({p['frac_compute']:.1%} of compute roofline)")
-    rec["xlaserve"] = {"throughput": x, "single": s, "prefill": p}
     sweep = {c: w.prompts(FLAGS.seed + 1000 * (r + 1) + c, cfg.vocab_size, c)
              for c in w.concurrency}
-    for c, ps in sweep.items():
-        t = bc.xla_throughput(engine, ps, w.output_len)
-        rec["xlaserve"][f"c{c}"] = t
-        bc.log(f"round {r}: xlaserve {c} concurrent: {t['output_tok_s']:.1f} output tok/s")
-    if hf is not None:
-        rec["transformers"] = _hf_round(r, hf, prompts, w, single_ids)
-        rec["transformers"]["prefill"] = _prefill(cfg, roof, hf.ttft(pre_ids), w.prefill_len)
+    rec["xlaserve"] = {d: _xla_round(f"round {r}: xlaserve {d}", engine, roof, w, prompts,
+                                     single_ids, pre_ids, sweep)
+                       for d, engine in xla.items()}
+    if hf:
+        rec["transformers"] = {}
+        for d, h in hf.items():
+            rec["transformers"][d] = t = _hf_round(f"round {r}: transformers {d}", h, prompts,
+                                                   w, single_ids)
+            t["prefill"] = _prefill(cfg, roof, h.ttft(pre_ids), w.prefill_len)
     if llama is not None:
         rec["llama_server"] = _llama_round(r, llama, sweep, w, single_ids)
         for v, lr in rec["llama_server"].items():
             lr["prefill"] = _prefill(cfg, roof, llama.ttft(v, pre_ids), w.prefill_len)
-    _sweep_fractions(rec, cfg, w, roof)
     return rec
+
+
+def _xla_round(tag: str, engine: Engine, roof: bc.Roofline, w: Workload,
+               prompts: list[list[int]], single_ids: list[int], pre_ids: list[int],
+               sweep: dict[int, list[list[int]]]) -> dict[str, Any]:
+    """One engine's throughput run, single stream, prefill and concurrency sweep."""
+    cfg = engine.model_cfg
+    x = bc.xla_throughput(engine, prompts, w.output_len)
+    x["gflops"] = throughput_flops(cfg, w) / x["wall_s"] / 1e9
+    x["frac_compute"] = x["gflops"] / roof.matmul_gflops
+    bc.log(f"{tag} {w.num_prompts} requests: {x['output_tok_s']:.1f} output "
+           f"tok/s, {x['total_tok_s']:.1f} total tok/s ({x['wall_s']:.1f} s, "
+           f"{x['frac_compute']:.1%} of compute roofline)")
+    s = bc.bracket_read(lambda: bc.xla_single(engine, single_ids, w.single_new_tokens),
+                        FLAGS.smoke)
+    bc.log(f"{tag} single stream: {s['decode_tok_s']:.1f} decode tok/s, "
+           f"ttft {s['ttft_s'] * 1e3:.0f} ms")
+    p = _prefill(cfg, roof, engine.generate([pre_ids], bc.greedy(1))[0].meta_info["ttft"],
+                 w.prefill_len)
+    bc.log(f"{tag} {w.prefill_len}-token prefill: {p['prefill_tok_s']:.1f} "
+           f"tok/s ({p['frac_compute']:.1%} of compute roofline)")
+    out = {"throughput": x, "single": s, "prefill": p}
+    for c, ps in sweep.items():
+        out[f"c{c}"] = t = bc.xla_throughput(engine, ps, w.output_len)
+        bc.log(f"{tag} {c} concurrent: {t['output_tok_s']:.1f} output tok/s")
+    return out
+
+
+def _view(rec: dict[str, Any], dtype: str, cfg: ModelConfig, w: Workload) -> dict[str, Any]:
+    """One dtype's round: its xlaserve and transformers records with the shared peers."""
+    view = {**rec, "xlaserve": rec["xlaserve"][dtype]}
+    if "transformers" in rec:
+        view["transformers"] = rec["transformers"][dtype]
+    _sweep_fractions(view, cfg, w, bc.Roofline(**rec["roofline"]))
+    return view
 
 
 def _prefill(cfg: ModelConfig, roof: bc.Roofline, ttft: float, n: int) -> dict[str, Any]:
@@ -317,28 +343,29 @@ def _llama_round(r: int, llama: offline_peers.LlamaPeers, sweep: dict[int, list[
     return out
 
 
-def _hf_round(r: int, hf: HFReference, prompts: list[list[int]], w: Workload,
+def _hf_round(tag: str, hf: HFReference, prompts: list[list[int]], w: Workload,
               single_ids: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for b in w.hf_batch_sizes:
         t = hf.throughput(prompts, b, w.output_len)
         out[f"batch_{b}"] = t
-        bc.log(f"round {r}: transformers batch {b}: {t['output_tok_s']:.1f} output tok/s, "
+        bc.log(f"{tag} batch {b}: {t['output_tok_s']:.1f} output tok/s, "
                f"{t['total_tok_s']:.1f} total tok/s ({t['wall_s']:.1f} s)")
     s = hf.single(single_ids, w.single_new_tokens)
     out["single"] = s
-    bc.log(f"round {r}: transformers single stream: {s['decode_tok_s']:.1f} decode tok/s, "
+    bc.log(f"{tag} single stream: {s['decode_tok_s']:.1f} decode tok/s, "
            f"ttft {s['ttft_s'] * 1e3:.0f} ms")
     return out
 
 
-def warm_up(engine: Engine, hf: HFReference | None, single_ids: list[int],
+def warm_up(xla: dict[str, Engine], hf: dict[str, HFReference], single_ids: list[int],
             llama: offline_peers.LlamaPeers | None) -> None:
     """First calls pay one-time costs (page faults on fresh buffers, lazy init in torch);
     keep them out of round 0."""
-    engine.generate([single_ids, single_ids[::-1]], bc.greedy(4))
-    if hf is not None:
-        hf.generate([single_ids, single_ids[::-1]], 4)
+    for engine in xla.values():
+        engine.generate([single_ids, single_ids[::-1]], bc.greedy(4))
+    for h in hf.values():
+        h.generate([single_ids, single_ids[::-1]], 4)
     for v in llama.servers if llama is not None else ():
         llama.throughput(v, [single_ids, single_ids[::-1]], 4)
 
@@ -385,42 +412,54 @@ def main(argv: list[str]) -> None:
     machine = bc.machine_info()
     bc.log(f"load average {machine['load_average']} on {machine['cpu_count']} CPUs")
     with_llama = want_llama()
-    args = _server_args(w)
-    engine, name = _make_engine(args)
+    args = {}
+    xla: dict[str, Engine] = {}
+    for want in [FLAGS.dtype, *FLAGS.also_dtypes]:
+        a = _server_args(w, want)
+        engine, name = _make_engine(a)
+        d = str(engine.runner.cfg.dtype)
+        if d in xla:
+            raise app.UsageError(f"--also_dtypes repeats {d}, already measured")
+        xla[d], args[d] = engine, a
+    first = next(iter(xla.values()))
     want_ref = FLAGS.reference == "on" or (FLAGS.reference == "auto" and reference_available())
-    dtype = str(engine.runner.cfg.dtype)
-    hf = HFReference(FLAGS.smoke, engine.model_cfg, dtype) if want_ref else None
-    if hf is None:
+    hf = {d: HFReference(FLAGS.smoke, first.model_cfg, d) for d in xla} if want_ref else {}
+    if not hf:
         bc.log("transformers not compared (pip install -e '.[reference]' to compare)")
-    single_ids = _single_prompt_ids(engine)
+    single_ids = _single_prompt_ids(first)
     bc.log(f"single-stream prompt: {len(single_ids)} tokens")
     llama = start_llama(w) if with_llama else None
     try:
-        warm_up(engine, hf, single_ids, llama)
+        warm_up(xla, hf, single_ids, llama)
         repeats = 1 if FLAGS.smoke else FLAGS.repeats
-        rounds = [run_round(r, engine, hf, w, single_ids, llama) for r in range(repeats)]
+        rounds = [run_round(r, xla, hf, w, single_ids, llama) for r in range(repeats)]
     finally:
         if llama is not None:
             llama.stop()
     machine["load_average_end"] = bc.load_average()
-    cfg = engine.model_cfg
-    result = {"script": "bench_offline", "command": bc.command_line(),
-              "git_revision": bc.git_revision(), "machine": machine,
-              "model": bc.model_summary(cfg, name, engine.runner.cfg.dtype), "tag": FLAGS.tag,
-              "engine_args": dataclasses.asdict(args), "workload": dataclasses.asdict(w),
-              "flops_per_output_token": throughput_flops(cfg, w) / (w.num_prompts
-                                                                     * w.output_len),
-              "transformers_threads": hf.torch.get_num_threads() if hf else None,
-              "transformers_dtype": dtype if hf else None,
-              "llama_server": llama.info() if llama else None,
-              "rounds": rounds}
-    result["summary"] = osum.summarize(rounds, w, FLAGS.smoke,
-                                       result["model"]["weight_bytes"], dtype)
-    result["wall_s"] = time.perf_counter() - t_start
-    osum.print_summary(result["summary"])
-    stem = "bench_offline" + (f"_{FLAGS.tag}" if FLAGS.tag else "")
-    bc.write_json(FLAGS.out_dir, f"{stem}.json", result)
-    op.plot(result, FLAGS.out_dir, f"{stem}.png")
+    cfg = first.model_cfg
+    for k, d in enumerate(xla):
+        # The first dtype is bench_offline.*; each further one bench_offline_<bf16|f32>.*,
+        # with the same peer measurements.
+        tag = "" if k == 0 else SHORT_DTYPE[d]
+        result = {"script": "bench_offline", "command": bc.command_line(),
+                  "git_revision": bc.git_revision(), "machine": machine,
+                  "model": bc.model_summary(cfg, name, d), "tag": tag,
+                  "engine_args": dataclasses.asdict(args[d]), "workload": dataclasses.asdict(w),
+                  "flops_per_output_token": throughput_flops(cfg, w) / (w.num_prompts
+                                                                         * w.output_len),
+                  "transformers_threads": hf[d].torch.get_num_threads() if hf else None,
+                  "transformers_dtype": d if hf else None,
+                  "llama_server": llama.info() if llama else None,
+                  "rounds": [_view(rec, d, cfg, w) for rec in rounds]}
+        result["summary"] = osum.summarize(result["rounds"], w, FLAGS.smoke,
+                                           result["model"]["weight_bytes"], d)
+        result["wall_s"] = time.perf_counter() - t_start
+        bc.log(f"xlaserve {d}:")
+        osum.print_summary(result["summary"])
+        stem = "bench_offline" + (f"_{tag}" if tag else "")
+        bc.write_json(FLAGS.out_dir, f"{stem}.json", result)
+        op.plot(result, FLAGS.out_dir, f"{stem}.png")
 
 
 if __name__ == "__main__":

@@ -65,13 +65,19 @@ def test_bench_moe_ops_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_offline_smoke(tmp_path: Path) -> None:
-    """In bf16 with a tag, as `make bench`'s second run: transformers runs in bf16 too, and
-    the single stream's bound counts 2-byte weights."""
-    r = _run("bench_offline.py", tmp_path, "--dtype=bfloat16", "--tag=bf16",
-             stem="bench_offline_bf16")
-    assert r["script"] == "bench_offline" and r["tag"] == "bf16"
-    assert r["model"]["dtype"] == "bfloat16"
-    assert r["model"]["weight_bytes"] <= 2 * r["model"]["params"]
+    """f32, and bf16 in the same rounds as `make bench` runs it: each dtype gets its own
+    file, with transformers in that dtype and a single-stream bound of its weight bytes."""
+    bf16 = _run("bench_offline.py", tmp_path, "--dtype=float32", "--also_dtypes=bfloat16",
+                stem="bench_offline_bf16")
+    r = json.loads((tmp_path / "bench_offline.json").read_text())
+    assert r["script"] == "bench_offline" and r["tag"] == "" and bf16["tag"] == "bf16"
+    assert (r["model"]["dtype"], bf16["model"]["dtype"]) == ("float32", "bfloat16")
+    assert 2 * bf16["model"]["weight_bytes"] == r["model"]["weight_bytes"]
+    assert bf16["rounds"][0]["roofline"] == r["rounds"][0]["roofline"]  # one run
+    if HAVE_REFERENCE:
+        assert (r["transformers_dtype"], bf16["transformers_dtype"]) == ("float32",
+                                                                         "bfloat16")
+        assert bf16["summary"]["ratios"]["single_stream_vs_hf"] > 0
     s = r["summary"]
     _positive(s, "xlaserve_output_tok_s", "xlaserve_total_tok_s",
               "xlaserve_single_decode_tok_s", "throughput_frac_compute", "matmul_gflops")
@@ -99,7 +105,6 @@ def test_bench_offline_smoke(tmp_path: Path) -> None:
             assert hf[f"batch_{b}"]["output_tokens"] == w["num_prompts"] * w["output_len"]
         assert hf["single"]["new_tokens"] == w["single_new_tokens"]
         assert s["ratios"]["single_stream_vs_hf"] > 0
-        assert r["transformers_dtype"] == "bfloat16"
 
 
 def test_bf16_runs_carry_issue_17s_targets() -> None:
@@ -229,7 +234,8 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     (no build needed): bench_offline's llama-server sweep, the serving sweep and frontier,
     the greedy check, then the page regenerated from their JSON between its markers."""
     r = _run("bench_offline.py", tmp_path, "--reference=off", "--llama_server=on",
-             f"--llama_server_cmd={FAKE}", "--llama_variants=q4_1")
+             f"--llama_server_cmd={FAKE}", "--llama_variants=q4_1,f32",
+             "--also_dtypes=bfloat16")
     w, rnd = r["workload"], r["rounds"][0]
     assert w["concurrency"] == [1, 4] and "--parallel" in r["llama_server"]["q4_1"]["argv"]
     for c in w["concurrency"]:
@@ -238,12 +244,11 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
             _positive(point, "output_tok_s", "frac_compute")
         assert r["summary"]["ratios"][f"c{c}_vs_llama_q4_1"] > 0
     assert rnd["llama_server"]["q4_1"]["single"]["new_tokens"] == w["single_new_tokens"]
-    # make bench's second offline run, in bf16 (its own file and section)
-    bf16 = _run("bench_offline.py", tmp_path, "--reference=off", "--llama_server=on",
-                f"--llama_server_cmd={FAKE}", "--llama_variants=f32,q4_1",
-                "--dtype=bfloat16", "--tag=bf16", stem="bench_offline_bf16")
-    assert set(bf16["rounds"][0]["llama_server"]) == {"f32", "q4_1"}
+    # make bench's bf16 engine, in the same rounds against the same llama-server runs
+    bf16 = json.loads((tmp_path / "bench_offline_bf16.json").read_text())
+    assert bf16["rounds"][0]["llama_server"] == rnd["llama_server"]
     assert "single_stream_vs_llama_q4_1" in bf16["summary"]["targets"]
+    assert "single_stream_vs_llama_q4_1" not in r["summary"]["targets"]
     serving = ["--smoke", f"--out_dir={tmp_path}", f"--xlaserve_cmd={FAKE}",
                f"--llama_server_cmd={FAKE}"]
     _script("bench_serving.py", *serving, "--tag=sweep", "--config=default=",
