@@ -44,8 +44,9 @@ OUT ?= gpu_suite_out
 gpu-check:
 	$(PYTHON) scripts/gpu_suite.py --out_dir=$(OUT)
 
-# CPU-sized (14 min 45 s here, session 9): offline throughput at 1 / 8 / 32 / 64
-# concurrent with every peer (transformers batched at 32, its goal's size), the Poisson
+# CPU-sized (19 min 39 s, session 16; 14 min 45 s with f32 alone, session 9): offline
+# throughput of xlaserve f32 and bf16 at 1 / 8 / 32 / 64 concurrent with every peer
+# (transformers batched at 32 in both dtypes, its goal's size), the Poisson
 # sweep with llama-server F32 side by side (Q4_1 is in the offline run), the long-prompt
 # frontier over xlaserve's three chunked / multiplexed prefill configs, then
 # docs/benchmarks.md's generated section from the JSON. (Session 8's 18.6-minute run
