@@ -412,7 +412,7 @@ def main(argv: list[str]) -> None:
     machine = bc.machine_info()
     bc.log(f"load average {machine['load_average']} on {machine['cpu_count']} CPUs")
     with_llama = want_llama()
-    args = {}
+    args: dict[str, ServerArgs] = {}
     xla: dict[str, Engine] = {}
     for want in [FLAGS.dtype, *FLAGS.also_dtypes]:
         a = _server_args(w, want)
