@@ -44,9 +44,11 @@ OUT ?= gpu_suite_out
 gpu-check:
 	$(PYTHON) scripts/gpu_suite.py --out_dir=$(OUT)
 
-# CPU-sized (19 min 39 s, session 16; 14 min 45 s with f32 alone, session 9): offline
-# throughput of xlaserve f32 and bf16 at 1 / 8 / 32 / 64 concurrent with every peer
-# (transformers batched at 32 in both dtypes, its goal's size), the Poisson
+# CPU-sized (19 min 39 s, session 16, before the cuts below; 14 min 45 s with f32 alone,
+# session 9): offline throughput of xlaserve f32 and bf16 at 1 / 8 / 32 / 64 concurrent
+# with llama-server F32 at each, Q4_1 at 1 / 8 / 32 (its 64-way point cost 3 minutes and
+# sat level with its 8- and 32-way ones: compute-bound from 8 on), transformers batched
+# at 32 in both dtypes (its goal's size), the Poisson
 # sweep with llama-server F32 side by side (Q4_1 is in the offline run), the long-prompt
 # frontier over xlaserve's three chunked / multiplexed prefill configs, then
 # docs/benchmarks.md's generated section from the JSON. (Session 8's 18.6-minute run
@@ -60,7 +62,7 @@ bench: setup
 	@test -x $(LLAMA_SERVER) || echo "NOTE: llama-server is not built; run 'make peers' to compare it"
 	test ! -x $(LLAMA_SERVER) || $(PY) scripts/check_llama_peer.py --out_dir=$(BENCH_OUT)
 	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64 \
-		--hf_batch_sizes=32 --dtype=float32 --also_dtypes=bfloat16
+		--hf_batch_sizes=32 --dtype=float32 --also_dtypes=bfloat16 --llama_concurrency=q4_1=1,8,32
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \
 		$(BENCH_PEERS) --scenarios=poisson --num_prompts=16 --request_rates=2,8,inf
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=frontier \

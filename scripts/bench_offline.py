@@ -17,13 +17,17 @@ the prefix cache never serves one round's prompts from an earlier round) and med
 reported, with ratios xlaserve / transformers paired within each round. The machine's
 roofline is measured at the start of every round; the throughput run's useful FLOPs
 (prefill logits for the last prompt token only) over its time give its fraction of the
-compute roofline. Writes bench_offline.json and bench_offline.png to --out_dir, and
-with --also_dtypes=bfloat16 (as `make bench` runs it) bench_offline_bf16.* as well: the
-bf16 engine measured in the same rounds, against the same llama-server runs.
+compute roofline. The --concurrency sweep sends c requests at once to xlaserve and to
+each llama-server variant (--llama_concurrency cuts a variant's points); its point at
+--num_prompts is the throughput run itself. Writes bench_offline.json and
+bench_offline.png to --out_dir, and with --also_dtypes=bfloat16 (as `make bench` runs it)
+bench_offline_bf16.* as well: the bf16 engine measured in the same rounds, against the
+same llama-server runs.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import time
@@ -75,6 +79,9 @@ flags.DEFINE_list("llama_variants", ["f32", "q4_1"], "llama-server model files: 
                   "xlaserve's weights), q4_1 (the shipped GGUF)")
 flags.DEFINE_string("llama_server_cmd", "{llama_server}", "llama-server launch command")
 flags.DEFINE_integer("llama_threads", 2, "llama-server --threads / --threads-batch")
+flags.DEFINE_multi_string("llama_concurrency", [], "VARIANT=C1,C2,...: the sweep points of "
+                          "one llama-server variant where not all of --concurrency (a "
+                          "subset of it; repeat the flag per variant)")
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -151,7 +158,11 @@ class HFReference:
     """transformers on the same weights (the GGUF, dequantized) in xlaserve's dtype, on all
     CPU threads: a bf16 xlaserve meets a bf16 transformers."""
 
-    def __init__(self, smoke: bool, cfg: ModelConfig, dtype: str) -> None:
+    def __init__(self, smoke: bool, cfg: ModelConfig, dtype: str,
+                 like: HFReference | None = None) -> None:
+        """like: an f32 reference already loaded, whose model is copied in this dtype (the
+        values loading the GGUF in it gives: rounded from the same f32; half a minute less
+        than a second GGUF load)."""
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         import torch
         import transformers
@@ -160,7 +171,11 @@ class HFReference:
         self.torch = torch
         self.dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
         t0 = time.perf_counter()
-        self.model = (self._tiny(cfg) if smoke else self._smollm2()).to(self.dtype).eval()
+        if like is not None:
+            model = copy.deepcopy(like.model)
+        else:
+            model = self._tiny(cfg) if smoke else self._smollm2()
+        self.model = model.to(self.dtype).eval()
         self.pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
         bc.log(f"transformers {transformers.__version__} model ({dtype}) ready in "
                f"{time.perf_counter() - t0:.1f} s, {torch.get_num_threads()} threads")
@@ -253,7 +268,10 @@ def run_round(r: int, xla: dict[str, Engine], hf: dict[str, HFReference], w: Wor
     prompts = w.prompts(FLAGS.seed + r, cfg.vocab_size)
     pre_ids = np.random.default_rng(FLAGS.seed + 5000 + r).integers(
         3, cfg.vocab_size, w.prefill_len).tolist()
-    sweep = {c: w.prompts(FLAGS.seed + 1000 * (r + 1) + c, cfg.vocab_size, c)
+    # The point at --num_prompts concurrent is the throughput run itself (its prompts, and
+    # for xlaserve its measurement): transformers' batch of that size meets the same load.
+    sweep = {c: prompts if c == w.num_prompts
+             else w.prompts(FLAGS.seed + 1000 * (r + 1) + c, cfg.vocab_size, c)
              for c in w.concurrency}
     rec["xlaserve"] = {d: _xla_round(f"round {r}: xlaserve {d}", engine, roof, w, prompts,
                                      single_ids, pre_ids, sweep)
@@ -292,7 +310,10 @@ def _xla_round(tag: str, engine: Engine, roof: bc.Roofline, w: Workload,
            f"tok/s ({p['frac_compute']:.1%} of compute roofline)")
     out = {"throughput": x, "single": s, "prefill": p}
     for c, ps in sweep.items():
-        out[f"c{c}"] = t = bc.xla_throughput(engine, ps, w.output_len)
+        if ps is prompts:  # the throughput run above: the same requests, all at once
+            out[f"c{c}"] = t = dict(x)
+        else:
+            out[f"c{c}"] = t = bc.xla_throughput(engine, ps, w.output_len)
         bc.log(f"{tag} {c} concurrent: {t['output_tok_s']:.1f} output tok/s")
     return out
 
@@ -321,17 +342,40 @@ def _sweep_fractions(rec: dict[str, Any], cfg: ModelConfig, w: Workload,
     points = [rec["xlaserve"]] + list(rec.get("llama_server", {}).values())
     for p in points:
         for c in w.concurrency:
-            t = p[f"c{c}"]
+            t = p.get(f"c{c}")
+            if t is None:  # a llama-server variant run at fewer points (--llama_concurrency)
+                continue
             flops = throughput_flops(cfg, dataclasses.replace(w, num_prompts=c))
             t["frac_compute"] = flops / t["wall_s"] / 1e9 / roof.matmul_gflops
+
+
+def llama_points(w: Workload) -> dict[str, tuple[int, ...]]:
+    """Each llama-server variant's sweep points: --concurrency, or its --llama_concurrency."""
+    points = {v: w.concurrency for v in FLAGS.llama_variants}
+    for spec in FLAGS.llama_concurrency:
+        v, _, cs = spec.partition("=")
+        try:
+            want = tuple(int(c) for c in cs.split(","))
+        except ValueError:
+            want = ()
+        if v not in points or not want or not set(want) <= set(w.concurrency):
+            raise app.UsageError(
+                f"--llama_concurrency={spec}: want VARIANT=C1,C2,... with VARIANT one of "
+                f"--llama_variants {list(points)} and the points among --concurrency "
+                f"{list(w.concurrency)}")
+        points[v] = tuple(c for c in w.concurrency if c in want)
+    return points
 
 
 def _llama_round(r: int, llama: offline_peers.LlamaPeers, sweep: dict[int, list[list[int]]],
                  w: Workload, single_ids: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    points = llama_points(w)
     for v in llama.servers:
         rec: dict[str, Any] = {}
         for c, ps in sweep.items():
+            if c not in points[v]:
+                continue
             rec[f"c{c}"] = t = llama.throughput(v, ps, w.output_len)
             bc.log(f"round {r}: llama-server {v} {c} concurrent: {t['output_tok_s']:.1f} "
                    "output tok/s")
@@ -409,6 +453,7 @@ def main(argv: list[str]) -> None:
     del argv
     t_start = time.perf_counter()
     w = _workload()
+    llama_points(w)  # a bad --llama_concurrency fails before anything slow starts
     machine = bc.machine_info()
     bc.log(f"load average {machine['load_average']} on {machine['cpu_count']} CPUs")
     with_llama = want_llama()
@@ -423,7 +468,10 @@ def main(argv: list[str]) -> None:
         xla[d], args[d] = engine, a
     first = next(iter(xla.values()))
     want_ref = FLAGS.reference == "on" or (FLAGS.reference == "auto" and reference_available())
-    hf = {d: HFReference(FLAGS.smoke, first.model_cfg, d) for d in xla} if want_ref else {}
+    hf: dict[str, HFReference] = {}
+    for d in xla if want_ref else ():
+        # From an f32 model already loaded, a copy (never up from bf16: that would lose bits).
+        hf[d] = HFReference(FLAGS.smoke, first.model_cfg, d, hf.get("float32"))
     if not hf:
         bc.log("transformers not compared (pip install -e '.[reference]' to compare)")
     single_ids = _single_prompt_ids(first)

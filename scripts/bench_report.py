@@ -84,6 +84,11 @@ def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
                                                                "output_tok_s" in s else ""))
         rows.append(row)
     out += _table(head, rows)
+    for v in llama:
+        ran = [c for c in w["concurrency"] if f"c{c}" in rounds[0]["llama_server"][v]]
+        if ran != w["concurrency"]:
+            out += [f"llama-server {v.upper()} ran at {' / '.join(map(str, ran))} concurrent "
+                    "only (`--llama_concurrency`); n/a above is a point not run.", ""]
     mem = s["mem_read_gbps"] * 1e9
     info = r.get("llama_server") or {}
     singles = [("xlaserve", ("xlaserve",), r["model"]["weight_bytes"]),

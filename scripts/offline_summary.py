@@ -4,7 +4,7 @@ targets. `w` is bench_offline.Workload (not imported: that module imports this o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import bench_common as bc
@@ -33,7 +33,7 @@ def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
 
 
 def _rate_paths(w: Any, with_hf: bool,
-                llama: Sequence[str] = ()) -> dict[str, tuple[str, ...]]:
+                llama: Mapping[str, Sequence[int]] | None = None) -> dict[str, tuple[str, ...]]:
     """Summary name -> where each round records that rate (tokens/s)."""
     paths = {"xlaserve_output_tok_s": ("xlaserve", "throughput", "output_tok_s"),
              "xlaserve_total_tok_s": ("xlaserve", "throughput", "total_tok_s"),
@@ -43,11 +43,11 @@ def _rate_paths(w: Any, with_hf: bool,
     paths["xlaserve_prefill_tok_s"] = ("xlaserve", "prefill", "prefill_tok_s")
     if with_hf:
         paths["hf_prefill_tok_s"] = ("transformers", "prefill", "prefill_tok_s")
-    for v in llama:
+    for v, points in (llama or {}).items():
         paths[f"llama_{v}_prefill_tok_s"] = ("llama_server", v, "prefill", "prefill_tok_s")
         paths[f"llama_{v}_single_decode_tok_s"] = ("llama_server", v, "single",
                                                    "decode_tok_s")
-        for c in w.concurrency:
+        for c in points:
             paths[f"llama_{v}_c{c}_output_tok_s"] = ("llama_server", v, f"c{c}",
                                                      "output_tok_s")
     if with_hf:
@@ -60,7 +60,7 @@ def _rate_paths(w: Any, with_hf: bool,
 
 
 def _ratio_names(w: Any, with_hf: bool,
-                 llama: Sequence[str] = ()) -> dict[str, tuple[str, str]]:
+                 llama: Mapping[str, Sequence[int]] | None = None) -> dict[str, tuple[str, str]]:
     """Ratio name -> (xlaserve rate, peer rate)."""
     out = {}
     if with_hf:
@@ -72,18 +72,21 @@ def _ratio_names(w: Any, with_hf: bool,
             if b in w.concurrency:  # the server at the same concurrency as the batch
                 out[f"c{b}_vs_hf_batch_{b}"] = (f"xlaserve_c{b}_output_tok_s",
                                                 f"hf_batch_{b}_output_tok_s")
-    for v in llama:
+    for v, points in (llama or {}).items():
         out[f"single_stream_vs_llama_{v}"] = ("xlaserve_single_decode_tok_s",
                                               f"llama_{v}_single_decode_tok_s")
         out[f"prefill_vs_llama_{v}"] = ("xlaserve_prefill_tok_s", f"llama_{v}_prefill_tok_s")
-        for c in w.concurrency:
+        for c in points:
             out[f"c{c}_vs_llama_{v}"] = (f"xlaserve_c{c}_output_tok_s",
                                          f"llama_{v}_c{c}_output_tok_s")
     return out
 
 
-def _llama_variants(rounds: list[dict[str, Any]]) -> list[str]:
-    return list(rounds[0].get("llama_server", {}))
+def llama_points(rounds: list[dict[str, Any]], w: Any) -> dict[str, list[int]]:
+    """Each llama-server variant the run measured -> its sweep points (all of
+    w.concurrency unless bench_offline's --llama_concurrency cut them)."""
+    return {v: [c for c in w.concurrency if f"c{c}" in rec]
+            for v, rec in rounds[0].get("llama_server", {}).items()}
 
 
 def _bound_goals(rounds: list[dict[str, Any]], s: dict[str, Any],
@@ -121,7 +124,7 @@ def summarize(rounds: list[dict[str, Any]], w: Any, smoke: bool, weight_bytes: i
     weight_bytes: what one decode step reads of weights (the single stream's bound);
     dtype: the weights', which adds its own targets (DTYPE_TARGETS)."""
     with_hf = any("transformers" in rec for rec in rounds)
-    llama = _llama_variants(rounds)
+    llama = llama_points(rounds, w)
     paths = _rate_paths(w, with_hf, llama)
     s: dict[str, Any] = {k: bc.median(_get(rounds, *p)) for k, p in paths.items()}
     s["xlaserve_single_ttft_s"] = bc.median(_get(rounds, "xlaserve", "single", "ttft_s"))

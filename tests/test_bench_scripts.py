@@ -235,7 +235,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     the greedy check, then the page regenerated from their JSON between its markers."""
     r = _run("bench_offline.py", tmp_path, "--reference=off", "--llama_server=on",
              f"--llama_server_cmd={FAKE}", "--llama_variants=q4_1,f32",
-             "--also_dtypes=bfloat16")
+             "--also_dtypes=bfloat16", "--llama_concurrency=f32=4")
     w, rnd = r["workload"], r["rounds"][0]
     assert w["concurrency"] == [1, 4] and "--parallel" in r["llama_server"]["q4_1"]["argv"]
     for c in w["concurrency"]:
@@ -243,6 +243,13 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
             assert point["output_tokens"] == c * w["output_len"]
             _positive(point, "output_tok_s", "frac_compute")
         assert r["summary"]["ratios"][f"c{c}_vs_llama_q4_1"] > 0
+    # The point at --num_prompts concurrent is xlaserve's throughput run, not a rerun.
+    assert w["num_prompts"] == 4 and rnd["xlaserve"]["c4"]["wall_s"] == \
+        rnd["xlaserve"]["throughput"]["wall_s"]
+    # --llama_concurrency cut F32 to the 4-way point: no 1-way run, ratio or target.
+    assert set(rnd["llama_server"]["f32"]) == {"c4", "single", "prefill"}
+    assert "c1_vs_llama_f32" not in r["summary"]["ratios"]
+    assert r["summary"]["ratios"]["c4_vs_llama_f32"] > 0
     assert rnd["llama_server"]["q4_1"]["single"]["new_tokens"] == w["single_new_tokens"]
     # make bench's bf16 engine, in the same rounds against the same llama-server runs
     bf16 = json.loads((tmp_path / "bench_offline_bf16.json").read_text())
@@ -271,7 +278,8 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
                    "### Offline throughput (tiny-random, bfloat16", "of the f32 matmul probe",
                    "single_stream_vs_llama_q4_1", "### Serving",
                    "Poisson arrivals", "### Long prompts during decode", "| a |",
-                   "### llama-server serves the same model", "5/5"):
+                   "### llama-server serves the same model", "5/5",
+                   "llama-server F32 ran at 4 concurrent only"):
         assert needle in first, needle
     assert "not in" not in first  # every JSON was found
     if HAVE_MATPLOTLIB:
@@ -279,6 +287,16 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
         assert "](../bench_offline_bf16.png)" in first
     _script(*report)  # idempotent: the section is replaced, not appended
     assert doc.read_text() == first
+
+
+def test_bench_offline_rejects_bad_llama_concurrency(tmp_path: Path) -> None:
+    """A point outside --concurrency or an unknown variant is a usage error at once."""
+    for spec in ("q4_1=3", "q8_0=1", "q4_1=", "q4_1=x"):
+        cmd = [sys.executable, str(REPO / "scripts" / "bench_offline.py"), "--smoke",
+               f"--out_dir={tmp_path}", f"--llama_concurrency={spec}"]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and "--llama_concurrency" in proc.stderr, spec
+        assert not (tmp_path / "bench_offline.json").exists()
 
 
 def test_bench_offline_missing_llama_server_says_make_peers(tmp_path: Path) -> None:
