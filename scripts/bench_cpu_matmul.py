@@ -11,7 +11,10 @@ distinct weights of the shape in turn, each input depending on the last output, 
 decode step does: the weights come from memory, not cache, and XLA cannot run the calls
 concurrently. Contenders: f32, bf16 with the weights widened to f32 (`bf16`), bf16
 `vdpbf16ps` (`bf16_dot`) and bf16 on AMX tiles (`bf16_amx`), each where the CPU has it
-(cpu_kernels.bf16_targets; by default every one it has). The JSON names
+(cpu_kernels.bf16_targets; by default every one it has); and, when asked for, the peer
+PyTorch runs on the same shapes: `torch_f32` / `torch_bf16`, torch.nn.functional.linear
+(oneDNN, on every CPU thread; bf16 through AMX where the CPU has it) over the same chain
+of distinct weights (the `reference` extra). The JSON names
 the bf16 kernel that serves here (cpu_kernels.bf16_kernel). Each round times every
 contender once in turn; the table gives medians over rounds, the weight bytes read per us
 (GB/s) and GFLOP/s. Writes bench_cpu_matmul.json (and a PNG with the `bench` extra).
@@ -19,6 +22,9 @@ contender once in turn; the table gives medians over rounds, the weight bytes re
 
 from __future__ import annotations
 
+import functools
+import importlib.util
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -36,8 +42,8 @@ flags.DEFINE_string("out_dir", "bench_out/cpu_matmul", "where the JSON and PNG g
 flags.DEFINE_bool("smoke", False, "tiny shapes, few rounds (CI)")
 flags.DEFINE_list("rows", ["1", "32"], "M: rows of x (decode batch sizes)")
 flags.DEFINE_list("ops", ["qkv", "wo", "gate_up", "down", "lm_head"], "which shapes")
-flags.DEFINE_list("contenders", [], "f32, bf16 (widening), bf16_dot, bf16_amx; default: f32 "
-                  "and every bf16 kernel this CPU runs")
+flags.DEFINE_list("contenders", [], "f32, bf16 (widening), bf16_dot, bf16_amx, torch_f32, "
+                  "torch_bf16; default: f32 and every bf16 kernel this CPU runs")
 flags.DEFINE_integer("rounds", 15, "timed rounds (each times every contender once)")
 flags.DEFINE_integer("layers", 30, "distinct weights per call (lm_head: --head_copies)")
 flags.DEFINE_integer("head_copies", 3, "distinct lm_head weights per call")
@@ -67,29 +73,60 @@ def _chain(m: int, k: int, n: int, target: str | None) -> Callable:
     return jax.jit(f)
 
 
+def _torch_chain(k: int, weights: list[np.ndarray], dtype: str) -> Callable[[], None]:
+    """The peer's chain: torch.nn.functional.linear over the same weights ([N, K], as
+    torch stores them) in `dtype`, each input depending on the last output."""
+    import torch
+    torch.set_num_threads(os.cpu_count() or 1)
+    dt = {"f32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    ws = [torch.from_numpy(np.ascontiguousarray(w.T)).to(dt) for w in weights]
+
+    def run(x: np.ndarray) -> None:
+        with torch.inference_mode():
+            h = torch.from_numpy(x).to(dt)  # [M, K]
+            for w in ws:
+                y = torch.nn.functional.linear(h, w)  # [M, N]
+                h = h + 1e-3 * y.tile((1, -(-k // y.shape[1])))[:, :k]
+    return run
+
+
+def _run_ours(chain: Callable, x: jax.Array, weights: list[cpu_kernels.PackedWeight]) -> None:
+    chain(x, weights).block_until_ready()
+
+
 def _time_op(op: str, k: int, n: int, rows: list[int], rng: np.random.Generator
              ) -> list[dict[str, Any]]:
     copies = FLAGS.head_copies if op == "lm_head" else FLAGS.layers
     w32 = [rng.standard_normal((k, n), np.float32) * 0.05 for _ in range(copies)]
+    names = _contenders()
     packed = {"f32": [cpu_kernels.pack(jnp.asarray(w)) for w in w32]}
     targets = _targets()
     w16 = [cpu_kernels.pack(jnp.asarray(w, jnp.bfloat16)) for w in w32]
     packed.update({c: w16 for c in targets if c != "f32"})
+    torch_runs = {c: _torch_chain(k, w32, c.removeprefix("torch_"))
+                  for c in names if c.startswith("torch_")}
     out = []
     for m in rows:
-        x = jnp.asarray(rng.standard_normal((m, k), np.float32))
-        fns = {c: _chain(m, k, n, targets[c]) for c in _contenders()}
-        for c, fn in fns.items():  # compile and fault the weights in
-            fn(x, packed[c]).block_until_ready()
+        x = rng.standard_normal((m, k), np.float32)
+        xj = jnp.asarray(x)
+        fns: dict[str, Callable[[], Any]] = {}
+        for c in names:
+            if c in torch_runs:
+                fns[c] = functools.partial(torch_runs[c], x)
+            else:
+                fns[c] = functools.partial(_run_ours, _chain(m, k, n, targets[c]), xj,
+                                           packed[c])
+        for fn in fns.values():  # compile and fault the weights in
+            fn()
         secs: dict[str, list[float]] = {c: [] for c in fns}
         for _ in range(FLAGS.rounds):
             for c, fn in fns.items():
                 t0 = time.perf_counter()
-                fn(x, packed[c]).block_until_ready()
+                fn()
                 secs[c].append((time.perf_counter() - t0) / copies)
         for c, s in secs.items():
             med = bc.median(s)
-            nbytes = k * n * (4 if c == "f32" else 2)
+            nbytes = k * n * (4 if c.endswith("f32") else 2)
             out.append({"op": op, "k": k, "n": n, "rows": m, "contender": c,
                         "median_us": med * 1e6, "weight_gb_s": nbytes / med / 1e9,
                         "gflop_s": 2 * m * k * n / med / 1e9, "us_per_round": [v * 1e6 for v in s]})
@@ -106,12 +143,15 @@ def _targets() -> dict[str, str | None]:
 
 
 def _contenders() -> list[str]:
-    """--contenders, checked against what this CPU runs; all of them by default."""
-    have = list(_targets())
+    """--contenders, checked against what this CPU and install run; by default every
+    kernel of ours (the PyTorch peer only when asked for)."""
+    ours = list(_targets())
+    have = ours + (["torch_f32", "torch_bf16"] if importlib.util.find_spec("torch") else [])
     missing = [c for c in FLAGS.contenders if c not in have]
     if missing:
-        raise app.UsageError(f"--contenders {missing}: this CPU runs {have}")
-    return FLAGS.contenders or have
+        raise app.UsageError(f"--contenders {missing}: this CPU and install run {have} "
+                             "(torch_*: pip install -e '.[reference]')")
+    return FLAGS.contenders or ours
 
 
 def _plot(records: list[dict[str, Any]]) -> None:

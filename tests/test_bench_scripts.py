@@ -291,7 +291,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
 
 def test_bench_offline_rejects_bad_llama_concurrency(tmp_path: Path) -> None:
     """A point outside --concurrency or an unknown variant is a usage error at once."""
-    for spec in ("q4_1=3", "q8_0=1", "q4_1=", "q4_1=x"):
+    for spec in ("q4_1=3", "q8_0=1", "q4_1=x"):
         cmd = [sys.executable, str(REPO / "scripts" / "bench_offline.py"), "--smoke",
                f"--out_dir={tmp_path}", f"--llama_concurrency={spec}"]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
@@ -319,6 +319,27 @@ def test_bench_cpu_matmul_smoke(tmp_path: Path) -> None:
                                    if n != "widen")}
     assert got == {(op, m, c) for op in ("qkv", "wo", "gate_up", "down", "lm_head")
                    for m in (1, 32) for c in contenders}
+    for x in r["records"]:
+        _positive(x, "median_us", "weight_gb_s", "gflop_s")
+
+
+def test_bench_cpu_matmul_torch_peer(tmp_path: Path) -> None:
+    """PyTorch's linear (oneDNN) on the same shapes, side by side, where torch is installed
+    (the `reference` extra); without it, asking for it is a usage error naming the extra."""
+    flags = ["--ops=gate_up", "--rows=4", "--contenders=bf16,torch_f32,torch_bf16"]
+    if importlib.util.find_spec("torch") is None:
+        cmd = [sys.executable, str(REPO / "scripts" / "bench_cpu_matmul.py"), "--smoke",
+               f"--out_dir={tmp_path}", *flags]
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert proc.returncode != 0 and ".[reference]" in proc.stderr
+        return
+    r = _run("bench_cpu_matmul.py", tmp_path, *flags)
+    got = {x["contender"]: x for x in r["records"]}
+    assert set(got) == {"bf16", "torch_f32", "torch_bf16"}
+    assert got["torch_f32"]["weight_gb_s"] > 0
+    # The same shape and bytes per weight: the GB/s and GFLOP/s are comparable.
+    assert got["torch_bf16"]["median_us"] * got["torch_bf16"]["weight_gb_s"] == \
+        pytest.approx(got["bf16"]["median_us"] * got["bf16"]["weight_gb_s"])
     for x in r["records"]:
         _positive(x, "median_us", "weight_gb_s", "gflop_s")
 
