@@ -255,7 +255,8 @@ def throughput_flops(cfg: ModelConfig, w: Workload) -> float:
 
 
 def run_round(r: int, xla: dict[str, Engine], hf: dict[str, HFReference], w: Workload,
-              single_ids: list[int], llama: offline_peers.LlamaPeers | None) -> dict[str, Any]:
+              single_ids: list[int], llama: offline_peers.LlamaPeers | None,
+              llama_pts: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """One round: every xlaserve dtype, then transformers in each, then llama-server, on
     the same prompts. "xlaserve" and "transformers" hold a record per dtype (_view splits
     them into one round per dtype)."""
@@ -283,7 +284,7 @@ def run_round(r: int, xla: dict[str, Engine], hf: dict[str, HFReference], w: Wor
                                                    w, single_ids)
             t["prefill"] = _prefill(cfg, roof, h.ttft(pre_ids), w.prefill_len)
     if llama is not None:
-        rec["llama_server"] = _llama_round(r, llama, sweep, w, single_ids)
+        rec["llama_server"] = _llama_round(r, llama, llama_pts, sweep, w, single_ids)
         for v, lr in rec["llama_server"].items():
             lr["prefill"] = _prefill(cfg, roof, llama.ttft(v, pre_ids), w.prefill_len)
     return rec
@@ -310,7 +311,7 @@ def _xla_round(tag: str, engine: Engine, roof: bc.Roofline, w: Workload,
            f"tok/s ({p['frac_compute']:.1%} of compute roofline)")
     out = {"throughput": x, "single": s, "prefill": p}
     for c, ps in sweep.items():
-        if ps is prompts:  # the throughput run above: the same requests, all at once
+        if c == w.num_prompts:  # the throughput run above: the same requests at once
             out[f"c{c}"] = t = dict(x)
         else:
             out[f"c{c}"] = t = bc.xla_throughput(engine, ps, w.output_len)
@@ -367,10 +368,10 @@ def llama_points(w: Workload) -> dict[str, tuple[int, ...]]:
     return points
 
 
-def _llama_round(r: int, llama: offline_peers.LlamaPeers, sweep: dict[int, list[list[int]]],
-                 w: Workload, single_ids: list[int]) -> dict[str, Any]:
+def _llama_round(r: int, llama: offline_peers.LlamaPeers, points: dict[str, tuple[int, ...]],
+                 sweep: dict[int, list[list[int]]], w: Workload,
+                 single_ids: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    points = llama_points(w)
     for v in llama.servers:
         rec: dict[str, Any] = {}
         for c, ps in sweep.items():
@@ -453,7 +454,7 @@ def main(argv: list[str]) -> None:
     del argv
     t_start = time.perf_counter()
     w = _workload()
-    llama_points(w)  # a bad --llama_concurrency fails before anything slow starts
+    llama_pts = llama_points(w)  # a bad --llama_concurrency fails before anything slow
     machine = bc.machine_info()
     bc.log(f"load average {machine['load_average']} on {machine['cpu_count']} CPUs")
     with_llama = want_llama()
@@ -480,7 +481,8 @@ def main(argv: list[str]) -> None:
     try:
         warm_up(xla, hf, single_ids, llama)
         repeats = 1 if FLAGS.smoke else FLAGS.repeats
-        rounds = [run_round(r, xla, hf, w, single_ids, llama) for r in range(repeats)]
+        rounds = [run_round(r, xla, hf, w, single_ids, llama, llama_pts)
+                  for r in range(repeats)]
     finally:
         if llama is not None:
             llama.stop()
