@@ -47,8 +47,8 @@ gpu-check:
 # CPU-sized (14 min 32 s, session 17; 19 min 39 s in session 16 before the cuts below):
 # offline throughput of xlaserve f32 and bf16 at 1 / 8 / 32 / 64 concurrent (the 32-way
 # point is the 32-request run) with llama-server F32 at each, Q4_1 at 1 / 8 / 32 (its
-# 64-way point cost 3 minutes, within 10% of its 32-way one: compute-bound), transformers batched
-# at 32 in both dtypes (its goal's size), the Poisson
+# 64-way point cost 3 minutes, within 10% of its 32-way one in sessions 9 and 14-16:
+# compute-bound), transformers batched at 32 in both dtypes (its goal's size), the Poisson
 # sweep with llama-server F32 side by side (Q4_1 is in the offline run), the long-prompt
 # frontier over xlaserve's three chunked / multiplexed prefill configs, then
 # docs/benchmarks.md's generated section from the JSON. (Session 8's 18.6-minute run
