@@ -8,7 +8,11 @@ Workloads (greedy, EOS ignored, so every request makes exactly the tokens asked 
                  new tokens each, all submitted at once (continuous batching);
   single stream  one chat prompt ("What is the capital of France?", 37 tokens with the
                  template) and --single_new_tokens new tokens; decode tok/s counts the
-                 tokens after the first over the time after the first token.
+                 tokens after the first over the time after the first token. Each round
+                 runs every xlaserve dtype's and llama-server variant's single stream
+                 --single_repeats times, interleaved, each between two read probes, and
+                 reports the medians: this machine's read bandwidth swings up to 2x from
+                 one minute to the next, so only runs seconds apart compare.
 With the `reference` extra installed, transformers runs the same prompts: batched
 `generate` at each --hf_batch_sizes (in xlaserve's dtype, all-ones attention mask,
 min_new_tokens = max_new_tokens), and the same single stream. The contenders alternate
@@ -57,6 +61,10 @@ flags.DEFINE_integer("seed", 0, "seed of the random prompts (round r uses seed +
 flags.DEFINE_integer("repeats", 2, "rounds; each runs every contender once (A B A B)")
 flags.DEFINE_string("single_prompt", "What is the capital of France?", "single-stream prompt")
 flags.DEFINE_integer("single_new_tokens", 128, "new tokens of the single stream")
+flags.DEFINE_integer("single_repeats", 3, "single-stream runs per contender and round, "
+                     "interleaved across xlaserve's dtypes and llama-server's variants "
+                     "(A B C, C B A, ...) with a read probe between neighbours; the "
+                     "round reports their median", lower_bound=1)
 flags.DEFINE_integer("prefill_len", 512, "tokens of the prefill measurement (one random "
                      "prompt, one new token; prefill tok/s = tokens / TTFT)")
 flags.DEFINE_enum("reference", "auto", ["auto", "on", "off"],
@@ -274,8 +282,10 @@ def run_round(r: int, xla: dict[str, Engine], hf: dict[str, HFReference], w: Wor
     sweep = {c: prompts if c == w.num_prompts
              else w.prompts(FLAGS.seed + 1000 * (r + 1) + c, cfg.vocab_size, c)
              for c in w.concurrency}
-    rec["xlaserve"] = {d: _xla_round(f"round {r}: xlaserve {d}", engine, roof, w, prompts,
-                                     single_ids, pre_ids, sweep)
+    singles = _single_streams(r, xla, llama, w, single_ids)
+    rec["xlaserve"] = {d: {"single": singles["xlaserve", d],
+                           **_xla_round(f"round {r}: xlaserve {d}", engine, roof, w, prompts,
+                                        pre_ids, sweep)}
                        for d, engine in xla.items()}
     if hf:
         rec["transformers"] = {}
@@ -284,16 +294,57 @@ def run_round(r: int, xla: dict[str, Engine], hf: dict[str, HFReference], w: Wor
                                                    w, single_ids)
             t["prefill"] = _prefill(cfg, roof, h.ttft(pre_ids), w.prefill_len)
     if llama is not None:
-        rec["llama_server"] = _llama_round(r, llama, llama_pts, sweep, w, single_ids)
+        rec["llama_server"] = _llama_round(r, llama, llama_pts, sweep, w)
+        for v, lr in rec["llama_server"].items():
+            lr["single"] = singles["llama_server", v]
         for v, lr in rec["llama_server"].items():
             lr["prefill"] = _prefill(cfg, roof, llama.ttft(v, pre_ids), w.prefill_len)
     return rec
 
 
+def _single_streams(r: int, xla: dict[str, Engine], llama: offline_peers.LlamaPeers | None,
+                    w: Workload, single_ids: list[int]) -> dict[tuple[str, str], dict[str, Any]]:
+    """(kind, name) -> the round's single stream of each xlaserve dtype ("xlaserve", d) and
+    llama-server variant ("llama_server", v): --single_repeats passes over all of them,
+    every other pass in reverse order, with a read probe between neighbours, so each run
+    has a probe just before and just after it (read_gbps_around) and every contender's
+    runs sit seconds from the others'. The record is the median over the runs, with each
+    run under "runs"."""
+    n = w.single_new_tokens
+    contenders = [(("xlaserve", d), f"xlaserve {d}",
+                   lambda e=e: bc.xla_single(e, single_ids, n)) for d, e in xla.items()]
+    if llama is not None:
+        contenders += [(("llama_server", v), f"llama-server {v}",
+                        lambda v=v: llama.single(v, single_ids, n)) for v in llama.servers]
+    runs: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key, _, _ in contenders}
+    probe = bc.measure_read_gbps(FLAGS.smoke)
+    for i in range(FLAGS.single_repeats):
+        for key, name, run in contenders if i % 2 == 0 else contenders[::-1]:
+            s = run()
+            after = bc.measure_read_gbps(FLAGS.smoke)
+            runs[key].append({**s, "read_gbps_around": [probe, after]})
+            probe = after
+            bc.log(f"round {r}: {name} single stream {i + 1}/{FLAGS.single_repeats}: "
+                   f"{s['decode_tok_s']:.1f} decode tok/s, ttft {s['ttft_s'] * 1e3:.0f} ms "
+                   f"(read probes {runs[key][-1]['read_gbps_around'][0]:.1f} / {after:.1f} GB/s)")
+    return {key: _single_record(rs) for key, rs in runs.items()}
+
+
+def _single_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's single-stream runs as one record: median decode tok/s and TTFT, the
+    first run's tokens (greedy: every run makes the same ones), each run under "runs"."""
+    rec = {k: v for k, v in runs[0].items() if k != "read_gbps_around"}
+    rec["decode_tok_s"] = bc.median([x["decode_tok_s"] for x in runs])
+    rec["ttft_s"] = bc.median([x["ttft_s"] for x in runs])
+    rec["e2e_s"] = bc.median([x["e2e_s"] for x in runs])
+    rec["runs"] = [{k: v for k, v in x.items() if k != "output_ids"} for x in runs]
+    return rec
+
+
 def _xla_round(tag: str, engine: Engine, roof: bc.Roofline, w: Workload,
-               prompts: list[list[int]], single_ids: list[int], pre_ids: list[int],
+               prompts: list[list[int]], pre_ids: list[int],
                sweep: dict[int, list[list[int]]]) -> dict[str, Any]:
-    """One engine's throughput run, single stream, prefill and concurrency sweep."""
+    """One engine's throughput run, prefill and concurrency sweep."""
     cfg = engine.model_cfg
     x = bc.xla_throughput(engine, prompts, w.output_len)
     x["gflops"] = throughput_flops(cfg, w) / x["wall_s"] / 1e9
@@ -301,15 +352,11 @@ def _xla_round(tag: str, engine: Engine, roof: bc.Roofline, w: Workload,
     bc.log(f"{tag} {w.num_prompts} requests: {x['output_tok_s']:.1f} output "
            f"tok/s, {x['total_tok_s']:.1f} total tok/s ({x['wall_s']:.1f} s, "
            f"{x['frac_compute']:.1%} of compute roofline)")
-    s = bc.bracket_read(lambda: bc.xla_single(engine, single_ids, w.single_new_tokens),
-                        FLAGS.smoke)
-    bc.log(f"{tag} single stream: {s['decode_tok_s']:.1f} decode tok/s, "
-           f"ttft {s['ttft_s'] * 1e3:.0f} ms")
     p = _prefill(cfg, roof, engine.generate([pre_ids], bc.greedy(1))[0].meta_info["ttft"],
                  w.prefill_len)
     bc.log(f"{tag} {w.prefill_len}-token prefill: {p['prefill_tok_s']:.1f} "
            f"tok/s ({p['frac_compute']:.1%} of compute roofline)")
-    out = {"throughput": x, "single": s, "prefill": p}
+    out = {"throughput": x, "prefill": p}
     for c, ps in sweep.items():
         if c == w.num_prompts:  # the throughput run above: the same requests at once
             out[f"c{c}"] = t = dict(x)
@@ -369,8 +416,7 @@ def llama_points(w: Workload) -> dict[str, tuple[int, ...]]:
 
 
 def _llama_round(r: int, llama: offline_peers.LlamaPeers, points: dict[str, tuple[int, ...]],
-                 sweep: dict[int, list[list[int]]], w: Workload,
-                 single_ids: list[int]) -> dict[str, Any]:
+                 sweep: dict[int, list[list[int]]], w: Workload) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for v in llama.servers:
         rec: dict[str, Any] = {}
@@ -380,10 +426,6 @@ def _llama_round(r: int, llama: offline_peers.LlamaPeers, points: dict[str, tupl
             rec[f"c{c}"] = t = llama.throughput(v, ps, w.output_len)
             bc.log(f"round {r}: llama-server {v} {c} concurrent: {t['output_tok_s']:.1f} "
                    "output tok/s")
-        rec["single"] = s = bc.bracket_read(
-            lambda v=v: llama.single(v, single_ids, w.single_new_tokens), FLAGS.smoke)
-        bc.log(f"round {r}: llama-server {v} single stream: {s['decode_tok_s']:.1f} decode "
-               "tok/s")
         out[v] = rec
     return out
 

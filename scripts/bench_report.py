@@ -101,13 +101,19 @@ def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
         v = _median([x["decode_tok_s"] for x in runs])
         if v is None:
             continue
-        around = _median([x["decode_tok_s"] * b / (max(x["read_gbps_around"]) * 1e9)
-                          for x in runs if b and "read_gbps_around" in x])
+        # Each run against the probes either side of it (bench_offline's "runs").
+        around = _median([y["decode_tok_s"] * b / (max(y["read_gbps_around"]) * 1e9)
+                          for x in runs for y in x.get("runs", [x])
+                          if b and "read_gbps_around" in y])
         rows.append([n, _f(v), _pct(around), _pct(v * b / mem if b else None)])
+    n_runs = len((_dig(rounds[0], "xlaserve", "single") or {}).get("runs", [None]))
     out += ["Single-stream decode (the 37-token France chat prompt), against the bound "
             "weights / read bandwidth: probed just before and after each run (the higher "
             "of the two; this machine's bandwidth changes from minute to minute), and the "
-            f"run's best probe ({s['mem_read_gbps']:.1f} GB/s):", ""]
+            f"run's best probe ({s['mem_read_gbps']:.1f} GB/s). xlaserve and llama-server: "
+            f"the median of {n_runs} run(s) a round, interleaved A B C, C B A so that each "
+            "contender's runs sit seconds from the others' (`--single_repeats`); "
+            "transformers: one run a round.", ""]
     out += _table(["system", "decode tok/s", "of the bound probed around it",
                    "of the best probe's bound"], rows)
     pre = [("xlaserve", ("xlaserve",)), ("transformers", ("transformers",))]

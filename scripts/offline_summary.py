@@ -89,18 +89,26 @@ def llama_points(rounds: list[dict[str, Any]], w: Any) -> dict[str, list[int]]:
             for v, rec in rounds[0].get("llama_server", {}).items()}
 
 
+def single_runs(single: Mapping[str, Any]) -> list[tuple[float, float]]:
+    """(decode tok/s, the higher read probe around it) of each run of a single-stream
+    record: bench_offline's "runs", or the record itself when it is one bracketed run."""
+    runs = single.get("runs", [single])
+    return [(x["decode_tok_s"], max(x["read_gbps_around"])) for x in runs
+            if "read_gbps_around" in x]
+
+
 def _bound_goals(rounds: list[dict[str, Any]], s: dict[str, Any],
                  weight_bytes: int) -> tuple[dict[str, float], dict[str, float]]:
     """BOUND_TARGETS' values (medians, best rounds) where the run measured them."""
     values: dict[str, float] = {}
     best: dict[str, float] = {}
-    # Each round's single stream against the higher of the read probes just before and
-    # after it (bc.bracket_read: this machine's bandwidth changes from minute to minute,
-    # so a probe minutes away says little about the run). The run's best probe, which a
-    # neighbour cannot flatter but which may come from a faster minute, is reported too.
-    fracs = [rec["xlaserve"]["single"]["decode_tok_s"] * weight_bytes
-             / (max(rec["xlaserve"]["single"]["read_gbps_around"]) * 1e9)
-             for rec in rounds if "read_gbps_around" in rec.get("xlaserve", {}).get("single", {})]
+    # Each single-stream run against the higher of the read probes just before and after
+    # it (this machine's bandwidth changes from minute to minute, so a probe minutes away
+    # says little about the run), median over every run of every round. The run's best
+    # probe, which a neighbour cannot flatter but which may come from a faster minute, is
+    # reported too.
+    fracs = [tok_s * weight_bytes / (around * 1e9) for rec in rounds
+             for tok_s, around in single_runs(rec.get("xlaserve", {}).get("single", {}))]
     if fracs:
         values["single_frac_bandwidth"] = bc.median(fracs)
         best["single_frac_bandwidth"] = max(fracs)

@@ -68,7 +68,7 @@ def test_bench_offline_smoke(tmp_path: Path) -> None:
     """f32, and bf16 in the same rounds as `make bench` runs it: each dtype gets its own
     file, with transformers in that dtype and a single-stream bound of its weight bytes."""
     bf16 = _run("bench_offline.py", tmp_path, "--dtype=float32", "--also_dtypes=bfloat16",
-                stem="bench_offline_bf16")
+                "--single_repeats=2", stem="bench_offline_bf16")
     r = json.loads((tmp_path / "bench_offline.json").read_text())
     assert r["script"] == "bench_offline" and r["tag"] == "" and bf16["tag"] == "bf16"
     assert (r["model"]["dtype"], bf16["model"]["dtype"]) == ("float32", "bfloat16")
@@ -90,15 +90,24 @@ def test_bench_offline_smoke(tmp_path: Path) -> None:
     # 2 and 4, which have no target (8 and 32 do).
     assert set(s["targets"]) == {"single_stream_vs_hf", "throughput_frac_compute",
                                  "single_frac_bandwidth"}
-    single = x["single"]
-    assert len(single["read_gbps_around"]) == 2 and min(single["read_gbps_around"]) > 0
-    bound = max(single["read_gbps_around"]) * 1e9 / r["model"]["weight_bytes"]
-    assert s["targets"]["single_frac_bandwidth"]["value"] == pytest.approx(
-        single["decode_tok_s"] / bound)
+    # --single_repeats=2: f32, bf16, then bf16, f32, a read probe between neighbours.
+    single, single_bf16 = x["single"], bf16["rounds"][0]["xlaserve"]["single"]
+    a, b = single["runs"], single_bf16["runs"]
+    assert len(a) == len(b) == 2
+    probes = [a[0]["read_gbps_around"], b[0]["read_gbps_around"],
+              b[1]["read_gbps_around"], a[1]["read_gbps_around"]]
+    assert all(len(p) == 2 and min(p) > 0 for p in probes)
+    assert all(p[1] == q[0] for p, q in zip(probes, probes[1:], strict=False))  # shared
+    assert single["decode_tok_s"] == pytest.approx(
+        (a[0]["decode_tok_s"] + a[1]["decode_tok_s"]) / 2)
+    fracs = [x["decode_tok_s"] * r["model"]["weight_bytes"]
+             / (max(x["read_gbps_around"]) * 1e9) for x in a]
+    assert s["targets"]["single_frac_bandwidth"]["value"] == pytest.approx(sum(fracs) / 2)
+    assert s["targets"]["single_frac_bandwidth"]["value_best"] == pytest.approx(max(fracs))
     assert s["single_frac_best_probe"] == pytest.approx(
         single["decode_tok_s"] * r["model"]["weight_bytes"] / (s["mem_read_gbps"] * 1e9))
     for v in r["rounds"][0].get("llama_server", {}).values():
-        assert len(v["single"]["read_gbps_around"]) == 2
+        assert len(v["single"]["runs"]) == 2
     if HAVE_REFERENCE:
         hf = r["rounds"][0]["transformers"]
         for b in w["hf_batch_sizes"]:
@@ -190,6 +199,15 @@ def test_single_stream_goal_is_against_the_probes_around_it() -> None:
     assert values["single_frac_bandwidth"] == pytest.approx(0.9)
     assert best["single_frac_bandwidth"] == pytest.approx(40.0 / 44.0)
     assert summary["single_frac_best_probe"] == pytest.approx(27.0 / 45.0)  # median stream
+    # bench_offline's records: the runs of a round, each against its own probes.
+    runs = [{"decode_tok_s": 27.0, "read_gbps_around": [30.0, 28.0]},
+            {"decode_tok_s": 40.0, "read_gbps_around": [44.0, 42.0]},
+            {"decode_tok_s": 20.0, "read_gbps_around": [31.0, 32.0]}]
+    rounds = [{"roofline": {"matmul_gflops": 200.0, "mem_read_gbps": 45.0},
+               "xlaserve": {"single": {"decode_tok_s": 27.0, "runs": runs}}}]
+    values, best = offline_summary._bound_goals(rounds, dict(summary), weight_bytes=10**9)
+    assert values["single_frac_bandwidth"] == pytest.approx(0.9)
+    assert best["single_frac_bandwidth"] == pytest.approx(40.0 / 44.0)
 
 
 def test_bench_offline_reference_off(tmp_path: Path) -> None:
@@ -251,6 +269,9 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     assert "c1_vs_llama_f32" not in r["summary"]["ratios"]
     assert r["summary"]["ratios"]["c4_vs_llama_f32"] > 0
     assert rnd["llama_server"]["q4_1"]["single"]["new_tokens"] == w["single_new_tokens"]
+    # --single_repeats' default: three runs each of the four single streams, interleaved
+    for single in (rnd["xlaserve"]["single"], rnd["llama_server"]["q4_1"]["single"]):
+        assert len(single["runs"]) == 3
     # make bench's bf16 engine, in the same rounds against the same llama-server runs
     bf16 = json.loads((tmp_path / "bench_offline_bf16.json").read_text())
     assert bf16["rounds"][0]["llama_server"] == rnd["llama_server"]
@@ -279,7 +300,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
                    "single_stream_vs_llama_q4_1", "### Serving",
                    "Poisson arrivals", "### Long prompts during decode", "| a |",
                    "### llama-server serves the same model", "5/5",
-                   "llama-server F32 ran at 4 concurrent only"):
+                   "llama-server F32 ran at 4 concurrent only", "the median of 3 run(s)"):
         assert needle in first, needle
     assert "not in" not in first  # every JSON was found
     if HAVE_MATPLOTLIB:
