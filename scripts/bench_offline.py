@@ -297,7 +297,6 @@ def run_round(r: int, xla: dict[str, Engine], hf: dict[str, HFReference], w: Wor
         rec["llama_server"] = _llama_round(r, llama, llama_pts, sweep, w)
         for v, lr in rec["llama_server"].items():
             lr["single"] = singles["llama_server", v]
-        for v, lr in rec["llama_server"].items():
             lr["prefill"] = _prefill(cfg, roof, llama.ttft(v, pre_ids), w.prefill_len)
     return rec
 
@@ -331,8 +330,9 @@ def _single_streams(r: int, xla: dict[str, Engine], llama: offline_peers.LlamaPe
 
 
 def _single_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One contender's single-stream runs as one record: median decode tok/s and TTFT, the
-    first run's tokens (greedy: every run makes the same ones), each run under "runs"."""
+    """One contender's single-stream runs as one record: median decode tok/s, TTFT and
+    end-to-end time, the first run's other fields (xlaserve's output tokens among them),
+    each run under "runs"."""
     rec = {k: v for k, v in runs[0].items() if k != "read_gbps_around"}
     rec["decode_tok_s"] = bc.median([x["decode_tok_s"] for x in runs])
     rec["ttft_s"] = bc.median([x["ttft_s"] for x in runs])
