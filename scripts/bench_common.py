@@ -170,15 +170,47 @@ def measure_read_gbps(small: bool = False, iters: int = 10) -> float:
     return nbytes / median(time_calls(lambda: total(x).block_until_ready(), iters, 2)) / 1e9
 
 
-def bracket_read(run: Callable[[], dict[str, Any]], small: bool = False) -> dict[str, Any]:
-    """run()'s record plus "read_gbps_around": the read probe just before and just after
-    it. This VM's read bandwidth switches between ~28 and ~46 GB/s from one minute to the
-    next (session 13: probes of 28.1 and 45.9 GB/s within the hour, while a 1-row decode
-    step read its weights at 87-95% of the probes taken around it), so a weight-bound
-    run is only comparable with the probes taken around it."""
-    before = measure_read_gbps(small)
-    rec = run()
-    return {**rec, "read_gbps_around": [before, measure_read_gbps(small)]}
+def interleaved_singles(contenders: Sequence[tuple[Any, str, Callable[[], dict[str, Any]]]],
+                        repeats: int, small: bool = False, tag: str = ""
+                        ) -> dict[Any, dict[str, Any]]:
+    """key -> single_record of each contender's single stream. contenders: (key, name,
+    run) with run() one single stream's record (decode_tok_s, ttft_s, e2e_s, ...). Runs
+    `repeats` passes over all of them, every other pass in reverse order (A B C, C B A,
+    ...), with a read probe between neighbours: this VM's read bandwidth swings up to 2x
+    from one minute to the next (sessions 13-18), so only runs seconds apart compare, and
+    a weight-bound run only against the probes just before and after it
+    (read_gbps_around; `small`: the smoke-size probe)."""
+    runs: dict[Any, list[dict[str, Any]]] = {key: [] for key, _, _ in contenders}
+    probe = measure_read_gbps(small)
+    for i in range(repeats):
+        for key, name, run in contenders if i % 2 == 0 else contenders[::-1]:
+            s = run()
+            after = measure_read_gbps(small)
+            runs[key].append({**s, "read_gbps_around": [probe, after]})
+            log(f"{tag}{name} single stream {i + 1}/{repeats}: {s['decode_tok_s']:.1f} "
+                f"decode tok/s, ttft {s['ttft_s'] * 1e3:.0f} ms (read probes {probe:.1f} / "
+                f"{after:.1f} GB/s)")
+            probe = after
+    return {key: single_record(rs) for key, rs in runs.items()}
+
+
+def single_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One contender's single-stream runs as one record: median decode tok/s, TTFT and
+    end-to-end time, the first run's other fields (xlaserve's output tokens among them),
+    each run under "runs"."""
+    rec = {k: v for k, v in runs[0].items() if k != "read_gbps_around"}
+    rec["decode_tok_s"] = median([x["decode_tok_s"] for x in runs])
+    rec["ttft_s"] = median([x["ttft_s"] for x in runs])
+    rec["e2e_s"] = median([x["e2e_s"] for x in runs])
+    rec["runs"] = [{k: v for k, v in x.items() if k != "output_ids"} for x in runs]
+    return rec
+
+
+def single_shares(single: dict[str, Any], nbytes: float) -> list[float]:
+    """Each run of a single-stream record as a share of its bandwidth bound: decode tok/s
+    x bytes a token over the higher of the read probes around that run."""
+    return [x["decode_tok_s"] * nbytes / (max(x["read_gbps_around"]) * 1e9)
+            for x in single.get("runs", [single]) if "read_gbps_around" in x]
 
 
 # ---------------------------------------------------------------- model costs

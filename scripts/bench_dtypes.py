@@ -2,8 +2,10 @@
 F32 and Q4_1 GGUFs: single-stream decode and c-way offline throughput, the bytes a decode
 token reads and the share of the memory-bandwidth bound each reaches, all in one run.
 
-Every contender serves the same prompts, greedy with EOS ignored; each round runs every
-contender once in turn (A B C D, A B C D, ...) and the summary takes medians over rounds.
+Every contender serves the same prompts, greedy with EOS ignored. Each round runs every
+contender's single stream --single_repeats times, interleaved (A B C D, D C B A, ...,
+a read probe between neighbours), then each one's throughput run in turn; the summary
+takes medians over rounds.
 A decode token reads every weight once (llama-server: its GGUF's bytes; xlaserve: the
 weights in their dtype) plus the row's cached K/V, so bytes / token x tok/s over the
 round's measured read bandwidth is the share of the bound.
@@ -43,6 +45,10 @@ flags.DEFINE_integer("concurrency", 32, "requests at once in the throughput run"
 flags.DEFINE_integer("input_len", 128, "prompt tokens per throughput request")
 flags.DEFINE_integer("output_len", 128, "new tokens per throughput request")
 flags.DEFINE_integer("single_new_tokens", 128, "new tokens of the single stream")
+flags.DEFINE_integer("single_repeats", 3, "single-stream runs per contender and round, "
+                     "interleaved across the contenders (A B C D, D C B A, ...) with a "
+                     "read probe between neighbours; the round reports their median",
+                     lower_bound=1)
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs")
 flags.DEFINE_bool("smoke", False, "tiny random model, tiny workload, one round, no "
@@ -78,21 +84,24 @@ def _round(r: int, engines: dict[str, Engine], llama: offline_peers.LlamaPeers,
                            "load_average": bc.load_average()}
     bc.log(f"round {r}: read bandwidth {roof.mem_read_gbps:.1f} GB/s, load "
            f"{rec['load_average']}")
+    n = FLAGS.single_new_tokens
+    contenders = [(f"xlaserve {name}", f"xlaserve {name}",
+                   lambda eng=eng: bc.xla_single(eng, single_ids, n))
+                  for name, eng in engines.items()]
+    contenders += [(f"llama-server {v}", f"llama-server {v}",
+                    lambda v=v: llama.single(v, single_ids, n)) for v in llama.servers]
+    singles = bc.interleaved_singles(contenders, FLAGS.single_repeats, FLAGS.smoke,
+                                     f"round {r}: ")
     for name, eng in engines.items():
-        s = bc.bracket_read(
-            lambda eng=eng: bc.xla_single(eng, single_ids, FLAGS.single_new_tokens),
-            FLAGS.smoke)
         t = bc.xla_throughput(eng, prompts, FLAGS.output_len)
-        rec[f"xlaserve {name}"] = {"single": s, "throughput": t}
-        bc.log(f"round {r}: xlaserve {name}: single {s['decode_tok_s']:.1f} tok/s, "
-               f"{FLAGS.concurrency}-way {t['output_tok_s']:.1f} output tok/s")
+        rec[f"xlaserve {name}"] = {"single": singles[f"xlaserve {name}"], "throughput": t}
+        bc.log(f"round {r}: xlaserve {name}: {FLAGS.concurrency}-way "
+               f"{t['output_tok_s']:.1f} output tok/s")
     for v in llama.servers:
-        s = bc.bracket_read(
-            lambda v=v: llama.single(v, single_ids, FLAGS.single_new_tokens), FLAGS.smoke)
         t = llama.throughput(v, prompts, FLAGS.output_len)
-        rec[f"llama-server {v}"] = {"single": s, "throughput": t}
-        bc.log(f"round {r}: llama-server {v}: single {s['decode_tok_s']:.1f} tok/s, "
-               f"{FLAGS.concurrency}-way {t['output_tok_s']:.1f} output tok/s")
+        rec[f"llama-server {v}"] = {"single": singles[f"llama-server {v}"], "throughput": t}
+        bc.log(f"round {r}: llama-server {v}: {FLAGS.concurrency}-way "
+               f"{t['output_tok_s']:.1f} output tok/s")
     return rec
 
 
@@ -107,11 +116,10 @@ def _summary(rounds: list[dict[str, Any]], bytes_per_token: dict[str, float]
             "single_decode_tok_s": single, f"c{FLAGS.concurrency}_output_tok_s": many,
             "bytes_per_token": nbytes, "bound_tok_s": gbps * 1e9 / nbytes,
             "share_of_bandwidth_bound": single * nbytes / (gbps * 1e9),
-            # against the higher of the probes just before and after each single stream
-            # (bc.bracket_read), median over rounds
+            # each single-stream run against the higher of the probes just before and
+            # after it (bc.interleaved_singles), median over every run of every round
             "share_of_bound_probed_around": bc.median(
-                [r[name]["single"]["decode_tok_s"] * nbytes
-                 / (max(r[name]["single"]["read_gbps_around"]) * 1e9) for r in rounds])}
+                [f for r in rounds for f in bc.single_shares(r[name]["single"], nbytes)])}
     c = out["contenders"]
     for name in [n for n in c if n.startswith("xlaserve")]:
         for peer, key in (("llama-server q4_1", "single_decode_tok_s"),
@@ -148,7 +156,8 @@ def _bf16_kernel(eng: Engine) -> str | None:
 def main(argv: list[str]) -> None:
     del argv
     if FLAGS.smoke:
-        for name, value in (("llama_variants", []), ("repeats", 1), ("concurrency", 4),
+        for name, value in (("llama_variants", []), ("repeats", 1), ("single_repeats", 2),
+                            ("concurrency", 4),
                             ("input_len", 16), ("output_len", 8), ("single_new_tokens", 8)):
             FLAGS[name].value = value
     t_start = time.perf_counter()
@@ -193,7 +202,8 @@ def main(argv: list[str]) -> None:
               "machine_load_average_end": bc.load_average(), "llama_server": llama.info(),
               "single_prompt_tokens": len(single_ids), "rounds": rounds, "summary": summary,
               "workload": {k: FLAGS[k].value for k in (
-                  "concurrency", "input_len", "output_len", "single_new_tokens", "repeats")},
+                  "concurrency", "input_len", "output_len", "single_new_tokens", "repeats",
+                  "single_repeats")},
               "wall_s": time.perf_counter() - t_start}
     _print(summary)
     bc.write_json(FLAGS.out_dir, "bench_dtypes.json", result)

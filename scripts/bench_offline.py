@@ -304,41 +304,14 @@ def run_round(r: int, xla: dict[str, Engine], hf: dict[str, HFReference], w: Wor
 def _single_streams(r: int, xla: dict[str, Engine], llama: offline_peers.LlamaPeers | None,
                     w: Workload, single_ids: list[int]) -> dict[tuple[str, str], dict[str, Any]]:
     """(kind, name) -> the round's single stream of each xlaserve dtype ("xlaserve", d) and
-    llama-server variant ("llama_server", v): --single_repeats passes over all of them,
-    every other pass in reverse order, with a read probe between neighbours, so each run
-    has a probe just before and just after it (read_gbps_around) and every contender's
-    runs sit seconds from the others'. The record is the median over the runs, with each
-    run under "runs"."""
+    llama-server variant ("llama_server", v), interleaved (bc.interleaved_singles)."""
     n = w.single_new_tokens
     contenders = [(("xlaserve", d), f"xlaserve {d}",
                    lambda e=e: bc.xla_single(e, single_ids, n)) for d, e in xla.items()]
     if llama is not None:
         contenders += [(("llama_server", v), f"llama-server {v}",
                         lambda v=v: llama.single(v, single_ids, n)) for v in llama.servers]
-    runs: dict[tuple[str, str], list[dict[str, Any]]] = {key: [] for key, _, _ in contenders}
-    probe = bc.measure_read_gbps(FLAGS.smoke)
-    for i in range(FLAGS.single_repeats):
-        for key, name, run in contenders if i % 2 == 0 else contenders[::-1]:
-            s = run()
-            after = bc.measure_read_gbps(FLAGS.smoke)
-            runs[key].append({**s, "read_gbps_around": [probe, after]})
-            probe = after
-            bc.log(f"round {r}: {name} single stream {i + 1}/{FLAGS.single_repeats}: "
-                   f"{s['decode_tok_s']:.1f} decode tok/s, ttft {s['ttft_s'] * 1e3:.0f} ms "
-                   f"(read probes {runs[key][-1]['read_gbps_around'][0]:.1f} / {after:.1f} GB/s)")
-    return {key: _single_record(rs) for key, rs in runs.items()}
-
-
-def _single_record(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """One contender's single-stream runs as one record: median decode tok/s, TTFT and
-    end-to-end time, the first run's other fields (xlaserve's output tokens among them),
-    each run under "runs"."""
-    rec = {k: v for k, v in runs[0].items() if k != "read_gbps_around"}
-    rec["decode_tok_s"] = bc.median([x["decode_tok_s"] for x in runs])
-    rec["ttft_s"] = bc.median([x["ttft_s"] for x in runs])
-    rec["e2e_s"] = bc.median([x["e2e_s"] for x in runs])
-    rec["runs"] = [{k: v for k, v in x.items() if k != "output_ids"} for x in runs]
-    return rec
+    return bc.interleaved_singles(contenders, FLAGS.single_repeats, FLAGS.smoke, f"round {r}: ")
 
 
 def _xla_round(tag: str, engine: Engine, roof: bc.Roofline, w: Workload,

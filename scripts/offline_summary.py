@@ -89,14 +89,6 @@ def llama_points(rounds: list[dict[str, Any]], w: Any) -> dict[str, list[int]]:
             for v, rec in rounds[0].get("llama_server", {}).items()}
 
 
-def single_runs(single: Mapping[str, Any]) -> list[tuple[float, float]]:
-    """(decode tok/s, the higher read probe around it) of each run of a single-stream
-    record: bench_offline's "runs", or the record itself when it is one bracketed run."""
-    runs = single.get("runs", [single])
-    return [(x["decode_tok_s"], max(x["read_gbps_around"])) for x in runs
-            if "read_gbps_around" in x]
-
-
 def _bound_goals(rounds: list[dict[str, Any]], s: dict[str, Any],
                  weight_bytes: int) -> tuple[dict[str, float], dict[str, float]]:
     """BOUND_TARGETS' values (medians, best rounds) where the run measured them."""
@@ -107,8 +99,8 @@ def _bound_goals(rounds: list[dict[str, Any]], s: dict[str, Any],
     # says little about the run), median over every run of every round. The run's best
     # probe, which a neighbour cannot flatter but which may come from a faster minute, is
     # reported too.
-    fracs = [tok_s * weight_bytes / (around * 1e9) for rec in rounds
-             for tok_s, around in single_runs(rec.get("xlaserve", {}).get("single", {}))]
+    fracs = [f for rec in rounds
+             for f in bc.single_shares(rec.get("xlaserve", {}).get("single", {}), weight_bytes)]
     if fracs:
         values["single_frac_bandwidth"] = bc.median(fracs)
         best["single_frac_bandwidth"] = max(fracs)

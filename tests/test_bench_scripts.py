@@ -170,10 +170,15 @@ def test_bench_dtypes_smoke(tmp_path: Path) -> None:
     assert r["workload"]["repeats"] == 1 and r["llama_server"] == {}
     names = ["xlaserve float32:float32", "xlaserve bfloat16:bfloat16"]
     assert list(r["summary"]["contenders"]) == names
+    # two passes of single streams, interleaved: f32, bf16, then bf16, f32
+    a, b = (r["rounds"][0][n]["single"]["runs"] for n in names)
+    probes = [a[0]["read_gbps_around"], b[0]["read_gbps_around"],
+              b[1]["read_gbps_around"], a[1]["read_gbps_around"]]
+    assert all(len(p) == 2 and min(p) > 0 for p in probes)
+    assert all(p[1] == q[0] for p, q in zip(probes, probes[1:], strict=False))
     for name in names:
         run = r["rounds"][0][name]
         assert run["single"]["new_tokens"] == r["workload"]["single_new_tokens"]
-        assert len(run["single"]["read_gbps_around"]) == 2
         assert run["throughput"]["output_tokens"] == 4 * r["workload"]["output_len"]
         c = r["summary"]["contenders"][name]
         _positive(c, "single_decode_tok_s", "share_of_bandwidth_bound",
