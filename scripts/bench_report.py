@@ -101,7 +101,8 @@ def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
         v = _median([x["decode_tok_s"] for x in runs])
         if v is None:
             continue
-        # Each run against the probes either side of it (bench_offline's "runs").
+        # Each run against the probes either side of it (bench_offline's "runs"): what
+        # bench_common.single_shares computes, inline here because that module imports jax.
         around = _median([y["decode_tok_s"] * b / (max(y["read_gbps_around"]) * 1e9)
                           for x in runs for y in x.get("runs", [x])
                           if b and "read_gbps_around" in y])

@@ -100,8 +100,8 @@ def test_bench_offline_smoke(tmp_path: Path) -> None:
     assert all(p[1] == q[0] for p, q in zip(probes, probes[1:], strict=False))  # shared
     assert single["decode_tok_s"] == pytest.approx(
         (a[0]["decode_tok_s"] + a[1]["decode_tok_s"]) / 2)
-    fracs = [x["decode_tok_s"] * r["model"]["weight_bytes"]
-             / (max(x["read_gbps_around"]) * 1e9) for x in a]
+    fracs = [run["decode_tok_s"] * r["model"]["weight_bytes"]
+             / (max(run["read_gbps_around"]) * 1e9) for run in a]
     assert s["targets"]["single_frac_bandwidth"]["value"] == pytest.approx(sum(fracs) / 2)
     assert s["targets"]["single_frac_bandwidth"]["value_best"] == pytest.approx(max(fracs))
     assert s["single_frac_best_probe"] == pytest.approx(
@@ -317,7 +317,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
 
 def test_bench_offline_rejects_bad_llama_concurrency(tmp_path: Path) -> None:
     """A point outside --concurrency or an unknown variant is a usage error at once."""
-    for spec in ("q4_1=3", "q8_0=1", "q4_1=x"):
+    for spec in ("q4_1=3", "q8_0=1", "q4_1=", "q4_1=x"):
         cmd = [sys.executable, str(REPO / "scripts" / "bench_offline.py"), "--smoke",
                f"--out_dir={tmp_path}", f"--llama_concurrency={spec}"]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
