@@ -3,7 +3,8 @@
 `packed_matmul`: x [M, K] @ W [K, N] with W packed once at load (`pack`) into 64-column
 panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized M. Up to
 three bf16 kernels (widening, vdpbf16ps, AMX tiles); the fastest on this CPU serves
-(bf16_kernel, measured once per machine).
+(bf16_kernel, measured once per machine). `pack_int8`: weight-only int8 panels with a
+scale per output column (`--quantization=int8`), a quarter of f32's bytes.
 `decode_attention`, `extend_attention`: paged attention of decode rows / of prefill
 (extend) tokens, reading the pool (float32 or bfloat16) in place; see attention.cc.
 `write_kv`: this step's K/V into the pool in place (write_kv.cc: XLA CPU's scatter
@@ -48,6 +49,7 @@ _SOURCES = [pathlib.Path(__file__).with_name(n)
             for n in ("packed_matmul.cc", "attention.cc", "write_kv.cc", "parallel.h",
                       "simd16.h")]
 _TARGETS = {"xlaserve_packed_matmul": "XlaservePackedMatmul",
+            "xlaserve_packed_matmul_int8": "XlaservePackedMatmulInt8",
             "xlaserve_decode_attention": "XlaserveDecodeAttention",
             "xlaserve_extend_attention": "XlaserveExtendAttention",
             "xlaserve_decode_attention_bf16": "XlaserveDecodeAttentionBf16",
@@ -250,7 +252,9 @@ def _time_bf16(kernels: list[str]) -> dict[str, dict[int, float]]:
 class PackedWeight:
     """W [..., K, N] as panels, P = ceil(N / 64), zero-padded (packed_matmul.cc):
     float32 [..., P, K, 64]; bfloat16 [..., P, K2, 64, 2] with K2 = ceil(K / 2), rows
-    k and k + 1 interleaved per column (vdpbf16ps's operand layout).
+    k and k + 1 interleaved per column (vdpbf16ps's operand layout); int8 (pack_int8)
+    [..., P, K4 * 4, 64] with K4 = ceil(K / 4) and `scales` f32 [..., P, 64], W's
+    column n being q[:, n] * scales[n].
 
     `layer`: None for one matrix; for a stack of them ([L, ...] panels), the traced index
     of the one a call multiplies by (at_layer), which the kernel reads in place.
@@ -262,11 +266,12 @@ class PackedWeight:
     k: int = dataclasses.field(metadata=dict(static=True))
     layer: jax.Array | None = None
     rows: jax.Array | None = None
+    scales: jax.Array | None = None
 
     @property
     def matrix_ndim(self) -> int:
         """Dims of one matrix's panels."""
-        return 3 if self.dtype == jnp.float32 else 4
+        return 4 if self.dtype == jnp.bfloat16 else 3
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -312,6 +317,28 @@ def pack(w: jax.Array) -> PackedWeight:
     return PackedWeight(panels=panels, n=n, k=k)
 
 
+def pack_int8(w: jax.Array | np.ndarray) -> PackedWeight:
+    """W [..., K, N] -> weight-only int8 panels: each column n symmetric over its K values,
+    q = round(W[:, n] / s_n) in [-127, 127] with s_n = max |W[:, n]| / 127 (the scheme of
+    SGLang's torchao `int8wo` and of llama.cpp's Q8_0, there per block of 32). Per column
+    the scale factors out of the sum: y = (x @ q) * s, one multiply an output.
+
+    Quantized on the host in numpy, each step one IEEE f32 operation, so q and s are
+    exactly what a reference computing the same formula gets (make_reference.py's
+    torch): under XLA a scale came out 1 ulp off and moved a q by one."""
+    w = np.asarray(w, np.float32)
+    *lead, k, n = w.shape
+    amax = np.abs(w).max(axis=-2)  # [..., N]
+    scale = np.where(amax > 0, amax / np.float32(127), np.float32(1)).astype(np.float32)
+    q = np.clip(np.rint(w / scale[..., None, :]), -127, 127).astype(np.int8)
+    p, kp = -(-n // PANEL), -(-k // 4) * 4
+    q = np.pad(q, [(0, 0)] * len(lead) + [(0, kp - k), (0, p * PANEL - n)])
+    panels = np.swapaxes(q.reshape(*lead, kp, p, PANEL), -3, -2)  # [..., P, Kp, 64]
+    scales = np.pad(scale, [(0, 0)] * len(lead) + [(0, p * PANEL - n)])
+    return PackedWeight(panels=jnp.asarray(np.ascontiguousarray(panels)), n=n, k=k,
+                        scales=jnp.asarray(scales.reshape(*lead, p, PANEL)))
+
+
 def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -> jax.Array:
     """x [..., K] @ W -> [..., N] float32 through the FFI kernel.
 
@@ -324,7 +351,8 @@ def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -
         raise ValueError(f"packed_matmul takes one matrix (or a stack and its layer), got "
                          f"panels {w.panels.shape}")
     load()
-    name = "xlaserve_packed_matmul" if w.dtype == jnp.float32 else target or _BF16_TARGET
+    name = {"float32": "xlaserve_packed_matmul",
+            "int8": "xlaserve_packed_matmul_int8"}.get(w.dtype.name, target or _BF16_TARGET)
     return _ffi_matmul(name, x, w)
 
 
@@ -335,8 +363,9 @@ def _ffi_matmul(name: str, x: jax.Array, w: PackedWeight) -> jax.Array:
     if w.rows is not None and w.rows.shape != x2.shape[:1]:
         raise ValueError(f"row mask {w.rows.shape} does not match x rows {x2.shape[:1]}")
     rows = jnp.zeros((0,), jnp.int32) if w.rows is None else w.rows.astype(jnp.int32)
+    scales = () if w.scales is None else (w.scales,)
     y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(
-        x2.astype(jnp.float32), w.panels, layer, rows)
+        x2.astype(jnp.float32), w.panels, *scales, layer, rows)
     return y.reshape(*lead, w.n)
 
 

@@ -97,6 +97,29 @@ struct Bf16WidenStep {
   }
 };
 
+// One step of 4 k rows (int8 weights, widened to f32) of a tile:
+// acc[m] += x[m, 4s:4s+4] . q[4s:4s+4, 0:J lanes], the k rows in order (the f32 kernel's
+// sequence over k). The panel's rows are 64 bytes, so a step is 256 bytes as in the other
+// dtypes; the column scales multiply y after the tile (ScaleColumns).
+struct Int8Step {
+  using T = int8_t;
+  using X = float;
+  static constexpr int64_t kPerStep = 256;
+  static constexpr int64_t kPerVec = vn::kLanes;
+  template <int MR, int J>
+  static inline void Run(vn::F (&acc)[MR][J], const X* x, int64_t ldx, const int8_t* w,
+                         int64_t s) {
+    for (int r = 0; r < 4; ++r) {
+      vn::F wv[J];
+      for (int j = 0; j < J; ++j) wv[j] = vn::widen_i8(w + kNR * r + vn::kLanes * j);
+      for (int m = 0; m < MR; ++m) {
+        const vn::F b = vn::set1(x[m * ldx + 4 * s + r]);
+        for (int j = 0; j < J; ++j) acc[m][j] = vn::fmadd(b, wv[j], acc[m][j]);
+      }
+    }
+  }
+};
+
 #ifdef __AVX512BF16__
 // One k-pair step (bf16, vdpbf16ps) of a tile: the same sum as Bf16WidenStep, each pair
 // of products added before the accumulator.
@@ -251,9 +274,22 @@ using Chunks = std::vector<std::pair<int64_t, int64_t>>;
 
 // Work units are (panel, row chunk) pairs in panel-major order, one contiguous range per
 // thread (ParallelStealing) so that each thread prefetches its own next panel.
+// y[m0:m1, panel p's columns] *= scale[p's 64]: an int8 unit's column scales, applied
+// while its outputs are still in L1.
+inline void ScaleColumns(float* y, int64_t N, int64_t p, int64_t m0, int64_t m1,
+                         const float* scale) {
+  const int64_t c0 = p * kNR, cols = std::min(kNR, N - c0);
+  for (int64_t m = m0; m < m1; ++m) {
+    float* row = y + m * N + c0;
+    for (int64_t c = 0; c < cols; ++c) row[c] *= scale[c0 + c];
+  }
+}
+
+// `scale` (int8 weights: [P * 64] column scales, else null) multiplies each unit's y.
 template <typename Step>
 void Run(ffi::ThreadPool& pool, const typename Step::X* x, const typename Step::T* w,
-         float* y, const Chunks& rows, int64_t ldx, int64_t steps, int64_t N, int64_t P) {
+         float* y, const Chunks& rows, int64_t ldx, int64_t steps, int64_t N, int64_t P,
+         const float* scale = nullptr) {
   const int64_t chunks = static_cast<int64_t>(rows.size());
   const int64_t panel_elems = steps * Step::kPerStep;
   xlaserve::ParallelStealing(pool, P * chunks, [=, &rows](int64_t u, int64_t after) {
@@ -262,6 +298,7 @@ void Run(ffi::ThreadPool& pool, const typename Step::X* x, const typename Step::
                            ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems)
                            : nullptr;
     Unit<Step>(x, w, y, ldx, steps, N, p, rows[c].first, rows[c].second, next);
+    if (scale != nullptr) ScaleColumns(y, N, p, rows[c].first, rows[c].second, scale);
   });
 }
 
@@ -388,6 +425,50 @@ ffi::Error PackedMatmul(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (rows->empty()) return ffi::Error::Success();
   Run<F32Step>(pool, x.typed_data(), wp.typed_data() + m->offset, y->typed_data(), *rows,
                xd[1], xd[1], yd[1], wd[0]);
+  return ffi::Error::Success();
+}
+
+// x [M, K] f32 as [M, ld] rows (ld = K rounded up to 4, zero past K: an int8 step reads
+// 4 k at a time) in a buffer of the calling thread, as RoundX; x itself when K % 4 == 0.
+const float* PadX(const float* x, int64_t M, int64_t K, int64_t ld, const Chunks& rows) {
+  if (ld == K) return x;
+  thread_local std::vector<float> buf;
+  if (static_cast<int64_t>(buf.size()) < M * ld) buf.resize(M * ld);
+  for (const auto& [begin, end] : rows)
+    for (int64_t m = begin; m < end; ++m) {
+      std::memcpy(buf.data() + m * ld, x + m * K, K * sizeof(float));
+      std::fill(buf.data() + m * ld + K, buf.data() + (m + 1) * ld, 0.0f);
+    }
+  return buf.data();
+}
+
+// Weight-only int8: y = (x @ q) * scale, q [P, K4 * 4, 64] int8 (K4 = ceil(K / 4), zero
+// rows past K), scale [P, 64] f32 per column (zero past N); a stack of them takes a
+// leading [L] on both, and `layer` picks one. x stays f32: the products are exact in f32
+// (an int8 times an f32 with 24 significant bits) and sum in the f32 kernel's order.
+ffi::Error PackedMatmulInt8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::S8> wp, ffi::Buffer<ffi::F32> scale,
+                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> mask,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto yd = y->dimensions();
+  const auto m = LayerMatrix(wp.dimensions(), 3, layer);
+  if (m.has_error()) return m.error();
+  const auto s = LayerMatrix(scale.dimensions(), 2, layer);
+  if (s.has_error()) return s.error();
+  const auto wd = m->dims;
+  if (xd.size() != 2 || yd.size() != 2 || wd[2] != kNR || (xd[1] + 3) / 4 * 4 != wd[1] ||
+      yd[0] != xd[0] || s->dims[0] != wd[0] || s->dims[1] != kNR)
+    return ffi::Error::InvalidArgument(
+        "packed_matmul: want x [M, K] f32, w [P, ceil(K / 4) * 4, 64] int8, scale [P, 64] "
+        "f32, y [M, N]");
+  if (auto e = CheckN(yd[1], wd[0]); e.failure()) return e;
+  const auto rows = RowMask(mask, xd[0], y->typed_data(), yd[1]);
+  if (rows.has_error()) return rows.error();
+  if (rows->empty()) return ffi::Error::Success();
+  const float* xs = PadX(x.typed_data(), xd[0], xd[1], wd[1], *rows);
+  Run<Int8Step>(pool, xs, wp.typed_data() + m->offset, y->typed_data(), *rows, wd[1],
+                wd[1] / 4, yd[1], wd[0], scale.typed_data() + s->offset);
   return ffi::Error::Success();
 }
 
@@ -664,6 +745,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmul, PackedMatmul,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulInt8, PackedMatmulInt8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()

@@ -274,6 +274,11 @@ inline F widen_odd(I pairs) {
   return _mm512_castsi512_ps(
       _mm512_and_si512(pairs, _mm512_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
 }
+// 16 int8 weights (one per column) -> 16 f32 lanes: sign-extend, then convert (exact).
+inline F widen_i8(const int8_t* p) {
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline Mask first_lanes(int64_t n) {  // lanes [0, n) on, n in [0, 16]
   return static_cast<Mask>((1u << n) - 1u);
 }
@@ -295,6 +300,10 @@ inline F widen_even(I pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pair
 inline F widen_odd(I pairs) {
   return _mm256_castsi256_ps(
       _mm256_and_si256(pairs, _mm256_set1_epi32(static_cast<int32_t>(0xFFFF0000u))));
+}
+inline F widen_i8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(
+      _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline Mask first_lanes(int64_t n) {
   return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(n)),

@@ -41,12 +41,18 @@ def mlp(lp: dict, x: jax.Array) -> jax.Array:
     return gated_mlp(x, lp["w_gate"], lp["w_up"], lp["w_down"])
 
 
-def pack_for_cpu(params: dict) -> dict:
+def pack_for_cpu(params: dict, quantization: str | None = None) -> dict:
     """Weights for cpu_kernels.packed_matmul: per layer wq|wk|wv as `wqkv` and
     w_gate|w_up as `w_gate_up` (fewer, wider calls), wo and w_down packed, and the output
     head as a packed `lm_head` (for tied embeddings a transposed copy beside `embed`,
     which the token lookup keeps using, in f32). Weights keep their dtype (float32 or
-    bfloat16). Stacked or per-layer (unstack_layers) trees."""
+    bfloat16), or with quantization="int8" these matrices become weight-only int8 with a
+    scale per output column (cpu_kernels.pack_int8; the fused matrices are quantized
+    after fusing, which is the same per column). Norms and the lookup table stay as they
+    are. Stacked or per-layer (unstack_layers) trees."""
+    if quantization not in (None, "int8"):
+        raise ValueError(f"quantization={quantization!r}: expected None or 'int8'")
+    pack = cpu_kernels.pack_int8 if quantization == "int8" else cpu_kernels.pack
     fused = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
              "w_down": ("w_down",)}
     dropped = {name for parts in fused.values() for name in parts}
@@ -54,7 +60,7 @@ def pack_for_cpu(params: dict) -> dict:
     def pack_layer(lp: dict) -> dict:
         out = {k: v for k, v in lp.items() if k not in dropped}
         for name, parts in fused.items():
-            out[name] = cpu_kernels.pack(jnp.concatenate([lp[p] for p in parts], axis=-1))
+            out[name] = pack(jnp.concatenate([lp[p] for p in parts], axis=-1))
         return out
 
     out = dict(params)
@@ -63,7 +69,7 @@ def pack_for_cpu(params: dict) -> dict:
     else:
         out["layers"] = pack_layer(params["layers"])
     head = params["lm_head"] if "lm_head" in params else params["embed"].T  # [D, V]
-    out["lm_head"] = cpu_kernels.pack(head)
+    out["lm_head"] = pack(head)
     # The lookup gathers a few rows, but XLA CPU gathers from a bf16 table by converting
     # all of it to f32 first (49152 x 576: tens of ms a step); an f32 table holds the same
     # values and is gathered in place.

@@ -61,7 +61,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
     return layers.init_from_shapes(param_shapes(cfg), key, dtype)
 
 
-def pack_for_cpu(params: dict) -> dict:
+def pack_for_cpu(params: dict, quantization: str | None = None) -> dict:
     raise ValueError("cpu_matmul='packed' is the dense Llama path; MoE models run XLA's dot "
                      "(cpu_matmul='xla')")
 

@@ -256,6 +256,9 @@ class RunnerConfig:
     multiplex_fused: bool = False
     # Extend buckets with fewer tokens get no split programs (they prefill whole).
     split_min_tokens: int = 0
+    # "int8": weight-only int8 matrices on the packed CPU matmul (cpu_kernels.pack_int8),
+    # the rest in `dtype`; None: the matrices in `dtype` too.
+    quantization: str | None = None
     # Two-batch overlap (runtime/two_batch_overlap.py, runtime/tbo_step.py): MoE batches
     # of at least tbo_min_tokens tokens run as two overlapped micro-batches.
     enable_two_batch_overlap: bool = False
@@ -267,6 +270,13 @@ class RunnerConfig:
             raise ValueError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
         if self.cpu_matmul not in ("xla", "packed"):
             raise ValueError(f"cpu_matmul={self.cpu_matmul!r}: expected 'xla' or 'packed'")
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"quantization={self.quantization!r}: expected None or 'int8'")
+        if self.quantization and self.cpu_matmul != "packed":
+            raise ValueError(f"quantization={self.quantization!r} runs on the packed CPU "
+                             "matmul (cpu_kernels: a CPU backend, x86-64 with AVX-512 or "
+                             "AVX2 + FMA, a dense Llama-family model), not on "
+                             f"cpu_matmul={self.cpu_matmul!r}")
         if self.attention_backend not in ("xla", "cpu", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: "
                              "expected 'xla', 'cpu' or 'pallas'")
@@ -309,6 +319,7 @@ class ServerArgs:
     api_key: str | None = None
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     kv_cache_dtype: str = "auto"  # auto: as dtype; float32 / bfloat16
+    quantization: str | None = None  # "int8": weight-only int8 matrices (RunnerConfig)
     page_size: int = 16
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.8

@@ -239,6 +239,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         per_layer_weights=(default_per_layer_weights(args, cpu_matmul)
                            if args.per_layer_weights is None else args.per_layer_weights),
         cpu_matmul=cpu_matmul,
+        quantization=args.quantization,
         enable_split_prefill=args.enable_split_prefill or args.enable_multiplexing,
         split_prefill_layers=args.split_prefill_layers,
         multiplex_fused=args.multiplex_fused,

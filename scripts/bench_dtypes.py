@@ -1,13 +1,15 @@
-"""xlaserve's CPU fast path in float32 and bfloat16 side by side with llama-server on the
-F32 and Q4_1 GGUFs: single-stream decode and c-way offline throughput, the bytes a decode
-token reads and the share of the memory-bandwidth bound each reaches, all in one run.
+"""xlaserve's CPU fast path in float32, bfloat16 and weight-only int8 (--quantization=int8)
+side by side with llama-server on the F32 and Q4_1 GGUFs: single-stream decode and c-way
+offline throughput, the bytes a decode token reads and the share of the memory-bandwidth
+bound each reaches, all in one run.
 
 Every contender serves the same prompts, greedy with EOS ignored. Each round runs every
 contender's single stream --single_repeats times, interleaved (A B C D, D C B A, ...,
 a read probe between neighbours), then each one's throughput run in turn; the summary
 takes medians over rounds.
 A decode token reads every weight once (llama-server: its GGUF's bytes; xlaserve: the
-weights in their dtype) plus the row's cached K/V, so bytes / token x tok/s over the
+weights as the packed path holds them: panels and scales) plus the row's cached K/V, so
+bytes / token x tok/s over the
 round's measured read bandwidth is the share of the bound.
 
   .venv/bin/python scripts/bench_dtypes.py --out_dir=bench_out/dtypes
@@ -22,6 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from absl import app, flags
 
@@ -36,8 +39,8 @@ from runtime.engine import Engine  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "bench_out/dtypes", "where bench_dtypes.json goes")
-flags.DEFINE_list("configs", ["float32:float32", "bfloat16:bfloat16"],
-                  "xlaserve DTYPE:KV_CACHE_DTYPE pairs")
+flags.DEFINE_list("configs", ["float32:float32", "bfloat16:bfloat16", "float32:float32:int8"],
+                  "xlaserve DTYPE:KV_CACHE_DTYPE[:QUANTIZATION] (--quantization=int8)")
 flags.DEFINE_list("llama_variants", ["q4_1", "f32"], "llama-server GGUFs (see llama_peer)")
 flags.DEFINE_integer("llama_threads", 2, "llama-server --threads / --threads-batch")
 flags.DEFINE_integer("repeats", 3, "rounds")
@@ -58,9 +61,13 @@ _CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _engine(config: str) -> Engine:
-    dtype, kv = config.split(":")
+    parts = config.split(":")
+    if len(parts) not in (2, 3):
+        raise app.UsageError(f"--configs {config!r}: want DTYPE:KV_CACHE_DTYPE[:QUANTIZATION]")
+    dtype, kv, quantization = parts[0], parts[1], (parts[2] if len(parts) == 3 else None)
     longest = max(FLAGS.input_len + FLAGS.output_len, 64 + FLAGS.single_new_tokens)
-    args = ServerArgs(dtype=dtype, kv_cache_dtype=kv, max_running_requests=FLAGS.concurrency,
+    args = ServerArgs(dtype=dtype, kv_cache_dtype=kv, quantization=quantization,
+                      max_running_requests=FLAGS.concurrency,
                       kv_len_buckets=(bc.pow2_at_least(longest, 256),), max_top_logprobs=0,
                       checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
@@ -69,6 +76,16 @@ def _engine(config: str) -> Engine:
     bc.log(f"xlaserve {config} ready in {time.perf_counter() - t0:.1f} s "
            f"({eng.runner.cfg.cpu_matmul} matmul, {eng.runner.cfg.attention_backend} attention)")
     return eng
+
+
+def _weight_bytes(eng: Engine) -> int:
+    """Bytes of weights a decode step reads: on the packed path every parameter array but
+    the lookup table (its few gathered rows; the head is its own packed copy), panels and
+    int8 scales as they are; elsewhere the model's weights in its dtype."""
+    if eng.runner.cfg.cpu_matmul != "packed":
+        return bc.weight_bytes(eng.model_cfg, 4 if eng.runner.cfg.dtype == "float32" else 2)
+    params = {k: v for k, v in eng.runner.params.items() if k != "embed"}
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
 
 
 def _decode_bytes(cfg: Any, weight_bytes: int, kv_itemsize: int, context: float) -> float:
@@ -187,10 +204,9 @@ def main(argv: list[str]) -> None:
     context = len(single_ids) + FLAGS.single_new_tokens / 2
     nbytes = {}
     for name, eng in engines.items():
-        itemsize = 4 if eng.runner.cfg.dtype == "float32" else 2
         kv_itemsize = 4 if eng.runner.cfg.kv_dtype == "float32" else 2
-        nbytes[f"xlaserve {name}"] = _decode_bytes(cfg, bc.weight_bytes(cfg, itemsize),
-                                                   kv_itemsize, context)
+        nbytes[f"xlaserve {name}"] = _decode_bytes(cfg, _weight_bytes(eng), kv_itemsize,
+                                                   context)
     for v, info in llama.info().items():
         kv_itemsize = 2  # llama-server's default KV cache type is f16
         nbytes[f"llama-server {v}"] = _decode_bytes(cfg, info["model_bytes"], kv_itemsize,

@@ -8,10 +8,14 @@ runs it, the tests only read what it writes:
       top-1, and checksums of transformers' state_dict for the GGUF importer test.
   tests/fixtures/smollm2_reference_bf16.npz      the same prompts with the same weights
       rounded to bfloat16, run by transformers in bf16 (the --dtype=bfloat16 parity test).
+  tests/fixtures/smollm2_reference_int8.npz      the same prompts, transformers in f32 on
+      the weights as --quantization=int8 holds them (every linear layer's rows quantized
+      to int8 with a scale per row, then multiplied back; the embedding lookup unquantized).
   tests/fixtures/tiny_models/<name>/             seeded random HF models (safetensors +
       config.json) and ref_logits.npz: logits [T, V] of a fixed token sequence.
 
-Usage: .venv/bin/python scripts/make_reference.py [--only=smollm2|smollm2_bf16|tiny|tiny_moe]
+Usage: .venv/bin/python scripts/make_reference.py
+           [--only=smollm2|smollm2_bf16|smollm2_int8|tiny|tiny_moe]
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from runtime.checkpoint import default_gguf_path  # noqa: E402
 
 FLAGS = flags.DEFINE_string("out_dir", "tests/fixtures", "fixture folder")
-ONLY = flags.DEFINE_enum("only", None, ["smollm2", "smollm2_bf16", "tiny", "tiny_moe"],
+ONLY = flags.DEFINE_enum("only", None, ["smollm2", "smollm2_bf16", "smollm2_int8", "tiny",
+                                        "tiny_moe"],
                         "generate just one group")
 NUM_GREEDY = flags.DEFINE_integer("num_greedy", 32, "greedy tokens per prompt")
 
@@ -159,6 +164,41 @@ def make_smollm2_bf16(out_dir: str) -> None:
     np.savez_compressed(os.path.join(out_dir, "smollm2_reference_bf16.npz"), **arrays)
 
 
+def int8_rows(w: torch.Tensor) -> torch.Tensor:
+    """An HF linear weight [out, in] as cpu_kernels.pack_int8 holds it: each output row
+    (our column) q = round(w / s) in [-127, 127], s = max |row| / 127, times s again (the
+    same f32 operations as pack_int8, so the same q and s)."""
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    q = torch.clamp(torch.round(w / scale[:, None]), -127, 127)
+    return q * scale[:, None]
+
+
+def make_smollm2_int8(out_dir: str) -> None:
+    """transformers in f32 on the GGUF's weights quantized as --quantization=int8 does:
+    every linear layer's weight and the output head (untied from the embedding, whose
+    lookup xlaserve keeps in f32) through int8_rows."""
+    path = default_gguf_path()
+    folder, name = os.path.split(path)
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    model.eval()
+    for module in model.model.layers.modules():
+        if isinstance(module, torch.nn.Linear):
+            module.weight = torch.nn.Parameter(int8_rows(module.weight.data))
+    # A new Parameter unties the head from embed_tokens.
+    model.lm_head.weight = torch.nn.Parameter(int8_rows(model.model.embed_tokens.weight.data))
+    arrays: dict[str, np.ndarray] = {}
+    for i, messages in enumerate(PROMPTS):
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tok(text, add_special_tokens=False).input_ids
+        res = greedy(model, prompt, NUM_GREEDY.value)
+        arrays.update({f"p{i}_{k}": v for k, v in res.items()})
+        print(f"prompt {i} (int8): greedy {tok.decode(res['greedy_ids'].tolist())!r}, "
+              f"min margin {res['greedy_margins'].min():.4f}")
+    np.savez_compressed(os.path.join(out_dir, "smollm2_reference_int8.npz"), **arrays)
+
+
 def tiny_configs() -> dict[str, tuple[type, object]]:
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -266,6 +306,8 @@ def main(argv: list[str]) -> None:
         make_smollm2(out_dir)
     if ONLY.value in (None, "smollm2_bf16"):
         make_smollm2_bf16(out_dir)
+    if ONLY.value in (None, "smollm2_int8"):
+        make_smollm2_int8(out_dir)
     print(f"fixtures written to {out_dir} in {time.perf_counter() - t0:.1f}s")
 
 

@@ -36,6 +36,9 @@ flags.DEFINE_enum("dtype", None, ["float32", "bfloat16"], "default: float32 on C
                   "bfloat16 on GPU")
 flags.DEFINE_enum("kv_cache_dtype", _D.kv_cache_dtype, ["auto", "float32", "bfloat16"],
                   "KV pool dtype (auto: as --dtype)")
+flags.DEFINE_enum("quantization", None, ["int8"], "int8: weight-only int8 matrices with a "
+                  "scale per output column on the CPU fast path (a quarter of f32's bytes "
+                  "a token; norms, embeddings and the KV pool stay in --dtype)")
 flags.DEFINE_integer("page_size", _D.page_size, "tokens per KV page")
 flags.DEFINE_integer("max_total_tokens", None, "KV pool size in tokens (default: from "
                      "--mem_fraction)")
@@ -142,7 +145,8 @@ def _buckets(values: list[str] | None) -> tuple[int, ...] | None:
 def server_args() -> ServerArgs:
     return ServerArgs(
         model=FLAGS.model, host=FLAGS.host, port=FLAGS.port, api_key=FLAGS.api_key or None,
-        dtype=FLAGS.dtype, kv_cache_dtype=FLAGS.kv_cache_dtype, page_size=FLAGS.page_size,
+        dtype=FLAGS.dtype, kv_cache_dtype=FLAGS.kv_cache_dtype, quantization=FLAGS.quantization,
+        page_size=FLAGS.page_size,
         max_total_tokens=FLAGS.max_total_tokens,
         mem_fraction=FLAGS.mem_fraction, max_running_requests=FLAGS.max_running_requests,
         max_prefill_tokens=FLAGS.max_prefill_tokens,

@@ -1,5 +1,6 @@
-"""cpu_kernels (packed matmul and paged attention, float32 and bfloat16) against numpy
-and the jnp path, their batch invariance, and where they are used."""
+"""cpu_kernels (packed matmul in float32, bfloat16 and weight-only int8; paged attention
+in float32 and bfloat16) against numpy and the jnp path, their batch invariance, and where
+they are used."""
 
 from __future__ import annotations
 
@@ -41,6 +42,43 @@ def test_matches_numpy(m, k, n):
     y = jax.jit(cpu_kernels.packed_matmul)(jnp.asarray(x), cpu_kernels.pack(jnp.asarray(w)))
     assert y.shape == (m, n) and y.dtype == jnp.float32
     want = x.astype(np.float64) @ w.astype(np.float64)
+    np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+
+
+def _pack(w: np.ndarray, dtype: str) -> cpu_kernels.PackedWeight:
+    """W packed as float32 / bfloat16 panels, or quantized to int8 (pack_int8)."""
+    return cpu_kernels.pack_int8(w) if dtype == "int8" else cpu_kernels.pack(jnp.asarray(w, dtype))
+
+
+def _int8_weights(pw: cpu_kernels.PackedWeight) -> tuple[np.ndarray, np.ndarray]:
+    """(q [..., K, N] int8, scale [..., N]) back out of int8 panels [..., P, Kp, 64]."""
+    panels, lead = np.asarray(pw.panels), pw.panels.shape[:-3]
+    q = np.swapaxes(panels, -3, -2).reshape(*lead, panels.shape[-2], -1)[..., :pw.k, :pw.n]
+    return q, np.asarray(pw.scales).reshape(*lead, -1)[..., :pw.n]
+
+
+# The f32 test's shapes; K not a multiple of 4 pads the last step with zero rows (and x
+# with zero columns), N across and inside panels pads the scales with zeros.
+@pytest.mark.parametrize("m,k,n", [(0, 8, 64), (1, 576, 576), (7, 100, 130), (5, 3, 17),
+                                   (97, 33, 65), (200, 1536, 576), (13, 64, 1), (32, 17, 192)])
+def test_int8_matches_numpy(m, k, n):
+    """Per column: q = round(W / s) in [-127, 127], s = max |W| / 127, so |q s - W| <= s / 2;
+    the kernel gives x @ (q s) to the f32 test's tolerance (its products x q are exact)."""
+    rng = np.random.default_rng(m * 1000 + k + n)
+    x = rng.standard_normal((m, k), np.float32)
+    w = rng.standard_normal((k, n), np.float32)
+    w[:, 0] = 0  # an all-zero column: scale 1, q 0
+    pw = cpu_kernels.pack_int8(w)
+    assert pw.dtype == jnp.int8 and pw.shape == (k, n) and pw.panels.shape[-2] % 4 == 0
+    q, scale = _int8_weights(pw)
+    amax = np.abs(w).max(0)
+    np.testing.assert_array_equal(scale, np.where(amax > 0, amax / np.float32(127), 1))
+    assert np.abs(q).max() <= 127 and (np.abs(q).max(0)[amax > 0] == 127).all()
+    # Off by at most half a step (plus the f32 division's rounding of W / s).
+    assert (np.abs(q * scale.astype(np.float64) - w) <= scale * (0.5 + 1e-5)).all()
+    y = jax.jit(cpu_kernels.packed_matmul)(jnp.asarray(x), pw)
+    assert y.shape == (m, n) and y.dtype == jnp.float32
+    want = x.astype(np.float64) @ (q.astype(np.float64) * scale)
     np.testing.assert_allclose(np.asarray(y), want, rtol=1e-5, atol=1e-5 * np.sqrt(k))
 
 
@@ -205,13 +243,13 @@ def test_leading_dims_and_stacked_weights():
         cpu_kernels.packed_matmul(x, pb)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_a_stacked_weight_is_read_in_place_at_a_traced_layer(dtype):
     """at_layer (the layer loop's path): the kernel reads matrix `layer` of the stack
     itself, bitwise what the sliced matrix gives, for every layer under one trace; a
     layer outside the stack is an error, not a read past the weights."""
     rng = np.random.default_rng(3)
-    w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((3, 70, 130)), dtype))
+    w = _pack(rng.standard_normal((3, 70, 130)), dtype)
     x = jnp.asarray(rng.standard_normal((7, 70), np.float32))
     f = jax.jit(lambda x, w, layer: cpu_kernels.packed_matmul(x, cpu_kernels.at_layer(w, layer)))
     for layer in range(3):
@@ -227,11 +265,12 @@ def test_a_stacked_weight_is_read_in_place_at_a_traced_layer(dtype):
         cpu_kernels.at_layer(jax.tree.map(lambda a: a[0], w), jnp.int32(0))
 
 
-def test_row_results_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("dtype", ["float32", "int8"])
+def test_row_results_do_not_depend_on_the_batch(dtype):
     """Every row runs the same FMA sequence wherever it sits: bitwise equal alone, in a
     6-row tile, in a tail tile and in a second 96-row work unit."""
     rng = np.random.default_rng(2)
-    w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((300, 200), np.float32)))
+    w = _pack(rng.standard_normal((300, 200)), dtype)
     x = jnp.asarray(rng.standard_normal((150, 300), np.float32))
     f = jax.jit(cpu_kernels.packed_matmul)
     full = np.asarray(f(x, w))
@@ -240,13 +279,13 @@ def test_row_results_do_not_depend_on_the_batch():
     np.testing.assert_array_equal(np.asarray(f(x[3:10], w)), full[3:10])
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int8"])
 def test_masked_rows_come_out_zero_and_the_others_unchanged(dtype):
     """only_rows: the masked rows of y are zero, every other row bitwise what the
     unmasked call gives, for runs of every kind (one row, a tile tail, a run across the
     96-row work unit, the last row) and for an all-zero mask."""
     rng = np.random.default_rng(4)
-    w = cpu_kernels.pack(jnp.asarray(rng.standard_normal((300, 200)), dtype))
+    w = _pack(rng.standard_normal((300, 200)), dtype)
     x = jnp.asarray(rng.standard_normal((150, 300), np.float32))
     f = jax.jit(cpu_kernels.packed_matmul)
     full = np.asarray(f(x, w))
@@ -309,6 +348,33 @@ def test_packed_model_matches_unpacked():
                                        rtol=2e-5, atol=2e-5)
 
 
+def test_int8_model_matches_its_dequantized_weights():
+    """pack_for_cpu(..., "int8"): every fused matrix and the head quantized per column;
+    the logits are those of the f32 model whose matrices are q * s (the lookup table
+    unquantized), stacked and per-layer."""
+    from tests.model_utils import all_position_logits
+
+    ids = list(range(3, 40))
+    params = llama.init_params(TINY, jax.random.key(3))
+    packed = llama.pack_for_cpu(params, "int8")
+    deq = {**params, "lm_head": None, "layers": dict(params["layers"])}
+    for name, parts in {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up"),
+                        "wo": ("wo",), "w_down": ("w_down",)}.items():
+        q, scale = _int8_weights(packed["layers"][name])
+        full = q * scale[:, None, :]  # [L, K, N]
+        splits = np.cumsum([params["layers"][p].shape[-1] for p in parts])[:-1]
+        for p, part in zip(parts, np.split(full, splits, axis=-1), strict=True):
+            deq["layers"][p] = jnp.asarray(part, jnp.float32)
+    q, scale = _int8_weights(packed["lm_head"])
+    deq["lm_head"] = jnp.asarray(q * scale, jnp.float32)
+    want = all_position_logits(deq, dataclasses.replace(TINY, tie_word_embeddings=False), ids)
+    for tree in (params, llama.unstack_layers(params)):
+        got = all_position_logits(llama.pack_for_cpu(tree, "int8"), TINY, ids)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    with pytest.raises(ValueError, match="quantization='int4'"):
+        llama.pack_for_cpu(params, "int4")
+
+
 def test_config_choices():
     for dtype in ("float32", "bfloat16"):  # CPU, kernels build: ours in both dtypes
         assert default_cpu_matmul(ServerArgs(dtype=dtype)) == "packed"
@@ -321,6 +387,11 @@ def test_config_choices():
     assert (cfg.kv_dtype, cfg.activation_dtype) == ("float32", "bfloat16")
     with pytest.raises(ValueError, match="kv_cache_dtype='fp8_e5m2'"):
         RunnerConfig(kv_cache_dtype="fp8_e5m2")
+    assert RunnerConfig(cpu_matmul="packed", quantization="int8").quantization == "int8"
+    with pytest.raises(ValueError, match="runs on the packed CPU matmul"):
+        RunnerConfig(cpu_matmul="xla", quantization="int8")
+    with pytest.raises(ValueError, match="quantization='fp8'"):
+        RunnerConfig(cpu_matmul="packed", quantization="fp8")
 
 
 def test_fallback_where_the_kernels_cannot_build(monkeypatch, caplog):
@@ -346,6 +417,12 @@ def test_bad_operands_are_rejected_by_the_kernels():
     bad = cpu_kernels.PackedWeight(panels=jnp.zeros((1, 12, 64), jnp.float32), n=64, k=12)
     with pytest.raises(Exception, match="packed_matmul: want x"):
         jax.block_until_ready(jax.jit(cpu_kernels.packed_matmul)(x, bad))
+    q8 = cpu_kernels.pack_int8(np.ones((10, 64), np.float32))
+    for bad in (dataclasses.replace(q8, scales=q8.scales[:, :32]),  # scales [P, 32]
+                dataclasses.replace(q8, k=13)):  # 12 rows of panels for K = 13
+        with pytest.raises(Exception, match="int8, scale \\[P, 64\\]"):
+            jax.block_until_ready(jax.jit(cpu_kernels.packed_matmul)(
+                jnp.ones((3, bad.k), jnp.float32), bad))
     q = jnp.zeros((2, 6, 64), jnp.float32)
     kv = jnp.zeros((2, 2, 64), jnp.float32)
     pool = jnp.zeros((1, 2, 4, 16, 64), jnp.float32)
