@@ -11,6 +11,9 @@
 //     targets AMX-BF16). Which one serves is measured per CPU (cpu_kernels.bf16_kernel):
 //     widening won on an Intel Xeon without AMX in use, dot on an AMD EPYC, amx on an
 //     Intel Xeon with it.
+//   int8 (weight-only, --quantization=int8): wp[P, K4 * 4, 64] with K4 = ceil(K / 4)
+//     and a scale per column, scale[P, 64]: the weights widened to f32 for the f32
+//     kernel's FMAs, x kept in f32, each output times its column's scale.
 //
 // Why: XLA CPU's GEMM re-packs the weight operand on every call. A decode step multiplies
 // a few rows by every weight, so the packing pass (a read and a write of all weights)
