@@ -275,8 +275,6 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
 // a call computes (RowMask), so large M splits across threads.
 using Chunks = std::vector<std::pair<int64_t, int64_t>>;
 
-// Work units are (panel, row chunk) pairs in panel-major order, one contiguous range per
-// thread (ParallelStealing) so that each thread prefetches its own next panel.
 // y[m0:m1, panel p's columns] *= scale[p's 64]: an int8 unit's column scales, applied
 // while its outputs are still in L1.
 inline void ScaleColumns(float* y, int64_t N, int64_t p, int64_t m0, int64_t m1,
@@ -288,7 +286,9 @@ inline void ScaleColumns(float* y, int64_t N, int64_t p, int64_t m0, int64_t m1,
   }
 }
 
-// `scale` (int8 weights: [P * 64] column scales, else null) multiplies each unit's y.
+// Work units are (panel, row chunk) pairs in panel-major order, one contiguous range per
+// thread (ParallelStealing) so that each thread prefetches its own next panel. `scale`
+// (int8 weights: [P * 64] column scales, else null) multiplies each unit's y.
 template <typename Step>
 void Run(ffi::ThreadPool& pool, const typename Step::X* x, const typename Step::T* w,
          float* y, const Chunks& rows, int64_t ldx, int64_t steps, int64_t N, int64_t P,

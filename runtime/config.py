@@ -245,8 +245,8 @@ class RunnerConfig:
     # slicing the stacked arrays (models.llama.run_layers): XLA CPU copies every slice
     # for its dot (the packed kernel reads the stack in place: default_per_layer_weights).
     per_layer_weights: bool = False
-    # "packed": matmuls through cpu_kernels (weights packed at load, float32 or bfloat16,
-    # activations float32 between ops; CPU only); "xla": XLA's own dot.
+    # "packed": matmuls through cpu_kernels (weights packed at load, float32, bfloat16 or
+    # int8 (`quantization`), activations float32 between ops; CPU only); "xla": XLA's dot.
     cpu_matmul: str = "xla"
     # Compile SPLIT_PREFILL executables (runtime/split_prefill.py) for every extend bucket.
     enable_split_prefill: bool = False
