@@ -81,6 +81,7 @@ flags.DEFINE_integer("rounds", 1, "with --variants: split each point's --iters c
                      "this many rounds, each visiting every variant in turn (A B A B)",
                      lower_bound=1)
 flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
+flags.DEFINE_enum("quantization", None, ["int8"], "weight-only int8 (see serve.py)")
 flags.DEFINE_list("variants", [], "MATMUL+ATTENTION pairs to time side by side, e.g. "
                   "packed+cpu,xla+xla, each optionally +tbo (two-batch overlap on), "
                   "+switch or +stacked (the layer weights; see above) "
@@ -164,7 +165,8 @@ def _buckets(flag: list[str], sizes: set[int], name: str) -> list[int]:
 
 
 def _base_args() -> ServerArgs:
-    return ServerArgs(model=FLAGS.model, dtype=FLAGS.dtype, tp=FLAGS.tp, ep=FLAGS.ep,
+    return ServerArgs(model=FLAGS.model, dtype=FLAGS.dtype, quantization=FLAGS.quantization,
+                      tp=FLAGS.tp, ep=FLAGS.ep,
                       checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
 
@@ -437,7 +439,8 @@ def main(argv: list[str]) -> None:
     jobs = [(p, batch, v) for p, (batch, _) in zip(points, built, strict=True) for v in variants]
     # Each variant's own bucket: the attention backend decides the page-table width.
     records = [_record(p, v, runners[v].bucket_for(batch), host, total, cfg,
-                       runners[v].dtype.itemsize, roof)
+                       1 if runners[v].cfg.quantization == "int8" else runners[v].dtype.itemsize,
+                       roof)
                for (p, batch, v), (host, total) in zip(jobs, timed, strict=True)]
     runner = runners[variants[0]]
     _print_table(records, variants)
