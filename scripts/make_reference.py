@@ -145,23 +145,33 @@ def make_smollm2(out_dir: str) -> None:
         json.dump(meta, f, indent=1)
 
 
-def make_smollm2_bf16(out_dir: str) -> None:
-    """transformers in bf16 on the GGUF's weights rounded to bf16 (as xlaserve's bf16
-    checkpoint rounds them): greedy tokens, margins and teacher-forced top-1."""
-    path = default_gguf_path()
-    folder, name = os.path.split(path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model = model.to(torch.bfloat16).eval()
+def _greedy_fixture(model: torch.nn.Module, tok, label: str, path: str) -> None:
+    """greedy() on every chat prompt, saved as p<i>_<key> arrays in the .npz at path."""
     arrays: dict[str, np.ndarray] = {}
     for i, messages in enumerate(PROMPTS):
         text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         prompt = tok(text, add_special_tokens=False).input_ids
         res = greedy(model, prompt, NUM_GREEDY.value)
         arrays.update({f"p{i}_{k}": v for k, v in res.items()})
-        print(f"prompt {i} (bf16): greedy {tok.decode(res['greedy_ids'].tolist())!r}, "
+        print(f"prompt {i} ({label}): greedy {tok.decode(res['greedy_ids'].tolist())!r}, "
               f"min margin {res['greedy_margins'].min():.4f}")
-    np.savez_compressed(os.path.join(out_dir, "smollm2_reference_bf16.npz"), **arrays)
+    np.savez_compressed(path, **arrays)
+
+
+def _smollm2_f32() -> tuple:
+    """(tokenizer, transformers model in f32) of the default GGUF."""
+    folder, name = os.path.split(default_gguf_path())
+    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    return tok, AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                     dtype=torch.float32).eval()
+
+
+def make_smollm2_bf16(out_dir: str) -> None:
+    """transformers in bf16 on the GGUF's weights rounded to bf16 (as xlaserve's bf16
+    checkpoint rounds them): greedy tokens, margins and teacher-forced top-1."""
+    tok, model = _smollm2_f32()
+    _greedy_fixture(model.to(torch.bfloat16).eval(), tok, "bf16",
+                    os.path.join(out_dir, "smollm2_reference_bf16.npz"))
 
 
 def int8_rows(w: torch.Tensor) -> torch.Tensor:
@@ -178,25 +188,13 @@ def make_smollm2_int8(out_dir: str) -> None:
     """transformers in f32 on the GGUF's weights quantized as --quantization=int8 does:
     every linear layer's weight and the output head (untied from the embedding, whose
     lookup xlaserve keeps in f32) through int8_rows."""
-    path = default_gguf_path()
-    folder, name = os.path.split(path)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    model.eval()
+    tok, model = _smollm2_f32()
     for module in model.model.layers.modules():
         if isinstance(module, torch.nn.Linear):
             module.weight = torch.nn.Parameter(int8_rows(module.weight.data))
     # A new Parameter unties the head from embed_tokens.
     model.lm_head.weight = torch.nn.Parameter(int8_rows(model.model.embed_tokens.weight.data))
-    arrays: dict[str, np.ndarray] = {}
-    for i, messages in enumerate(PROMPTS):
-        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = tok(text, add_special_tokens=False).input_ids
-        res = greedy(model, prompt, NUM_GREEDY.value)
-        arrays.update({f"p{i}_{k}": v for k, v in res.items()})
-        print(f"prompt {i} (int8): greedy {tok.decode(res['greedy_ids'].tolist())!r}, "
-              f"min margin {res['greedy_margins'].min():.4f}")
-    np.savez_compressed(os.path.join(out_dir, "smollm2_reference_int8.npz"), **arrays)
+    _greedy_fixture(model, tok, "int8", os.path.join(out_dir, "smollm2_reference_int8.npz"))
 
 
 def tiny_configs() -> dict[str, tuple[type, object]]:

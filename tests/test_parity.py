@@ -147,6 +147,15 @@ def reference_bf16():
     return np.load(FIXTURES / "smollm2_reference_bf16.npz")
 
 
+def _teacher_forced(packed: dict, cfg, ref, p: int, **kw) -> np.ndarray:
+    """Logits [32, V] at each of ref's 32 greedy steps of prompt p, the tokens fed
+    (teacher-forced) on the CPU fast path; row 0 is the prompt's last position."""
+    prompt = ref[f"p{p}_prompt_ids"].tolist()
+    cont = ref[f"p{p}_greedy_ids"].tolist()
+    return all_position_logits(packed, cfg, prompt + cont[:-1], attention_backend="cpu",
+                               **kw)[len(prompt) - 1:]
+
+
 @pytest.mark.parametrize("p", [0, 1])
 def test_smollm2_bf16_teacher_forced_top1_matches_transformers_bf16(smollm2_bf16, reference,
                                                                     reference_bf16, p):
@@ -155,17 +164,13 @@ def test_smollm2_bf16_teacher_forced_top1_matches_transformers_bf16(smollm2_bf16
     reference (bf16 weights move them by ~0.1, not by a wrong layer's units)."""
     cfg, params = smollm2_bf16
     ref = reference_bf16
-    prompt = ref[f"p{p}_prompt_ids"].tolist()
-    cont = ref[f"p{p}_greedy_ids"].tolist()
-    logits = all_position_logits(llama.pack_for_cpu(params), cfg, prompt + cont[:-1],
-                                 attention_backend="cpu", kv_dtype=jnp.bfloat16)
-    steps = logits[len(prompt) - 1:]  # [32, V]
+    steps = _teacher_forced(llama.pack_for_cpu(params), cfg, ref, p, kv_dtype=jnp.bfloat16)
     clear = ref[f"p{p}_tf_margins"] > BF16_NOISE
     agree = steps.argmax(-1) == ref[f"p{p}_tf_top1"]
     print(f"prompt {p}: teacher-forced top-1 agreement {agree.mean():.0%} of all steps, "
           f"{agree[clear].mean():.0%} of {clear.sum()} clear steps")
     assert agree[clear].all()
-    err_f32 = np.abs(logits[len(prompt) - 1] - reference[1][f"p{p}_last_logits"]).max()
+    err_f32 = np.abs(steps[0] - reference[1][f"p{p}_last_logits"]).max()
     print(f"prompt {p}: last-logit max abs error vs transformers f32: {err_f32:.3f}")
     assert err_f32 < 0.5
 
@@ -197,20 +202,15 @@ def test_smollm2_int8_matches_transformers_on_the_quantized_weights(smollm2, ref
     on at least 90% of the teacher-forced steps whose margin clears int8 noise."""
     cfg, params = smollm2
     ref = reference_int8
-    prompt = ref[f"p{p}_prompt_ids"].tolist()
-    cont = ref[f"p{p}_greedy_ids"].tolist()
-    logits = all_position_logits(llama.pack_for_cpu(params, "int8"), cfg, prompt + cont[:-1],
-                                 attention_backend="cpu")
-    err = np.abs(logits[len(prompt) - 1] - ref[f"p{p}_last_logits"]).max()
+    packed = llama.pack_for_cpu(params, "int8")
+    steps = _teacher_forced(packed, cfg, ref, p)
+    err = np.abs(steps[0] - ref[f"p{p}_last_logits"]).max()
     print(f"prompt {p}: last-logit max abs error vs transformers on int8 weights: {err:.2e}")
     assert err < 1e-3
-    steps = logits[len(prompt) - 1:]  # [32, V]
     clear = ref[f"p{p}_tf_margins"] > 1e-3
     np.testing.assert_array_equal(steps.argmax(-1)[clear], ref[f"p{p}_tf_top1"][clear])
     f32 = reference[1]
-    f32_logits = all_position_logits(llama.pack_for_cpu(params, "int8"), cfg,
-                                     prompt + f32[f"p{p}_greedy_ids"].tolist()[:-1],
-                                     attention_backend="cpu")[len(prompt) - 1:]
+    f32_logits = _teacher_forced(packed, cfg, f32, p)
     agree = f32_logits.argmax(-1) == f32[f"p{p}_tf_top1"]
     f32_clear = f32[f"p{p}_tf_margins"] > BF16_NOISE
     err_f32 = np.abs(f32_logits[0] - f32[f"p{p}_last_logits"]).max()
