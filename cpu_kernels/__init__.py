@@ -420,11 +420,16 @@ def extend_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: j
 
 
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layers: jax.Array, slots: jax.Array,
-             k: jax.Array, v: jax.Array) -> tuple[jax.Array, jax.Array]:
+             k: jax.Array, v: jax.Array, after: jax.Array | None = None
+             ) -> tuple[jax.Array, jax.Array]:
     """runtime.kv_pool.write_kv's contract on pools of float32 or bfloat16, in place:
     k, v [N, T, Hkv, Dh] of layers [N] into flat slots [T] (page * S + slot) of pools
     [L, Hkv, P, S, Dh]; slots outside the pool are dropped. The pools are aliased to the
-    results, so under a donating jit no copy of them is made."""
+    results, so under a donating jit no copy of them is made, provided XLA sees the write
+    come after every read of the pools: `after`, an array computed from those reads (not
+    read here), makes it a data dependency. Without it, when the reads are not inside a
+    loop whose outputs feed k and v (a one-layer scan, which XLA unrolls), XLA CPU copied
+    the whole pool before the reads and again before the write."""
     load()
     if k_pool.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"write_kv writes float32 or bfloat16 pages, not {k_pool.dtype}")
@@ -433,7 +438,8 @@ def write_kv(k_pool: jax.Array, v_pool: jax.Array, layers: jax.Array, slots: jax
     return jax.ffi.ffi_call("xlaserve_write_kv" + suffix, (pool, pool),
                             input_output_aliases={0: 0, 1: 1})(
         k_pool, v_pool, layers.astype(jnp.int32), slots.astype(jnp.int32),
-        k.astype(k_pool.dtype), v.astype(k_pool.dtype))
+        k.astype(k_pool.dtype), v.astype(k_pool.dtype),
+        jnp.zeros((0,), jnp.int32) if after is None else after)
 
 
 _MADV_HUGEPAGE, _MADV_COLLAPSE = 14, 25  # linux/mman.h

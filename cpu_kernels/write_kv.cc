@@ -15,10 +15,13 @@ namespace {
 
 // pools [L, Hkv, P, S, D]; layers [N]; slots [T] (flat page * S + slot; outside the pool:
 // dropped, as the jnp scatter drops them); k_new, v_new [N, T, Hkv, D] in the pools' dtype.
+// `after`: not read; an operand computed from every read of the pools this step, so that
+// XLA orders this in-place write after them by data dependency (cpu_kernels.write_kv).
 template <ffi::DataType DT>
 ffi::Error WriteKv(ffi::Buffer<DT> k_pool, ffi::Buffer<DT> v_pool, ffi::Buffer<ffi::S32> layers,
                    ffi::Buffer<ffi::S32> slots, ffi::Buffer<DT> k_new, ffi::Buffer<DT> v_new,
-                   ffi::ResultBuffer<DT> k_out, ffi::ResultBuffer<DT> v_out) {
+                   ffi::AnyBuffer after, ffi::ResultBuffer<DT> k_out,
+                   ffi::ResultBuffer<DT> v_out) {
   using T = ffi::NativeType<DT>;
   const auto pd = k_pool.dimensions(), nd = k_new.dimensions();
   const int64_t N = layers.element_count(), Tn = slots.element_count();
@@ -56,6 +59,7 @@ auto WriteKvBinding() {
       .template Arg<ffi::Buffer<ffi::S32>>()
       .template Arg<ffi::Buffer<DT>>()
       .template Arg<ffi::Buffer<DT>>()
+      .template Arg<ffi::AnyBuffer>()
       .template Ret<ffi::Buffer<DT>>()
       .template Ret<ffi::Buffer<DT>>();
 }

@@ -211,13 +211,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
 
 
 def write_step_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
-                  v: jax.Array, mesh: Mesh | None, attention_backend: str) -> KVPool:
+                  v: jax.Array, mesh: Mesh | None, attention_backend: str,
+                  after: jax.Array | None = None) -> KVPool:
     """write_kv (layers or slots outside the pool are dropped); under tensor parallelism
     each device scatters its own heads' K/V, under data parallelism each rank its own
     tokens into its own pages. With the CPU kernels the kernel side writes in place (XLA
     CPU's scatter converts a whole bf16 pool each step, see cpu_kernels/write_kv.cc)."""
-    if attention_backend == "cpu":
-        return KVPool(*cpu_kernels.write_kv(kv.k, kv.v, layers, slots, k, v))
+    if attention_backend == "cpu":  # after: see cpu_kernels.write_kv
+        return KVPool(*cpu_kernels.write_kv(kv.k, kv.v, layers, slots, k, v, after))
     tok, heads = _split_axes(mesh)
     if not (tok or heads):
         return write_kv(kv, layers, slots, k, v)
@@ -305,7 +306,10 @@ def run_decoder_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBat
     body = _layer_body(params, kv, batch, cfg, mlp, cos, sin, attention_backend, mesh)
     layers = jnp.arange(n, dtype=jnp.int32) + start
     h, (k, v) = jax.lax.scan(body, h, layers)  # k, v [n, T, Hkv, Dh]
-    return h, write_step_kv(kv, layers, batch.out_cache_loc, k, v, mesh, attention_backend)
+    # h comes from every layer's attention, so the write follows their pool reads even
+    # when XLA unrolls a one-layer scan (cpu_kernels.write_kv: else it copies the pool).
+    return h, write_step_kv(kv, layers, batch.out_cache_loc, k, v, mesh, attention_backend,
+                            after=h)
 
 
 def run_decoder_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,

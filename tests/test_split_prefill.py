@@ -227,3 +227,21 @@ def test_a_splits_layer_work_counts_the_tokens_its_matmuls_run(runner):
     tokens = 52 if runner.cfg.cpu_matmul == "packed" else split.shape.num_extend_tokens
     assert split.shape.num_extend_tokens == 64
     assert runner._layer_work(split) == layer_work(CFG, tokens, rows)
+
+
+def test_no_executable_copies_the_kv_pool():
+    """The pool is donated and written in place (cpu_kernels.write_kv), so no executable may
+    copy it. One-layer split intervals are the case that did: XLA unrolls their one-trip
+    layer scan, and it then copied the whole pool before the attention's reads and again
+    before the write, until the write took an operand computed from those reads."""
+    rcfg = RunnerConfig(decode_buckets=(2,), extend_token_buckets=(64,), extend_seq_buckets=(1,),
+                        kv_len_buckets=(64,), cpu_matmul="packed", attention_backend="cpu",
+                        enable_split_prefill=True, split_prefill_layers=1, strict_compile=True)
+    r = ModelRunner(CFG, llama.init_params(CFG, jax.random.key(3)),
+                    CacheConfig(page_size=PAGE, num_pages=80), rcfg, max_running_requests=4)
+    r.warmup(progress=False)
+    assert any(name.endswith("_k1") for name in r.compiled)
+    pool = f"f32[{','.join(map(str, r.kv.k.shape))}]"
+    for name, exe in r.compiled.items():
+        copies = [line for line in exe.as_text().splitlines() if pool in line and " copy(" in line]
+        assert not copies, (name, copies[:2])
