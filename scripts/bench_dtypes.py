@@ -7,10 +7,10 @@ Every contender serves the same prompts, greedy with EOS ignored. Each round run
 contender's single stream --single_repeats times, interleaved (A B C D, D C B A, ...,
 a read probe between neighbours), then each one's throughput run in turn; the summary
 takes medians over rounds.
+
 A decode token reads every weight once (llama-server: its GGUF's bytes; xlaserve: the
 weights as the packed path holds them: panels and scales) plus the row's cached K/V, so
-bytes / token x tok/s over the
-round's measured read bandwidth is the share of the bound.
+bytes / token x tok/s over the round's measured read bandwidth is the share of the bound.
 
   .venv/bin/python scripts/bench_dtypes.py --out_dir=bench_out/dtypes
   .venv/bin/python scripts/bench_dtypes.py --smoke --out_dir=/tmp/bd  # tiny model, no peers

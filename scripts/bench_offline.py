@@ -372,20 +372,11 @@ def _sweep_fractions(rec: dict[str, Any], cfg: ModelConfig, w: Workload,
 
 def llama_points(w: Workload) -> dict[str, tuple[int, ...]]:
     """Each llama-server variant's sweep points: --concurrency, or its --llama_concurrency."""
-    points = {v: w.concurrency for v in FLAGS.llama_variants}
-    for spec in FLAGS.llama_concurrency:
-        v, _, cs = spec.partition("=")
-        try:
-            want = tuple(int(c) for c in cs.split(","))
-        except ValueError:
-            want = ()
-        if v not in points or not want or not set(want) <= set(w.concurrency):
-            raise app.UsageError(
-                f"--llama_concurrency={spec}: want VARIANT=C1,C2,... with VARIANT one of "
-                f"--llama_variants {list(points)} and the points among --concurrency "
-                f"{list(w.concurrency)}")
-        points[v] = tuple(c for c in w.concurrency if c in want)
-    return points
+    try:
+        return offline_peers.sweep_points(FLAGS.llama_variants, w.concurrency,
+                                          FLAGS.llama_concurrency)
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
 
 
 def _llama_round(r: int, llama: offline_peers.LlamaPeers, points: dict[str, tuple[int, ...]],
