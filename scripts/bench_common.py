@@ -311,11 +311,26 @@ def smoke_args(base: ServerArgs, kv_len: int = 64) -> ServerArgs:
                                max_extend_seqs=4)
 
 
-def model_summary(cfg: ModelConfig, name: str, dtype: str) -> dict[str, Any]:
-    itemsize = jnp.dtype(dtype).itemsize
-    return {"name": name, "dtype": dtype, "config": json.loads(cfg.to_json()),
-            "params": total_params(cfg), "matmul_params": matmul_params(cfg),
-            "weight_bytes": weight_bytes(cfg, itemsize)}
+def model_summary(cfg: ModelConfig, name: str, dtype: str, quantization: str | None = None,
+                  nbytes: int | None = None) -> dict[str, Any]:
+    """The model a benchmark served: `dtype` its compute (activation) dtype, `weights` its
+    weights' format (the dtype, or the quantization: "int8" is weight-only int8 over f32
+    activations), `weight_bytes` what a decode step reads of them (`nbytes` where the
+    engine says: decode_weight_bytes; else the parameters in `dtype`)."""
+    return {"name": name, "dtype": dtype, "weights": quantization or dtype,
+            "config": json.loads(cfg.to_json()), "params": total_params(cfg),
+            "matmul_params": matmul_params(cfg),
+            "weight_bytes": nbytes or weight_bytes(cfg, jnp.dtype(dtype).itemsize)}
+
+
+def decode_weight_bytes(engine: Any) -> int:
+    """Bytes of weights an engine's decode step reads: on the packed path every parameter
+    array but the lookup table (its few gathered rows; the head is its own packed copy),
+    panels and int8 scales as they are; elsewhere the model's weights in its dtype."""
+    if engine.runner.cfg.cpu_matmul != "packed":
+        return weight_bytes(engine.model_cfg, jnp.dtype(engine.runner.cfg.dtype).itemsize)
+    params = {k: v for k, v in engine.runner.params.items() if k != "embed"}
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
 
 
 def pow2_at_least(n: int, lo: int = 1) -> int:

@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 from absl import app, flags
 
@@ -76,16 +75,6 @@ def _engine(config: str) -> Engine:
     bc.log(f"xlaserve {config} ready in {time.perf_counter() - t0:.1f} s "
            f"({eng.runner.cfg.cpu_matmul} matmul, {eng.runner.cfg.attention_backend} attention)")
     return eng
-
-
-def _weight_bytes(eng: Engine) -> int:
-    """Bytes of weights a decode step reads: on the packed path every parameter array but
-    the lookup table (its few gathered rows; the head is its own packed copy), panels and
-    int8 scales as they are; elsewhere the model's weights in its dtype."""
-    if eng.runner.cfg.cpu_matmul != "packed":
-        return bc.weight_bytes(eng.model_cfg, 4 if eng.runner.cfg.dtype == "float32" else 2)
-    params = {k: v for k, v in eng.runner.params.items() if k != "embed"}
-    return sum(leaf.nbytes for leaf in jax.tree.leaves(params))
 
 
 def _decode_bytes(cfg: Any, weight_bytes: int, kv_itemsize: int, context: float) -> float:
@@ -205,7 +194,7 @@ def main(argv: list[str]) -> None:
     nbytes = {}
     for name, eng in engines.items():
         kv_itemsize = 4 if eng.runner.cfg.kv_dtype == "float32" else 2
-        nbytes[f"xlaserve {name}"] = _decode_bytes(cfg, _weight_bytes(eng), kv_itemsize,
+        nbytes[f"xlaserve {name}"] = _decode_bytes(cfg, bc.decode_weight_bytes(eng), kv_itemsize,
                                                    context)
     for v, info in llama.info().items():
         kv_itemsize = 2  # llama-server's default KV cache type is f16

@@ -24,9 +24,10 @@ roofline is measured at the start of every round; the throughput run's useful FL
 compute roofline. The --concurrency sweep sends c requests at once to xlaserve and to
 each llama-server variant (--llama_concurrency cuts a variant's points); its point at
 --num_prompts is the throughput run itself. Writes bench_offline.json and
-bench_offline.png to --out_dir, and with --also_dtypes=bfloat16 (as `make bench` runs it)
-bench_offline_bf16.* as well: the bf16 engine measured in the same rounds, against the
-same llama-server runs.
+bench_offline.png to --out_dir, and with --also_dtypes=bfloat16,int8 (as `make bench` runs
+it) bench_offline_bf16.* and bench_offline_int8.* as well: the bf16 engine and the
+weight-only int8 one (--quantization=int8, f32 activations) measured in the same rounds,
+against the same llama-server runs. transformers has no int8 counterpart here.
 """
 
 from __future__ import annotations
@@ -51,7 +52,9 @@ from runtime.config import ModelConfig, ServerArgs
 from runtime.engine import Engine
 
 FLAGS = flags.FLAGS
-SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16"}
+SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "int8"}
+# Weight formats that are a quantization over f32 activations, not a dtype.
+QUANTIZED = {"int8"}
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
 flags.DEFINE_bool("smoke", False, "tiny random model, tiny workload (checks the script)")
 flags.DEFINE_integer("num_prompts", 32, "requests in the throughput run")
@@ -73,10 +76,13 @@ flags.DEFINE_list("hf_batch_sizes", ["8", "32"], "transformers generate batch si
 flags.DEFINE_integer("hf_threads", 0, "torch threads, 0 = os.cpu_count() (on a loaded machine "
                      "OpenMP's spinning threads can slow torch down many times over)")
 flags.DEFINE_integer("max_running_requests", 32, "see ServerArgs")
-flags.DEFINE_string("dtype", None, "float32 / bfloat16 (default: the server's)")
-flags.DEFINE_list("also_dtypes", [], "further xlaserve weight dtypes measured in the same "
-                  "rounds against the same peer runs (transformers in each dtype): "
-                  "bench_offline_<bf16|f32>.json / .png beside --dtype's bench_offline.*")
+flags.DEFINE_string("dtype", None, "xlaserve's weights: float32 / bfloat16 / int8 "
+                    "(weight-only int8 over f32 activations, serve.py's "
+                    "--quantization=int8); default: the server's dtype")
+flags.DEFINE_list("also_dtypes", [], "further xlaserve weight formats (as --dtype) measured "
+                  "in the same rounds against the same peer runs (transformers in each "
+                  "dtype, none for int8): bench_offline_<bf16|f32|int8>.json / .png beside "
+                  "--dtype's bench_offline.*")
 flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "concurrent requests of the "
@@ -119,13 +125,15 @@ def _workload() -> Workload:
 # ---------------------------------------------------------------- xlaserve
 
 
-def _server_args(w: Workload, dtype: str | None) -> ServerArgs:
+def _server_args(w: Workload, weights: str | None) -> ServerArgs:
     """The server's defaults, except: KV-length buckets cut to the smallest default bucket
     these requests fit (no batch here could use a longer one; fewer executables to compile
     at start-up), and no top-logprobs (no request asks for them)."""
     longest = _longest_request(w)
     kv = tuple(b for b in (256, 1024, 4096, 8192) if b >= longest)[:1] or (8192,)
-    base = ServerArgs(dtype=dtype, max_running_requests=FLAGS.max_running_requests,
+    quantization = weights if weights in QUANTIZED else None
+    base = ServerArgs(dtype="float32" if quantization else weights,
+                      quantization=quantization, max_running_requests=FLAGS.max_running_requests,
                       kv_len_buckets=kv, max_top_logprobs=0,
                       checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
@@ -341,8 +349,9 @@ def _xla_round(tag: str, engine: Engine, roof: bc.Roofline, w: Workload,
 
 def _view(rec: dict[str, Any], dtype: str, cfg: ModelConfig, w: Workload) -> dict[str, Any]:
     """One dtype's round: its xlaserve and transformers records with the shared peers."""
-    view = {**rec, "xlaserve": rec["xlaserve"][dtype]}
-    if "transformers" in rec:
+    view = {k: v for k, v in rec.items() if k != "transformers"}
+    view["xlaserve"] = rec["xlaserve"][dtype]
+    if dtype in rec.get("transformers", {}):
         view["transformers"] = rec["transformers"][dtype]
     _sweep_fractions(view, cfg, w, bc.Roofline(**rec["roofline"]))
     return view
@@ -467,16 +476,19 @@ def main(argv: list[str]) -> None:
     args: dict[str, ServerArgs] = {}
     xla: dict[str, Engine] = {}
     for want in [FLAGS.dtype, *FLAGS.also_dtypes]:
+        if want is not None and want not in SHORT_DTYPE:
+            raise app.UsageError(f"--dtype / --also_dtypes: {want!r} is not one of "
+                                 f"{sorted(SHORT_DTYPE)}")
         a = _server_args(w, want)
         engine, name = _make_engine(a)
-        d = str(engine.runner.cfg.dtype)
+        d = a.quantization or str(engine.runner.cfg.dtype)
         if d in xla:
             raise app.UsageError(f"--also_dtypes repeats {d}, already measured")
         xla[d], args[d] = engine, a
     first = next(iter(xla.values()))
     want_ref = FLAGS.reference == "on" or (FLAGS.reference == "auto" and reference_available())
     hf: dict[str, HFReference] = {}
-    for d in xla if want_ref else ():
+    for d in [d for d in xla if d not in osum.NO_TRANSFORMERS] if want_ref else ():
         # From an f32 model already loaded, a copy (never up from bf16: that would lose bits).
         hf[d] = HFReference(FLAGS.smoke, first.model_cfg, d, hf.get("float32"))
     if not hf:
@@ -495,17 +507,20 @@ def main(argv: list[str]) -> None:
     machine["load_average_end"] = bc.load_average()
     cfg = first.model_cfg
     for k, d in enumerate(xla):
-        # The first dtype is bench_offline.*; each further one bench_offline_<bf16|f32>.*,
-        # with the same peer measurements.
+        # The first dtype is bench_offline.*; each further one
+        # bench_offline_<bf16|f32|int8>.*, with the same peer measurements.
         tag = "" if k == 0 else SHORT_DTYPE[d]
+        engine = xla[d]
+        model = bc.model_summary(cfg, name, str(engine.runner.cfg.dtype), args[d].quantization,
+                                 bc.decode_weight_bytes(engine))
         result = {"script": "bench_offline", "command": bc.command_line(),
                   "git_revision": bc.git_revision(), "machine": machine,
-                  "model": bc.model_summary(cfg, name, d), "tag": tag,
+                  "model": model, "tag": tag,
                   "engine_args": dataclasses.asdict(args[d]), "workload": dataclasses.asdict(w),
                   "flops_per_output_token": throughput_flops(cfg, w) / (w.num_prompts
                                                                          * w.output_len),
-                  "transformers_threads": hf[d].torch.get_num_threads() if hf else None,
-                  "transformers_dtype": d if hf else None,
+                  "transformers_threads": hf[d].torch.get_num_threads() if d in hf else None,
+                  "transformers_dtype": d if d in hf else None,
                   "llama_server": llama.info() if llama else None,
                   "rounds": [_view(rec, d, cfg, w) for rec in rounds]}
         result["summary"] = osum.summarize(result["rounds"], w, FLAGS.smoke,

@@ -6,9 +6,9 @@ runs it last).
 Everything between the BEGIN / END GENERATED markers is replaced (the markers are added
 at the end of the page the first time); the hand-written analysis around them stays.
 Tables come from whichever JSON files exist in --results_dir: bench_offline.json,
-bench_offline_bf16.json, bench_serving_frontier.json, bench_serving_sweep.json,
-check_llama_peer.json; plots are linked, relative to the page. Every table carries its
-command line, revision and load.
+bench_offline_bf16.json, bench_offline_int8.json, bench_serving_frontier.json,
+bench_serving_sweep.json, check_llama_peer.json; plots are linked, relative to the page.
+Every table carries its command line, revision and load.
 """
 
 from __future__ import annotations
@@ -59,11 +59,20 @@ def _img(results: Path, doc: Path, name: str) -> list[str]:
 # ---------------------------------------------------------------- bench_offline
 
 
+def _weights_label(model: dict[str, Any]) -> str:
+    """The weights' format: the dtype, or e.g. "int8 weights, float32 activations"."""
+    weights = model.get("weights", model["dtype"])
+    if weights == model["dtype"]:
+        return weights
+    return f"{weights} weights, {model['dtype']} activations"
+
+
 def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
     s, w, rounds = r["summary"], r["workload"], r["rounds"]
     llama = list(rounds[0].get("llama_server", {}))
     dtype = r["model"]["dtype"]
-    out = [f"### Offline throughput ({r['model']['name']}, {dtype}, "
+    weights = _weights_label(r["model"])
+    out = [f"### Offline throughput ({r['model']['name']}, {weights}, "
            f"{w['input_len']} in / {w['output_len']} out, {len(rounds)} round(s), medians)",
            "", *_provenance(r)]
     if r.get("transformers_dtype"):
@@ -223,7 +232,7 @@ def _check(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
 
 SECTIONS: list[tuple[str, Callable[[dict[str, Any], Path, Path], list[str]]]] = [
     ("check_llama_peer.json", _check), ("bench_offline.json", _offline),
-    ("bench_offline_bf16.json", _offline),
+    ("bench_offline_bf16.json", _offline), ("bench_offline_int8.json", _offline),
     ("bench_serving_sweep.json", _sweep), ("bench_serving_frontier.json", _frontier)]
 
 

@@ -51,8 +51,9 @@ def plot(result: dict[str, Any], out_dir: str, name: str = "bench_offline.png") 
     _bars(ax_s, [b for b in single if b[1]], "single-stream decode tok/s")
     mem = s["mem_read_gbps"] * 1e9 / result["model"]["weight_bytes"]
     ax_s.axhline(mem, color="k", ls="--", lw=1)
-    ax_s.text(0, mem, f" {dtype} weights / read bandwidth", va="bottom", fontsize=8)
-    fig.suptitle(f"{result['model']['name']} {dtype} offline, {len(rounds)} rounds (median, "
+    weights = result["model"].get("weights", dtype)
+    ax_s.text(0, mem, f" {weights} weights / read bandwidth", va="bottom", fontsize=8)
+    fig.suptitle(f"{result['model']['name']} {weights} offline, {len(rounds)} rounds (median, "
                  f"dots: rounds); load {result['machine']['load_average']} (provisional: shared "
                  "machine)")
     bc.save_figure(fig, out_dir, name)

@@ -256,7 +256,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     the greedy check, then the page regenerated from their JSON between its markers."""
     r = _run("bench_offline.py", tmp_path, "--reference=off", "--llama_server=on",
              f"--llama_server_cmd={FAKE}", "--llama_variants=q4_1,f32",
-             "--also_dtypes=bfloat16", "--llama_concurrency=f32=4")
+             "--also_dtypes=bfloat16,int8", "--llama_concurrency=f32=4")
     w, rnd = r["workload"], r["rounds"][0]
     assert w["concurrency"] == [1, 4] and "--parallel" in r["llama_server"]["q4_1"]["argv"]
     for c in w["concurrency"]:
@@ -280,6 +280,16 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     assert bf16["rounds"][0]["llama_server"] == rnd["llama_server"]
     assert "single_stream_vs_llama_q4_1" in bf16["summary"]["targets"]
     assert "single_stream_vs_llama_q4_1" not in r["summary"]["targets"]
+    # ... and the weight-only int8 one: its own bytes (a quarter of f32's, plus a scale a
+    # column), held to the same single-stream bar; no transformers targets (none runs int8)
+    int8 = json.loads((tmp_path / "bench_offline_int8.json").read_text())
+    assert int8["tag"] == "int8" and int8["rounds"][0]["llama_server"] == rnd["llama_server"]
+    assert (int8["model"]["dtype"], int8["model"]["weights"]) == ("float32", "int8")
+    assert r["model"]["weight_bytes"] / 4 < int8["model"]["weight_bytes"] < \
+        r["model"]["weight_bytes"] / 3
+    assert "single_stream_vs_llama_q4_1" in int8["summary"]["targets"]
+    assert not [k for k in int8["summary"]["targets"] if "hf" in k]
+    assert int8["transformers_dtype"] is None
     serving = ["--smoke", f"--out_dir={tmp_path}", f"--xlaserve_cmd={FAKE}",
                f"--llama_server_cmd={FAKE}"]
     _script("bench_serving.py", *serving, "--tag=sweep", "--config=default=",
@@ -300,6 +310,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     assert first.startswith(HAND_WRITTEN) and "<!-- END GENERATED -->" in first
     for needle in ("### Offline throughput (tiny-random, float32", "llama-server Q4_1 tok/s",
                    "### Offline throughput (tiny-random, bfloat16", "of the f32 matmul probe",
+                   "### Offline throughput (tiny-random, int8 weights, float32 activations",
                    "single_stream_vs_llama_q4_1", "### Serving",
                    "Poisson arrivals", "### Long prompts during decode", "| a |",
                    "### llama-server serves the same model", "5/5",
@@ -309,6 +320,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     if HAVE_MATPLOTLIB:
         assert "](../bench_serving_frontier_frontier.png)" in first
         assert "](../bench_offline_bf16.png)" in first
+        assert "](../bench_offline_int8.png)" in first
     _script(*report)  # idempotent: the section is replaced, not appended
     assert doc.read_text() == first
 
