@@ -44,18 +44,18 @@ OUT ?= gpu_suite_out
 gpu-check:
 	$(PYTHON) scripts/gpu_suite.py --out_dir=$(OUT)
 
-# CPU-sized (14 min 49 s, session 18, before int8 joined; 19 min 39 s in session 16 before
-# the cuts below): offline throughput of xlaserve f32, bf16 and weight-only int8 (since
-# session 21) at 1 / 8 / 32 / 64 concurrent (the 32-way point is the 32-request run)
-# with llama-server F32 at each, Q4_1 at 1 / 8 (compute-bound
-# from 8 streams on: its 32-way point took 94 s at 43.4 tok/s against 45.8 at 8 in session
-# 18; its 64-way one stayed within 10% of its 32-way one in sessions 9 and 14-16), the
-# single streams of all five interleaved, 3 runs each (bench_offline's --single_repeats
-# default), transformers batched at 32 in both dtypes (its goal's size), the Poisson
-# sweep with llama-server F32 side by side (Q4_1 is in the offline run), the long-prompt
-# frontier over xlaserve's three chunked / multiplexed prefill configs, then
-# docs/benchmarks.md's generated section from the JSON. (Session 8's 18.6-minute run
-# also had transformers at batch 8, Q4_1 in the sweep and the unchunked config.)
+# CPU-sized (session 21: 17 min 4 s with int8 added at every point, before the cuts on
+# the command line below; 14 min 49 s in session 18 without int8): offline throughput of
+# xlaserve f32 and bf16 at 1 / 8 / 32 / 64 concurrent and weight-only int8 at 1 / 8 / 32
+# (its 64-way point took 41 s below f32's rate: int8's FMAs widen every weight, so it
+# gains nothing once compute-bound), the 32-way point being the 32-request run;
+# llama-server F32 at each point and Q4_1 at 1 (the single stream it is compared on;
+# it falls behind its own F32 from 8 streams on: sessions 9 and 14-18); the single
+# streams of all five interleaved, 3 runs each (bench_offline's --single_repeats
+# default); transformers batched at 32 in f32 (issue 15's goal; bf16's run, ~50 s, is
+# in no goal); the Poisson sweep with llama-server F32 side by side (Q4_1 is in the
+# offline run); the long-prompt frontier over xlaserve's three chunked / multiplexed
+# prefill configs; then docs/benchmarks.md's generated section from the JSON.
 # llama-server joins when `make peers` has built it (a note says so otherwise); BENCH_PEERS
 # is expanded late because LLAMA_SERVER is defined below.
 BENCH_OUT := docs/results
@@ -65,8 +65,8 @@ bench: setup
 	@test -x $(LLAMA_SERVER) || echo "NOTE: llama-server is not built; run 'make peers' to compare it"
 	test ! -x $(LLAMA_SERVER) || $(PY) scripts/check_llama_peer.py --out_dir=$(BENCH_OUT)
 	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64 \
-		--hf_batch_sizes=32 --dtype=float32 --also_dtypes=bfloat16,int8 \
-		--llama_concurrency=q4_1=1,8
+		--hf_batch_sizes=32 --hf_dtypes=float32 --dtype=float32 --also_dtypes=bfloat16,int8 \
+		--xla_concurrency=int8=1,8,32 --llama_concurrency=q4_1=1
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \
 		$(BENCH_PEERS) --scenarios=poisson --num_prompts=16 --request_rates=2,8,inf
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=frontier \

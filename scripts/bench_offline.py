@@ -96,6 +96,12 @@ flags.DEFINE_integer("llama_threads", 2, "llama-server --threads / --threads-bat
 flags.DEFINE_multi_string("llama_concurrency", [], "VARIANT=C1,C2,...: the sweep points of "
                           "one llama-server variant where not all of --concurrency (a "
                           "subset of it; repeat the flag per variant)")
+flags.DEFINE_multi_string("xla_concurrency", [], "FORMAT=C1,C2,...: the sweep points of one "
+                          "xlaserve weight format (--dtype / --also_dtypes) where not all of "
+                          "--concurrency, as --llama_concurrency; its throughput run "
+                          "(--num_prompts requests) runs whatever they are")
+flags.DEFINE_list("hf_dtypes", [], "the formats transformers runs in (default: every "
+                  "measured one it has: float32, bfloat16)")
 
 @dataclasses.dataclass(frozen=True)
 class Workload:
@@ -272,7 +278,8 @@ def throughput_flops(cfg: ModelConfig, w: Workload) -> float:
 
 def run_round(r: int, xla: dict[str, Engine], hf: dict[str, HFReference], w: Workload,
               single_ids: list[int], llama: offline_peers.LlamaPeers | None,
-              llama_pts: dict[str, tuple[int, ...]]) -> dict[str, Any]:
+              llama_pts: dict[str, tuple[int, ...]],
+              xla_pts: dict[str, tuple[int, ...]]) -> dict[str, Any]:
     """One round: every xlaserve dtype, then transformers in each, then llama-server, on
     the same prompts. "xlaserve" and "transformers" hold a record per dtype (_view splits
     them into one round per dtype)."""
@@ -293,7 +300,8 @@ def run_round(r: int, xla: dict[str, Engine], hf: dict[str, HFReference], w: Wor
     singles = _single_streams(r, xla, llama, w, single_ids)
     rec["xlaserve"] = {d: {"single": singles["xlaserve", d],
                            **_xla_round(f"round {r}: xlaserve {d}", engine, roof, w, prompts,
-                                        pre_ids, sweep)}
+                                        pre_ids, {c: ps for c, ps in sweep.items()
+                                                  if c in xla_pts[d]})}
                        for d, engine in xla.items()}
     if hf:
         rec["transformers"] = {}
@@ -388,6 +396,16 @@ def llama_points(w: Workload) -> dict[str, tuple[int, ...]]:
         raise app.UsageError(str(e)) from None
 
 
+def xla_points(w: Workload) -> dict[str, tuple[int, ...]]:
+    """Each xlaserve weight format's sweep points: --concurrency, or its --xla_concurrency."""
+    try:
+        return offline_peers.sweep_points(list(SHORT_DTYPE), w.concurrency,
+                                          FLAGS.xla_concurrency, "--xla_concurrency",
+                                          "the weight formats")
+    except ValueError as e:
+        raise app.UsageError(str(e)) from None
+
+
 def _llama_round(r: int, llama: offline_peers.LlamaPeers, points: dict[str, tuple[int, ...]],
                  sweep: dict[int, list[list[int]]], w: Workload) -> dict[str, Any]:
     out: dict[str, Any] = {}
@@ -469,7 +487,8 @@ def main(argv: list[str]) -> None:
     del argv
     t_start = time.perf_counter()
     w = _workload()
-    llama_pts = llama_points(w)  # a bad --llama_concurrency fails before anything slow
+    # A bad --llama_concurrency, --xla_concurrency or format fails before anything slow.
+    llama_pts, xla_pts = llama_points(w), xla_points(w)
     machine = bc.machine_info()
     bc.log(f"load average {machine['load_average']} on {machine['cpu_count']} CPUs")
     with_llama = want_llama()
@@ -479,6 +498,11 @@ def main(argv: list[str]) -> None:
         if want is not None and want not in SHORT_DTYPE:
             raise app.UsageError(f"--dtype / --also_dtypes: {want!r} is not one of "
                                  f"{sorted(SHORT_DTYPE)}")
+    hf_names = {d for d in SHORT_DTYPE if d not in osum.NO_TRANSFORMERS}
+    if not set(FLAGS.hf_dtypes) <= hf_names:
+        raise app.UsageError(f"--hf_dtypes={','.join(FLAGS.hf_dtypes)}: transformers runs in "
+                             f"{sorted(hf_names)}")
+    for want in [FLAGS.dtype, *FLAGS.also_dtypes]:
         a = _server_args(w, want)
         engine, name = _make_engine(a)
         d = a.quantization or str(engine.runner.cfg.dtype)
@@ -488,7 +512,11 @@ def main(argv: list[str]) -> None:
     first = next(iter(xla.values()))
     want_ref = FLAGS.reference == "on" or (FLAGS.reference == "auto" and reference_available())
     hf: dict[str, HFReference] = {}
-    for d in [d for d in xla if d not in osum.NO_TRANSFORMERS] if want_ref else ():
+    hf_formats = [d for d in xla if d in (FLAGS.hf_dtypes or hf_names)]
+    if not set(FLAGS.hf_dtypes) <= set(hf_formats):
+        raise app.UsageError(f"--hf_dtypes={','.join(FLAGS.hf_dtypes)}: not all of them are "
+                             f"measured here ({sorted(xla)})")
+    for d in hf_formats if want_ref else ():
         # From an f32 model already loaded, a copy (never up from bf16: that would lose bits).
         hf[d] = HFReference(FLAGS.smoke, first.model_cfg, d, hf.get("float32"))
     if not hf:
@@ -499,7 +527,7 @@ def main(argv: list[str]) -> None:
     try:
         warm_up(xla, hf, single_ids, llama)
         repeats = 1 if FLAGS.smoke else FLAGS.repeats
-        rounds = [run_round(r, xla, hf, w, single_ids, llama, llama_pts)
+        rounds = [run_round(r, xla, hf, w, single_ids, llama, llama_pts, xla_pts)
                   for r in range(repeats)]
     finally:
         if llama is not None:

@@ -84,7 +84,7 @@ def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
     head += [f"xlaserve / llama {v.upper()}" for v in llama] + ["transformers tok/s"]
     rows = []
     for c in w["concurrency"]:
-        x = [p["xlaserve"][f"c{c}"] for p in rounds]
+        x = [p["xlaserve"][f"c{c}"] for p in rounds if f"c{c}" in p["xlaserve"]]
         row = [str(c), _f(s.get(f"xlaserve_c{c}_output_tok_s")),
                _pct(_median([p["frac_compute"] for p in x]))]
         row += [_f(s.get(f"llama_{v}_c{c}_output_tok_s")) for v in llama]
@@ -93,11 +93,14 @@ def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
                                                                "output_tok_s" in s else ""))
         rows.append(row)
     out += _table(head, rows)
-    for v in llama:
-        ran = [c for c in w["concurrency"] if f"c{c}" in rounds[0]["llama_server"][v]]
+    ran_at = [("xlaserve", rounds[0]["xlaserve"], "--xla_concurrency")]
+    ran_at += [(f"llama-server {v.upper()}", rounds[0]["llama_server"][v], "--llama_concurrency")
+               for v in llama]
+    for who, rec, flag in ran_at:
+        ran = [c for c in w["concurrency"] if f"c{c}" in rec]
         if ran != w["concurrency"]:
-            out += [f"llama-server {v.upper()} ran at {' / '.join(map(str, ran))} concurrent "
-                    "only (`--llama_concurrency`); n/a above is a point not run.", ""]
+            out += [f"{who} ran at {' / '.join(map(str, ran))} concurrent only (`{flag}`); "
+                    "n/a above is a point not run.", ""]
     mem = s["mem_read_gbps"] * 1e9
     info = r.get("llama_server") or {}
     singles = [("xlaserve", ("xlaserve",), r["model"]["weight_bytes"]),

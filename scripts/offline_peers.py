@@ -20,10 +20,12 @@ import serving_metrics as sm
 from serving_client import RequestSpec, make_client, run_at
 
 
-def sweep_points(variants: Sequence[str], concurrency: Sequence[int],
-                 specs: Sequence[str]) -> dict[str, tuple[int, ...]]:
-    """Each llama-server variant's sweep points: `concurrency`, or the points a spec
-    VARIANT=C1,C2,... (--llama_concurrency) names. ValueError on a bad spec."""
+def sweep_points(variants: Sequence[str], concurrency: Sequence[int], specs: Sequence[str],
+                 flag: str = "--llama_concurrency",
+                 members: str = "--llama_variants") -> dict[str, tuple[int, ...]]:
+    """Each variant's sweep points: `concurrency`, or the points a spec VARIANT=C1,C2,...
+    names (`flag`: bench_offline's --llama_concurrency for llama-server's variants, its
+    --xla_concurrency for xlaserve's weight formats). ValueError on a bad spec."""
     points = {v: tuple(concurrency) for v in variants}
     for spec in specs:
         v, _, cs = spec.partition("=")
@@ -33,9 +35,8 @@ def sweep_points(variants: Sequence[str], concurrency: Sequence[int],
             want = ()
         if v not in points or not want or not set(want) <= set(concurrency):
             raise ValueError(
-                f"--llama_concurrency={spec}: want VARIANT=C1,C2,... with VARIANT one of "
-                f"--llama_variants {list(points)} and the points among --concurrency "
-                f"{list(concurrency)}")
+                f"{flag}={spec}: want VARIANT=C1,C2,... with VARIANT one of {members} "
+                f"{list(points)} and the points among --concurrency {list(concurrency)}")
         points[v] = tuple(c for c in concurrency if c in want)
     return points
 

@@ -37,13 +37,14 @@ def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
     return bc.median(ratios) if ratios else None
 
 
-def _rate_paths(w: Any, with_hf: bool,
-                llama: Mapping[str, Sequence[int]] | None = None) -> dict[str, tuple[str, ...]]:
-    """Summary name -> where each round records that rate (tokens/s)."""
+def _rate_paths(w: Any, with_hf: bool, llama: Mapping[str, Sequence[int]] | None = None,
+                xla: Sequence[int] | None = None) -> dict[str, tuple[str, ...]]:
+    """Summary name -> where each round records that rate (tokens/s). xla: xlaserve's
+    sweep points (default: all of w.concurrency)."""
     paths = {"xlaserve_output_tok_s": ("xlaserve", "throughput", "output_tok_s"),
              "xlaserve_total_tok_s": ("xlaserve", "throughput", "total_tok_s"),
              "xlaserve_single_decode_tok_s": ("xlaserve", "single", "decode_tok_s")}
-    for c in w.concurrency:
+    for c in w.concurrency if xla is None else xla:
         paths[f"xlaserve_c{c}_output_tok_s"] = ("xlaserve", f"c{c}", "output_tok_s")
     paths["xlaserve_prefill_tok_s"] = ("xlaserve", "prefill", "prefill_tok_s")
     if with_hf:
@@ -64,9 +65,10 @@ def _rate_paths(w: Any, with_hf: bool,
     return paths
 
 
-def _ratio_names(w: Any, with_hf: bool,
-                 llama: Mapping[str, Sequence[int]] | None = None) -> dict[str, tuple[str, str]]:
-    """Ratio name -> (xlaserve rate, peer rate)."""
+def _ratio_names(w: Any, with_hf: bool, llama: Mapping[str, Sequence[int]] | None = None,
+                 xla: Sequence[int] | None = None) -> dict[str, tuple[str, str]]:
+    """Ratio name -> (xlaserve rate, peer rate), at the sweep points both ran."""
+    xla = w.concurrency if xla is None else xla
     out = {}
     if with_hf:
         out["single_stream_vs_hf"] = ("xlaserve_single_decode_tok_s", "hf_single_decode_tok_s")
@@ -74,14 +76,14 @@ def _ratio_names(w: Any, with_hf: bool,
         for b in w.hf_batch_sizes:
             out[f"throughput_vs_hf_batch_{b}"] = ("xlaserve_output_tok_s",
                                                   f"hf_batch_{b}_output_tok_s")
-            if b in w.concurrency:  # the server at the same concurrency as the batch
+            if b in xla:  # the server at the same concurrency as the batch
                 out[f"c{b}_vs_hf_batch_{b}"] = (f"xlaserve_c{b}_output_tok_s",
                                                 f"hf_batch_{b}_output_tok_s")
     for v, points in (llama or {}).items():
         out[f"single_stream_vs_llama_{v}"] = ("xlaserve_single_decode_tok_s",
                                               f"llama_{v}_single_decode_tok_s")
         out[f"prefill_vs_llama_{v}"] = ("xlaserve_prefill_tok_s", f"llama_{v}_prefill_tok_s")
-        for c in points:
+        for c in (c for c in points if c in xla):
             out[f"c{c}_vs_llama_{v}"] = (f"xlaserve_c{c}_output_tok_s",
                                          f"llama_{v}_c{c}_output_tok_s")
     return out
@@ -92,6 +94,12 @@ def llama_points(rounds: list[dict[str, Any]], w: Any) -> dict[str, list[int]]:
     w.concurrency unless bench_offline's --llama_concurrency cut them)."""
     return {v: [c for c in w.concurrency if f"c{c}" in rec]
             for v, rec in rounds[0].get("llama_server", {}).items()}
+
+
+def xla_points(rounds: list[dict[str, Any]], w: Any) -> list[int]:
+    """xlaserve's sweep points (all of w.concurrency unless bench_offline's
+    --xla_concurrency cut them)."""
+    return [c for c in w.concurrency if f"c{c}" in rounds[0].get("xlaserve", {})]
 
 
 def _bound_goals(rounds: list[dict[str, Any]], s: dict[str, Any],
@@ -130,8 +138,8 @@ def summarize(rounds: list[dict[str, Any]], w: Any, smoke: bool, weight_bytes: i
     dtype: the weights' format (a dtype, or "int8"), which adds its own targets
     (DTYPE_TARGETS)."""
     with_hf = any("transformers" in rec for rec in rounds)
-    llama = llama_points(rounds, w)
-    paths = _rate_paths(w, with_hf, llama)
+    llama, xla = llama_points(rounds, w), xla_points(rounds, w)
+    paths = _rate_paths(w, with_hf, llama, xla)
     s: dict[str, Any] = {k: bc.median(_get(rounds, *p)) for k, p in paths.items()}
     s["xlaserve_single_ttft_s"] = bc.median(_get(rounds, "xlaserve", "single", "ttft_s"))
     s["throughput_gflops"] = bc.median(_get(rounds, "xlaserve", "throughput", "gflops"))
@@ -145,7 +153,7 @@ def summarize(rounds: list[dict[str, Any]], w: Any, smoke: bool, weight_bytes: i
                                                      "gflops")) / s["matmul_gflops"])
     ratios: dict[str, float | None] = {}
     ratios_best: dict[str, float] = {}
-    for name, (num, den) in _ratio_names(w, with_hf, llama).items():
+    for name, (num, den) in _ratio_names(w, with_hf, llama, xla).items():
         ratios[name] = _paired(rounds, paths[num], paths[den])
         ratios_best[name] = s["best"][num] / s["best"][den]
     if with_hf and not smoke:  # the smoke models are two different random models

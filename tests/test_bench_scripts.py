@@ -256,7 +256,8 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     the greedy check, then the page regenerated from their JSON between its markers."""
     r = _run("bench_offline.py", tmp_path, "--reference=off", "--llama_server=on",
              f"--llama_server_cmd={FAKE}", "--llama_variants=q4_1,f32",
-             "--also_dtypes=bfloat16,int8", "--llama_concurrency=f32=4")
+             "--also_dtypes=bfloat16,int8", "--llama_concurrency=f32=4",
+             "--xla_concurrency=int8=1")
     w, rnd = r["workload"], r["rounds"][0]
     assert w["concurrency"] == [1, 4] and "--parallel" in r["llama_server"]["q4_1"]["argv"]
     for c in w["concurrency"]:
@@ -290,6 +291,12 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     assert "single_stream_vs_llama_q4_1" in int8["summary"]["targets"]
     assert not [k for k in int8["summary"]["targets"] if "hf" in k]
     assert int8["transformers_dtype"] is None
+    # --xla_concurrency cut int8's sweep to the 1-way point; its 4-request throughput run
+    # (the 4-way point of the others) still ran, and no ratio stands on a point not run
+    x8 = int8["rounds"][0]["xlaserve"]
+    assert "c1" in x8 and "c4" not in x8 and x8["throughput"]["output_tok_s"] > 0
+    assert "c1_vs_llama_q4_1" in int8["summary"]["ratios"]
+    assert not [k for k in int8["summary"]["ratios"] if k.startswith("c4_")]
     serving = ["--smoke", f"--out_dir={tmp_path}", f"--xlaserve_cmd={FAKE}",
                f"--llama_server_cmd={FAKE}"]
     _script("bench_serving.py", *serving, "--tag=sweep", "--config=default=",
@@ -314,7 +321,8 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
                    "single_stream_vs_llama_q4_1", "### Serving",
                    "Poisson arrivals", "### Long prompts during decode", "| a |",
                    "### llama-server serves the same model", "5/5",
-                   "llama-server F32 ran at 4 concurrent only", "the median of 3 run(s)"):
+                   "llama-server F32 ran at 4 concurrent only", "the median of 3 run(s)",
+                   "xlaserve ran at 1 concurrent only (`--xla_concurrency`)"):
         assert needle in first, needle
     assert "not in" not in first  # every JSON was found
     if HAVE_MATPLOTLIB:
@@ -337,14 +345,24 @@ def test_llama_concurrency_specs() -> None:
     for spec in ("q4_1=3", "q8_0=1", "q4_1=", "q4_1=x"):
         with pytest.raises(ValueError, match="--llama_concurrency"):
             offline_peers.sweep_points(variants, conc, [spec])
+    # the same parsing names --xla_concurrency and xlaserve's weight formats for those
+    formats = ["float32", "bfloat16", "int8"]
+    assert offline_peers.sweep_points(formats, conc, ["int8=1,8"], "--xla_concurrency",
+                                      "the weight formats")["int8"] == (1, 8)
+    with pytest.raises(ValueError, match="--xla_concurrency=int4=1: .*the weight formats"):
+        offline_peers.sweep_points(formats, conc, ["int4=1"], "--xla_concurrency",
+                                   "the weight formats")
 
 
-def test_bench_offline_rejects_bad_llama_concurrency(tmp_path: Path) -> None:
-    """A bad --llama_concurrency is a usage error at once, before anything is written."""
+@pytest.mark.parametrize("flag", ["--llama_concurrency=q4_1=3", "--xla_concurrency=int8=3",
+                                  "--hf_dtypes=int8", "--also_dtypes=int4"])
+def test_bench_offline_rejects_bad_flags(tmp_path: Path, flag: str) -> None:
+    """A bad sweep spec, a transformers format it has not, or an unknown weight format is a
+    usage error naming the flag at once, before anything is written."""
     cmd = [sys.executable, str(REPO / "scripts" / "bench_offline.py"), "--smoke",
-           f"--out_dir={tmp_path}", "--llama_concurrency=q4_1=3"]
+           f"--out_dir={tmp_path}", "--reference=off", flag]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert proc.returncode != 0 and "--llama_concurrency" in proc.stderr
+    assert proc.returncode != 0 and flag.split("=")[0] in proc.stderr, proc.stderr[-2000:]
     assert not (tmp_path / "bench_offline.json").exists()
 
 
