@@ -49,13 +49,15 @@ gpu-check:
 # xlaserve f32 and bf16 at 1 / 8 / 32 / 64 concurrent and weight-only int8 at 1 / 8 / 32
 # (its 64-way point took 41 s below f32's rate: int8's FMAs widen every weight, so it
 # gains nothing once compute-bound), the 32-way point being the 32-request run;
-# llama-server F32 at each point and Q4_1 at 1 (the single stream it is compared on;
-# it falls behind its own F32 from 8 streams on: sessions 9 and 14-18); the single
-# streams of all five interleaved, 3 runs each (bench_offline's --single_repeats
-# default); transformers batched at 32 in f32 (issue 15's goal; bf16's run, ~50 s, is
-# in no goal); the Poisson sweep with llama-server F32 side by side (Q4_1 is in the
-# offline run); the long-prompt frontier over xlaserve's three chunked / multiplexed
-# prefill configs; then docs/benchmarks.md's generated section from the JSON.
+# llama-server F32 at 8 / 32 / 64 (its one-stream rate is the single stream's) and Q4_1
+# at 1 (the single stream it is compared on; it falls behind its own F32 from 8 streams
+# on: sessions 9 and 14-18); the single streams of all five interleaved, 3 runs each
+# (bench_offline's --single_repeats default); transformers batched at 32 in f32 (issue
+# 15's goal; bf16's run, ~50 s, is in no goal); the Poisson sweep with llama-server F32
+# side by side (Q4_1 is in the offline run); the long-prompt frontier over xlaserve's
+# three chunked / multiplexed prefill configs; then docs/benchmarks.md's generated
+# section from the JSON. The cuts take ~133 s off the 17 min 4 s (their phases' times
+# in that run): ~14.9 minutes expected, not yet timed on a quiet machine.
 # llama-server joins when `make peers` has built it (a note says so otherwise); BENCH_PEERS
 # is expanded late because LLAMA_SERVER is defined below.
 BENCH_OUT := docs/results
@@ -66,7 +68,8 @@ bench: setup
 	test ! -x $(LLAMA_SERVER) || $(PY) scripts/check_llama_peer.py --out_dir=$(BENCH_OUT)
 	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64 \
 		--hf_batch_sizes=32 --hf_dtypes=float32 --dtype=float32 --also_dtypes=bfloat16,int8 \
-		--xla_concurrency=int8=1,8,32 --llama_concurrency=q4_1=1
+		--xla_concurrency=int8=1,8,32 --llama_concurrency=q4_1=1 \
+		--llama_concurrency=f32=8,32,64
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \
 		$(BENCH_PEERS) --scenarios=poisson --num_prompts=16 --request_rates=2,8,inf
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=frontier \
