@@ -53,7 +53,8 @@ from runtime.engine import Engine
 
 FLAGS = flags.FLAGS
 SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "int8"}
-# Weight formats that are a quantization over f32 activations, not a dtype.
+# Weight formats that are a quantization over f32 activations, not a dtype; transformers
+# has no counterpart of them here.
 QUANTIZED = {"int8"}
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
 flags.DEFINE_bool("smoke", False, "tiny random model, tiny workload (checks the script)")
@@ -498,7 +499,7 @@ def main(argv: list[str]) -> None:
         if want is not None and want not in SHORT_DTYPE:
             raise app.UsageError(f"--dtype / --also_dtypes: {want!r} is not one of "
                                  f"{sorted(SHORT_DTYPE)}")
-    hf_names = {d for d in SHORT_DTYPE if d not in osum.NO_TRANSFORMERS}
+    hf_names = {d for d in SHORT_DTYPE if d not in QUANTIZED}
     if not set(FLAGS.hf_dtypes) <= hf_names:
         raise app.UsageError(f"--hf_dtypes={','.join(FLAGS.hf_dtypes)}: transformers runs in "
                              f"{sorted(hf_names)}")
@@ -552,7 +553,8 @@ def main(argv: list[str]) -> None:
                   "llama_server": llama.info() if llama else None,
                   "rounds": [_view(rec, d, cfg, w) for rec in rounds]}
         result["summary"] = osum.summarize(result["rounds"], w, FLAGS.smoke,
-                                           result["model"]["weight_bytes"], d)
+                                           result["model"]["weight_bytes"], d,
+                                           transformers_asked=d in hf_formats)
         result["wall_s"] = time.perf_counter() - t_start
         bc.log(f"xlaserve {d}:")
         osum.print_summary(result["summary"])

@@ -25,9 +25,6 @@ BOUND_TARGETS = {"single_frac_bandwidth": 0.9, "c64_frac_compute": 0.65,
 # to the same single-stream bar: it is the format that answers Q4_1's bytes per token.
 DTYPE_TARGETS = {"bfloat16": {"single_stream_vs_llama_q4_1": 1.0, "c32_vs_llama_f32": 2.5},
                  "int8": {"single_stream_vs_llama_q4_1": 1.0}}
-# Weight formats transformers does not run in here (bench_offline has no int8 counterpart),
-# so its comparisons are no target of theirs.
-NO_TRANSFORMERS = {"int8"}
 
 
 def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
@@ -131,12 +128,14 @@ def _bound_goals(rounds: list[dict[str, Any]], s: dict[str, Any],
 
 
 def summarize(rounds: list[dict[str, Any]], w: Any, smoke: bool, weight_bytes: int,
-              dtype: str = "float32") -> dict[str, Any]:
+              dtype: str = "float32", transformers_asked: bool = True) -> dict[str, Any]:
     """Medians over rounds (and ratios paired within rounds), plus the best round of each
     rate: a neighbour can only slow a run down, so the best is the least disturbed one.
     weight_bytes: what one decode step reads of weights (the single stream's bound);
     dtype: the weights' format (a dtype, or "int8"), which adds its own targets
-    (DTYPE_TARGETS)."""
+    (DTYPE_TARGETS); transformers_asked: whether the run asked for transformers in this
+    format (its targets then stand, as missed where it did not run; bench_offline runs
+    it in f32 and bf16 only, and --hf_dtypes picks)."""
     with_hf = any("transformers" in rec for rec in rounds)
     llama, xla = llama_points(rounds, w), xla_points(rounds, w)
     paths = _rate_paths(w, with_hf, llama, xla)
@@ -171,7 +170,7 @@ def summarize(rounds: list[dict[str, Any]], w: Any, smoke: bool, weight_bytes: i
     run_hf = {f"throughput_vs_hf_batch_{b}" for b in w.hf_batch_sizes}
     targets = {k: t for k, t in TARGETS.items()
                if (not k.startswith("throughput_vs_hf_batch_") or k in run_hf)
-               and not ("_hf" in k and dtype in NO_TRANSFORMERS)}
+               and (transformers_asked or "_hf" not in k)}
     if "f32" in llama:
         targets.update({k: t for k, t in LLAMA_TARGETS.items() if k in ratios})
     targets.update({k: t for k, t in BOUND_TARGETS.items() if values.get(k) is not None})

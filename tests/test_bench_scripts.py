@@ -257,7 +257,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     r = _run("bench_offline.py", tmp_path, "--reference=off", "--llama_server=on",
              f"--llama_server_cmd={FAKE}", "--llama_variants=q4_1,f32",
              "--also_dtypes=bfloat16,int8", "--llama_concurrency=f32=4",
-             "--xla_concurrency=int8=1")
+             "--xla_concurrency=int8=1", "--hf_dtypes=float32")
     w, rnd = r["workload"], r["rounds"][0]
     assert w["concurrency"] == [1, 4] and "--parallel" in r["llama_server"]["q4_1"]["argv"]
     for c in w["concurrency"]:
@@ -281,6 +281,10 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     assert bf16["rounds"][0]["llama_server"] == rnd["llama_server"]
     assert "single_stream_vs_llama_q4_1" in bf16["summary"]["targets"]
     assert "single_stream_vs_llama_q4_1" not in r["summary"]["targets"]
+    # --hf_dtypes=float32: transformers' targets stand for f32 (asked for; with
+    # --reference=off, missed) and are no target of bf16's
+    assert r["summary"]["targets"]["single_stream_vs_hf"]["met"] is False
+    assert not [k for k in bf16["summary"]["targets"] if "hf" in k]
     # ... and the weight-only int8 one: its own bytes (a quarter of f32's, plus a scale a
     # column), held to the same single-stream bar; no transformers targets (none runs int8)
     int8 = json.loads((tmp_path / "bench_offline_int8.json").read_text())
