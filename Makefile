@@ -56,8 +56,7 @@ gpu-check:
 # 15's goal; bf16's run, ~50 s, is in no goal); the Poisson sweep with llama-server F32
 # side by side (Q4_1 is in the offline run); the long-prompt frontier over xlaserve's
 # three chunked / multiplexed prefill configs; then docs/benchmarks.md's generated
-# section from the JSON. The cuts take ~133 s off the 17 min 4 s (their phases' times
-# in that run): ~14.9 minutes expected, not yet timed on a quiet machine.
+# section from the JSON. With the cuts: 14 min 58 s (session 21, at 401a846).
 # llama-server joins when `make peers` has built it (a note says so otherwise); BENCH_PEERS
 # is expanded late because LLAMA_SERVER is defined below.
 BENCH_OUT := docs/results
