@@ -34,19 +34,19 @@ def _paired(rounds: list[dict[str, Any]], num: tuple[str, ...],
     return bc.median(ratios) if ratios else None
 
 
-def _rate_paths(w: Any, with_hf: bool, llama: Mapping[str, Sequence[int]] | None = None,
-                xla: Sequence[int] | None = None) -> dict[str, tuple[str, ...]]:
-    """Summary name -> where each round records that rate (tokens/s). xla: xlaserve's
-    sweep points (default: all of w.concurrency)."""
+def _rate_paths(w: Any, with_hf: bool, llama: Mapping[str, Sequence[int]],
+                xla: Sequence[int]) -> dict[str, tuple[str, ...]]:
+    """Summary name -> where each round records that rate (tokens/s). llama, xla: each
+    llama-server variant's and xlaserve's sweep points (llama_points, xla_points)."""
     paths = {"xlaserve_output_tok_s": ("xlaserve", "throughput", "output_tok_s"),
              "xlaserve_total_tok_s": ("xlaserve", "throughput", "total_tok_s"),
              "xlaserve_single_decode_tok_s": ("xlaserve", "single", "decode_tok_s")}
-    for c in w.concurrency if xla is None else xla:
+    for c in xla:
         paths[f"xlaserve_c{c}_output_tok_s"] = ("xlaserve", f"c{c}", "output_tok_s")
     paths["xlaserve_prefill_tok_s"] = ("xlaserve", "prefill", "prefill_tok_s")
     if with_hf:
         paths["hf_prefill_tok_s"] = ("transformers", "prefill", "prefill_tok_s")
-    for v, points in (llama or {}).items():
+    for v, points in llama.items():
         paths[f"llama_{v}_prefill_tok_s"] = ("llama_server", v, "prefill", "prefill_tok_s")
         paths[f"llama_{v}_single_decode_tok_s"] = ("llama_server", v, "single",
                                                    "decode_tok_s")
@@ -62,10 +62,9 @@ def _rate_paths(w: Any, with_hf: bool, llama: Mapping[str, Sequence[int]] | None
     return paths
 
 
-def _ratio_names(w: Any, with_hf: bool, llama: Mapping[str, Sequence[int]] | None = None,
-                 xla: Sequence[int] | None = None) -> dict[str, tuple[str, str]]:
+def _ratio_names(w: Any, with_hf: bool, llama: Mapping[str, Sequence[int]],
+                 xla: Sequence[int]) -> dict[str, tuple[str, str]]:
     """Ratio name -> (xlaserve rate, peer rate), at the sweep points both ran."""
-    xla = w.concurrency if xla is None else xla
     out = {}
     if with_hf:
         out["single_stream_vs_hf"] = ("xlaserve_single_decode_tok_s", "hf_single_decode_tok_s")
@@ -76,11 +75,13 @@ def _ratio_names(w: Any, with_hf: bool, llama: Mapping[str, Sequence[int]] | Non
             if b in xla:  # the server at the same concurrency as the batch
                 out[f"c{b}_vs_hf_batch_{b}"] = (f"xlaserve_c{b}_output_tok_s",
                                                 f"hf_batch_{b}_output_tok_s")
-    for v, points in (llama or {}).items():
+    for v, points in llama.items():
         out[f"single_stream_vs_llama_{v}"] = ("xlaserve_single_decode_tok_s",
                                               f"llama_{v}_single_decode_tok_s")
         out[f"prefill_vs_llama_{v}"] = ("xlaserve_prefill_tok_s", f"llama_{v}_prefill_tok_s")
-        for c in (c for c in points if c in xla):
+        for c in points:
+            if c not in xla:
+                continue
             out[f"c{c}_vs_llama_{v}"] = (f"xlaserve_c{c}_output_tok_s",
                                          f"llama_{v}_c{c}_output_tok_s")
     return out
