@@ -44,8 +44,9 @@ constexpr int64_t kNR = 64;       // panel width: 4 zmm registers of 16 floats
 constexpr int64_t kMR = 6;        // rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast
 constexpr int64_t kMChunk = 96;   // rows per work unit, so large M splits across threads
 constexpr int64_t kRowBytes = 256;  // one panel step, both dtypes
-// How far ahead of itself a one-row unit prefetches its own stream (a panel's rows, then
-// the next panel's, which follows it in memory). Without it a bf16 row read 9-19 GB/s at
+// How far ahead of itself a one-row unit, or the first tile of a unit of several tiles
+// (Unit), prefetches its own stream (a panel's rows, then the next panel's, which follows
+// it in memory). Without it a bf16 row read 9-19 GB/s at
 // SmolLM2's shapes against f32's 13-27: per byte it issues about twice the uops
 // (widening), so the out-of-order window holds half the bytes in flight. 4-8 KiB measured
 // best of 1-16 KiB (interleaved A/B, 30 distinct weights per call: bf16 M=1 1.2-1.9x;
@@ -229,6 +230,14 @@ constexpr int64_t kRowByRow = 8;
 
 // Rows [m0, m1) of panel `p`. The first tile reads this panel from memory; the later
 // ones compute from L2 and share out the prefetch of `next`.
+//
+// With more than one tile the first also streams its own panel ahead of itself: the
+// later tiles' prefetch of `next` covers the panel only when they run long enough, and
+// at 7-14 rows (a 6-row tile and a short one) they ran a fraction of the panel's memory
+// time, so the next unit's first tile stalled on its loads. Interleaved A/B in one
+// process (AMD EPYC Zen 4, 2 vCPU; SmolLM2 shapes, 30 distinct weights a chain): f32 one
+// call at 7-14 rows 0.73-0.96x the time, bf16 (vdpbf16ps) 0.77-0.96x; the 8-row decode
+// step 40.1 -> 30.6 ms, 12 rows 0.93x; 1-6 and 16-32 rows unchanged (0.98-1.04x).
 template <typename Step>
 void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64_t ldx,
           int64_t steps, int64_t N, int64_t p, int64_t m0, int64_t m1, const char* next) {
@@ -251,7 +260,9 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
     const typename Step::X* xm = x + m * ldx;
     float* ym = y + m * N + p * kNR;
     Prefetch pf;
-    if (next != nullptr && tile > 0) {  // tile i of 1..tiles-1 takes its share of rows
+    if (tiles > 1 && tile == 0) {
+      pf.stream = true;
+    } else if (next != nullptr && tile > 0) {  // tile i of 1..tiles-1 takes its share of rows
       pf = {next, (tile - 1) * steps / (tiles - 1), tile * steps / (tiles - 1)};
     } else if (m1 - m0 == 1) {
       pf.stream = true;
