@@ -44,14 +44,22 @@ constexpr int64_t kNR = 64;       // panel width: 4 zmm registers of 16 floats
 constexpr int64_t kMR = 6;        // rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast
 constexpr int64_t kMChunk = 96;   // rows per work unit, so large M splits across threads
 constexpr int64_t kRowBytes = 256;  // one panel step, both dtypes
-// How far ahead of itself a one-row unit, or the first tile of a unit of several tiles
-// (Unit), prefetches its own stream (a panel's rows, then the next panel's, which follows
-// it in memory). Without it a bf16 row read 9-19 GB/s at
+// How far ahead of itself a one-row unit prefetches its own stream (a panel's rows, then
+// the next panel's, which follows it in memory). Without it a bf16 row read 9-19 GB/s at
 // SmolLM2's shapes against f32's 13-27: per byte it issues about twice the uops
 // (widening), so the out-of-order window holds half the bytes in flight. 4-8 KiB measured
 // best of 1-16 KiB (interleaved A/B, 30 distinct weights per call: bf16 M=1 1.2-1.9x;
 // docs/benchmarks.md).
 constexpr int64_t kStreamAhead = 4096;
+// The same for the first tile of a unit of several tiles (Unit), which streams its panel
+// in for the tiles after it. A one-row tile issues few uops a byte, so the out-of-order
+// window runs its loads far ahead of the prefetches; a 6-row tile issues 6x the FMAs a
+// byte, and its prefetches are most of what is in flight. Interleaved A/B (AMD EPYC Zen
+// 4; f32, SmolLM2 shapes, 30 distinct weights a chain) against 4 KiB: 8 rows 0.85-0.95x
+// the time a call, 12 rows 0.92-0.98x, 16-32 rows 0.99-1.00x, 32-64 KiB no better; bf16
+// (vdpbf16ps) 8 rows 0.90-0.99x. One row stays best at 4 KiB there too (8-16 KiB:
+// 1.00-1.15x the time).
+constexpr int64_t kStreamAheadTiles = 16384;
 
 // The panel's 64 columns as native vectors (simd16.h, vn): 4 on AVX-512, 8 on AVX2.
 constexpr int kVecs = kNR / vn::kLanes;
@@ -150,11 +158,11 @@ struct Bf16DotStep {
 
 // Rows [begin, end) of the next panel to pull into L2 while a tile computes, spread
 // evenly over the tile's steps (a burst of prefetches stalls on the fill buffers); or,
-// `stream`, the tile's own panel kStreamAhead bytes ahead of each step.
+// `stream` > 0, the tile's own panel that many bytes ahead of each step.
 struct Prefetch {
   const char* next = nullptr;
   int64_t begin = 0, end = 0;
-  bool stream = false;
+  int64_t stream = 0;
 };
 
 // Native vectors of columns per tile of MR rows: the whole panel where the registers hold
@@ -185,9 +193,9 @@ inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T*
   const int64_t pf_rows = pf.next != nullptr ? pf.end - pf.begin : 0;
   int64_t pf_row = pf.begin, pf_acc = 0;  // fixed point: pf_rows rows per `steps` steps
   // Past the last panel this touches memory beyond the weights: prefetches never fault.
-  const char* ahead = reinterpret_cast<const char*>(panel) + kStreamAhead;
+  const char* ahead = reinterpret_cast<const char*>(panel) + pf.stream;
   for (int64_t k = 0; k < steps; ++k) {
-    if (pf.stream) {
+    if (pf.stream > 0) {
       for (int line = 0; line < 4; ++line)
         _mm_prefetch(ahead + k * kRowBytes + 64 * line, _MM_HINT_T1);
     } else if (pf_rows == steps) {  // one row per step (a 2-tile unit): no bookkeeping
@@ -231,13 +239,16 @@ constexpr int64_t kRowByRow = 8;
 // Rows [m0, m1) of panel `p`. The first tile reads this panel from memory; the later
 // ones compute from L2 and share out the prefetch of `next`.
 //
-// With more than one tile the first also streams its own panel ahead of itself: the
-// later tiles' prefetch of `next` covers the panel only when they run long enough, and
-// at 7-14 rows (a 6-row tile and a short one) they ran a fraction of the panel's memory
-// time, so the next unit's first tile stalled on its loads. Interleaved A/B in one
-// process (AMD EPYC Zen 4, 2 vCPU; SmolLM2 shapes, 30 distinct weights a chain): f32 one
-// call at 7-14 rows 0.73-0.96x the time, bf16 (vdpbf16ps) 0.77-0.96x; the 8-row decode
-// step 40.1 -> 30.6 ms, 12 rows 0.93x; 1-6 and 16-32 rows unchanged (0.98-1.04x).
+// With more than one tile the first also streams its own panel ahead of itself
+// (kStreamAheadTiles): the later tiles' prefetch of `next` covers the panel only when
+// they run long enough, and at 7-14 rows (a 6-row tile and a short one) they ran a
+// fraction of the panel's memory time, so the next unit's first tile stalled on its
+// loads. Interleaved A/B in one process (AMD EPYC Zen 4, 2 vCPU; SmolLM2 shapes, 30
+// distinct weights a chain), streaming 4 KiB ahead against none: f32 one call at 7-14
+// rows 0.73-0.96x the time, bf16 (vdpbf16ps) 0.77-0.96x; the 8-row f32 decode step
+// 40.1 -> 30.6 ms, 12 rows 0.93x; 1-6 and 16-32 rows unchanged (0.98-1.04x). Then 16 KiB
+// against 4 KiB: the 8-row step 0.87x (f32 29.2 -> 25.5 ms, bf16 16.1 -> 14.1), 12 rows
+// 0.93-0.95x, 16 and 32 rows unchanged.
 template <typename Step>
 void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64_t ldx,
           int64_t steps, int64_t N, int64_t p, int64_t m0, int64_t m1, const char* next) {
@@ -250,7 +261,7 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
   if (vn::kLanes == 8 && m1 - m0 <= kRowByRow) {
     for (int64_t m = m0; m < m1; ++m) {
       Prefetch pf;
-      pf.stream = m == m0;
+      pf.stream = m == m0 ? kStreamAhead : 0;
       TileRow<Step, 1>(x + m * ldx, ldx, panel, steps, y + m * N + p * kNR, N, mask, pf);
     }
     return;
@@ -261,11 +272,11 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
     float* ym = y + m * N + p * kNR;
     Prefetch pf;
     if (tiles > 1 && tile == 0) {
-      pf.stream = true;
+      pf.stream = kStreamAheadTiles;
     } else if (next != nullptr && tile > 0) {  // tile i of 1..tiles-1 takes its share of rows
       pf = {next, (tile - 1) * steps / (tiles - 1), tile * steps / (tiles - 1)};
     } else if (m1 - m0 == 1) {
-      pf.stream = true;
+      pf.stream = kStreamAhead;
     } else if (next != nullptr && tiles == 1) {
       // 2-6 rows: memory-bound, and the hardware prefetcher alone falls behind (30 layers
       // + head, A B A B: M=2 29 -> 25 ms, M=4 33 -> 27 ms).
