@@ -32,6 +32,11 @@ def _run(script: str, out_dir: Path, *extra: str, png: bool = True,
     return result
 
 
+def _cpu_kernels_available() -> bool:
+    import cpu_kernels
+    return cpu_kernels.unavailable_reason() is None
+
+
 def _positive(d: dict, *keys: str) -> None:
     for k in keys:
         assert d[k] > 0, (k, d[k])
@@ -43,6 +48,11 @@ def test_bench_one_batch_smoke(tmp_path: Path) -> None:
     # --decode_buckets: the one-row points run padded in the 4-row bucket
     assert {p["bucket"]["num_decode_seqs"] for p in r["points"] if p["decode_rows"]} == {4}
     _positive(r["roofline"], "matmul_gflops", "mem_read_gbps")
+    # The compute ceiling is the faster of XLA's dot and the packed CPU kernel, both kept.
+    for probe in r["roofline_probes"]:
+        gemms = probe["matmul_probes"]
+        assert set(gemms) == ({"xla_dot", "packed"} if _cpu_kernels_available() else {"xla_dot"})
+        assert probe["matmul_gflops"] == max(gemms.values()) > 0
     assert len(r["machine"]["load_average"]) == 3
     assert r["model"]["params"] > r["model"]["matmul_params"] > 0
     modes = {p["mode"] for p in r["points"]}
