@@ -45,11 +45,11 @@ constexpr int64_t kMR = 6;        // rows per tile: 6 x 4 accumulators + 4 weigh
 constexpr int64_t kMChunk = 96;   // rows per work unit, so large M splits across threads
 constexpr int64_t kRowBytes = 256;  // one panel step, both dtypes
 // How far ahead of itself a one-row unit prefetches its own stream (a panel's rows, then
-// the next panel's, which follows it in memory). Without it a bf16 row read 9-19 GB/s at
-// SmolLM2's shapes against f32's 13-27: per byte it issues about twice the uops
-// (widening), so the out-of-order window holds half the bytes in flight. 4-8 KiB measured
-// best of 1-16 KiB (interleaved A/B, 30 distinct weights per call: bf16 M=1 1.2-1.9x;
-// docs/benchmarks.md).
+// the next panel's, which follows it in memory); int8 twice as far (Int8Step::kAhead).
+// Without it a bf16 row read 9-19 GB/s at SmolLM2's shapes against f32's 13-27: per byte
+// it issues about twice the uops (widening), so the out-of-order window holds half the
+// bytes in flight. 4-8 KiB measured best of 1-16 KiB (interleaved A/B, 30 distinct
+// weights per call: bf16 M=1 1.2-1.9x; docs/benchmarks.md).
 constexpr int64_t kStreamAhead = 4096;
 // The same for the first tile of a unit of several tiles (Unit), which streams its panel
 // in for the tiles after it. A one-row tile issues few uops a byte, so the out-of-order
@@ -71,6 +71,7 @@ struct F32Step {
   using X = float;
   static constexpr int64_t kPerStep = 64;            // panel elements per step
   static constexpr int64_t kPerVec = vn::kLanes;     // of them per native vector
+  static constexpr int64_t kAhead = kStreamAhead;  // a one-row unit's stream-ahead
   template <int MR, int J>
   static inline void Run(vn::F (&acc)[MR][J], const float* x, int64_t ldx, const float* w,
                          int64_t k) {
@@ -90,6 +91,7 @@ struct Bf16WidenStep {
   using X = float;  // x rounded once per call (RoundX), kept f32: its broadcasts are loads
   static constexpr int64_t kPerStep = 128;
   static constexpr int64_t kPerVec = 2 * vn::kLanes;
+  static constexpr int64_t kAhead = kStreamAhead;  // a one-row unit's stream-ahead
   template <int MR, int J>
   static inline void Run(vn::F (&acc)[MR][J], const X* x, int64_t ldx, const uint16_t* w,
                          int64_t s) {
@@ -118,6 +120,12 @@ struct Int8Step {
   using X = float;
   static constexpr int64_t kPerStep = 256;
   static constexpr int64_t kPerVec = vn::kLanes;
+  // A one-row unit's stream-ahead: each 256-byte step widens 64 bytes four times
+  // (16 widen-and-convert pairs and 16 FMAs against f32's 4 FMAs), so the
+  // out-of-order window holds fewer bytes in flight. One-row int8 decode step,
+  // interleaved A/B against 4 KiB (AMD EPYC Zen 4): 8 KiB 0.88x / 0.94x / 0.95x
+  // the time in three runs, 16 KiB 0.94x / 1.00x.
+  static constexpr int64_t kAhead = 2 * kStreamAhead;
   template <int MR, int J>
   static inline void Run(vn::F (&acc)[MR][J], const X* x, int64_t ldx, const int8_t* w,
                          int64_t s) {
@@ -140,6 +148,7 @@ struct Bf16DotStep {
   using X = uint16_t;  // vdpbf16ps takes the x pair as bf16
   static constexpr int64_t kPerStep = 128;
   static constexpr int64_t kPerVec = 32;
+  static constexpr int64_t kAhead = kStreamAhead;  // a one-row unit's stream-ahead
   template <int MR, int J>
   static inline void Run(vn::F (&acc)[MR][J], const X* x, int64_t ldx, const uint16_t* w,
                          int64_t s) {
@@ -261,7 +270,7 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
   if (vn::kLanes == 8 && m1 - m0 <= kRowByRow) {
     for (int64_t m = m0; m < m1; ++m) {
       Prefetch pf;
-      pf.stream = m == m0 ? kStreamAhead : 0;
+      pf.stream = m == m0 ? Step::kAhead : 0;
       TileRow<Step, 1>(x + m * ldx, ldx, panel, steps, y + m * N + p * kNR, N, mask, pf);
     }
     return;
@@ -276,7 +285,7 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
     } else if (next != nullptr && tile > 0) {  // tile i of 1..tiles-1 takes its share of rows
       pf = {next, (tile - 1) * steps / (tiles - 1), tile * steps / (tiles - 1)};
     } else if (m1 - m0 == 1) {
-      pf.stream = kStreamAhead;
+      pf.stream = Step::kAhead;
     } else if (next != nullptr && tiles == 1) {
       // 2-6 rows: memory-bound, and the hardware prefetcher alone falls behind (30 layers
       // + head, A B A B: M=2 29 -> 25 ms, M=4 33 -> 27 ms).
