@@ -56,9 +56,9 @@ constexpr int64_t kStreamAhead = 4096;
 // window runs its loads far ahead of the prefetches; a 6-row tile issues 6x the FMAs a
 // byte, and its prefetches are most of what is in flight. Interleaved A/B (AMD EPYC Zen
 // 4; f32, SmolLM2 shapes, 30 distinct weights a chain) against 4 KiB: 8 rows 0.85-0.95x
-// the time a call, 12 rows 0.92-0.98x, 16-32 rows 0.99-1.00x, 32-64 KiB no better; bf16
+// the time a call, 12 rows 0.87-0.98x, 16-32 rows 0.99-1.00x, 32-64 KiB no better; bf16
 // (vdpbf16ps) 8 rows 0.90-0.99x. One row stays best at 4 KiB there too (8-16 KiB:
-// 1.00-1.15x the time).
+// 0.99-1.15x the time).
 constexpr int64_t kStreamAheadTiles = 16384;
 
 // The panel's 64 columns as native vectors (simd16.h, vn): 4 on AVX-512, 8 on AVX2.
@@ -254,8 +254,8 @@ constexpr int64_t kRowByRow = 8;
 // fraction of the panel's memory time, so the next unit's first tile stalled on its
 // loads. Interleaved A/B in one process (AMD EPYC Zen 4, 2 vCPU; SmolLM2 shapes, 30
 // distinct weights a chain), streaming 4 KiB ahead against none: f32 one call at 7-14
-// rows 0.73-0.96x the time, bf16 (vdpbf16ps) 0.77-0.96x; the 8-row f32 decode step
-// 40.1 -> 30.6 ms, 12 rows 0.93x; 1-6 and 16-32 rows unchanged (0.98-1.04x). Then 16 KiB
+// rows 0.73-0.96x the time, bf16 (vdpbf16ps) 0.77-0.99x; the 8-row f32 decode step
+// 40.1 -> 30.6 ms, 12 rows 0.93x; 1-6 and 16-32 rows unchanged (0.95-1.04x). Then 16 KiB
 // against 4 KiB: the 8-row step 0.87x (f32 29.2 -> 25.5 ms, bf16 16.1 -> 14.1), 12 rows
 // 0.93-0.95x, 16 and 32 rows unchanged.
 template <typename Step>
