@@ -90,8 +90,8 @@ flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "concurrent requests of
                   "side-by-side sweep (xlaserve and llama-server)")
 flags.DEFINE_enum("llama_server", "auto", ["auto", "on", "off"], "llama-server side by "
                   "side: auto = when `make peers` has built it")
-flags.DEFINE_list("llama_variants", ["f32", "q4_1"], "llama-server model files: f32 (from "
-                  "xlaserve's weights), q4_1 (the shipped GGUF)")
+flags.DEFINE_list("llama_variants", ["f32", "q4_1"], "llama-server model files: f32 and "
+                  "bf16 (from xlaserve's weights), q4_1 (the shipped GGUF)")
 flags.DEFINE_string("llama_server_cmd", "{llama_server}", "llama-server launch command")
 flags.DEFINE_integer("llama_threads", 2, "llama-server --threads / --threads-batch")
 flags.DEFINE_multi_string("llama_concurrency", [], "VARIANT=C1,C2,...: the sweep points of "

@@ -227,10 +227,11 @@ def _sweep(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
 def _check(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
     out = ["### llama-server serves the same model", "", f"`{r['command']}`: greedy "
            f"completions ({r['max_tokens']} tokens) of the same chat-prompt ids; leading "
-           "tokens that agree with xlaserve:", ""]
-    rows = [[v, x["prompt"], f"{x['agree_tokens']}/{x['tokens']}"]
+           "tokens that agree with xlaserve (in the dtype named):", ""]
+    rows = [[v, d["xlaserve_dtype"], x["prompt"],
+             f"{x['agree_tokens']}/{x['tokens']}"]
             for v, d in r["variants"].items() for x in d["prompts"]]
-    return out + _table(["llama-server", "prompt", "agree"], rows)
+    return out + _table(["llama-server", "xlaserve", "prompt", "agree"], rows)
 
 
 SECTIONS: list[tuple[str, Callable[[dict[str, Any], Path, Path], list[str]]]] = [

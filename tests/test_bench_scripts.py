@@ -317,10 +317,16 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
             "--peers=q4_1", "--scenarios=concurrent,poisson")
     _script("bench_serving.py", *serving, "--tag=frontier", "--config=a=", "--config=b=")
     _script("check_llama_peer.py", f"--out_dir={tmp_path}", f"--xlaserve_cmd={FAKE}",
-            f"--llama_server_cmd={FAKE}", "--variants=q4_1", "--max_tokens=5")
+            f"--llama_server_cmd={FAKE}", "--variants=q4_1,bf16", "--max_tokens=5")
     check = json.loads((tmp_path / "check_llama_peer.json").read_text())
-    rows = check["variants"]["q4_1"]["prompts"]
-    assert len(rows) == 4 and all(x["agree_tokens"] == x["tokens"] == 5 for x in rows)
+    for v, dtype in (("q4_1", "float32"), ("bf16", "bfloat16")):
+        rows = check["variants"][v]["prompts"]
+        assert len(rows) == 4 and all(x["agree_tokens"] == x["tokens"] == 5 for x in rows)
+        # each variant against xlaserve in its own dtype, each started once
+        assert check["variants"][v]["xlaserve_dtype"] == dtype
+        assert f"--dtype={dtype}" in check["xlaserve"][dtype]["argv"]
+    assert check["variants"]["bf16"]["argv"][check["variants"]["bf16"]["argv"].index(
+        "--model") + 1].endswith("-bf16.gguf")
 
     doc = tmp_path / "docs" / "benchmarks.md"
     doc.parent.mkdir()
@@ -334,7 +340,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
                    "### Offline throughput (tiny-random, int8 weights, float32 activations",
                    "single_stream_vs_llama_q4_1", "### Serving",
                    "Poisson arrivals", "### Long prompts during decode", "| a |",
-                   "### llama-server serves the same model", "5/5",
+                   "### llama-server serves the same model", "| bf16 | bfloat16 |", "5/5",
                    "llama-server F32 ran at 4 concurrent only", "the median of 3 run(s)",
                    "xlaserve ran at 1 concurrent only (`--xla_concurrency`)"):
         assert needle in first, needle

@@ -203,25 +203,42 @@ def test_llama_server_skips_its_amx_repacking_on_amx_cpus(monkeypatch) -> None:
 
 
 @pytest.mark.slow
-def test_f32_gguf_round_trip(tmp_path: Path) -> None:
-    """The F32 GGUF written for llama-server, read back by xlaserve's GGUF importer,
-    gives exactly the weights xlaserve serves (so only llama.cpp's reading of it can
-    differ; check_llama_peer.py checks that), with the source's metadata."""
+@pytest.mark.parametrize("variant", ["f32", "bf16"])
+def test_written_gguf_round_trip(tmp_path: Path, variant: str) -> None:
+    """The F32 / BF16 GGUF written for llama-server, read back by xlaserve's GGUF importer,
+    gives exactly the weights xlaserve serves in that dtype (so only llama.cpp's reading of
+    it can differ; check_llama_peer.py checks that), with the source's metadata."""
     import gguf
-    from llama_peer import write_f32_gguf
+    import ml_dtypes
+    from llama_peer import write_gguf
 
     from runtime import checkpoint
     src = checkpoint.default_gguf_path()
     cfg, params = checkpoint.load_gguf(src)
-    dst = write_f32_gguf(src, params, cfg, tmp_path / "f32.gguf")
+    dst = write_gguf(src, params, cfg, tmp_path / f"{variant}.gguf", variant)
     cfg2, params2 = checkpoint.load_gguf(str(dst))
     assert cfg2 == cfg
-    for key in ("embed", "final_norm"):
-        np.testing.assert_array_equal(params2[key], params[key])
-    for key, arr in params["layers"].items():
-        np.testing.assert_array_equal(params2["layers"][key], arr, err_msg=key)
+
+    def served(arr: np.ndarray, matrix: bool) -> np.ndarray:
+        """What xlaserve serves in this variant's dtype: matrices rounded to bf16 (nearest
+        even, as jnp's astype does), vectors (norms) kept in f32 as llama.cpp keeps them."""
+        arr = np.asarray(arr, np.float32)
+        if variant == "f32" or not matrix:
+            return arr
+        return arr.astype(ml_dtypes.bfloat16).astype(np.float32)
+
+    np.testing.assert_array_equal(params2["embed"], served(params["embed"], True))
+    np.testing.assert_array_equal(params2["final_norm"], served(params["final_norm"], False))
+    for key, arr in params["layers"].items():  # stacked: a matrix is [L, K, N]
+        np.testing.assert_array_equal(params2["layers"][key], served(arr, arr.ndim > 2),
+                                      err_msg=key)
     reader = gguf.GGUFReader(str(dst))
-    assert {t.tensor_type for t in reader.tensors} == {gguf.GGMLQuantizationType.F32}
+    types = {gguf.GGMLQuantizationType.F32}
+    if variant == "bf16":
+        types.add(gguf.GGMLQuantizationType.BF16)
+        vectors = {t.tensor_type for t in reader.tensors if len(t.shape) == 1}
+        assert vectors == {gguf.GGMLQuantizationType.F32}
+    assert {t.tensor_type for t in reader.tensors} == types
     assert "tokenizer.chat_template" in reader.fields
 
 
