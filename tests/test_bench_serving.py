@@ -206,10 +206,11 @@ def test_llama_server_skips_its_amx_repacking_on_amx_cpus(monkeypatch) -> None:
 @pytest.mark.parametrize("variant", ["f32", "bf16"])
 def test_written_gguf_round_trip(tmp_path: Path, variant: str) -> None:
     """The F32 / BF16 GGUF written for llama-server, read back by xlaserve's GGUF importer,
-    gives exactly the weights xlaserve serves in that dtype (so only llama.cpp's reading of
-    it can differ; check_llama_peer.py checks that), with the source's metadata."""
+    gives exactly the weights xlaserve serves in that dtype (every tensor rounded to bf16,
+    nearest even, as restore_checkpoint's cast does; so only llama.cpp's reading of it can
+    differ; check_llama_peer.py checks that), with the source's metadata."""
     import gguf
-    import ml_dtypes
+    import jax.numpy as jnp
     from llama_peer import write_gguf
 
     from runtime import checkpoint
@@ -219,19 +220,14 @@ def test_written_gguf_round_trip(tmp_path: Path, variant: str) -> None:
     cfg2, params2 = checkpoint.load_gguf(str(dst))
     assert cfg2 == cfg
 
-    def served(arr: np.ndarray, matrix: bool) -> np.ndarray:
-        """What xlaserve serves in this variant's dtype: matrices rounded to bf16 (nearest
-        even, as jnp's astype does), vectors (norms) kept in f32 as llama.cpp keeps them."""
-        arr = np.asarray(arr, np.float32)
-        if variant == "f32" or not matrix:
-            return arr
-        return arr.astype(ml_dtypes.bfloat16).astype(np.float32)
+    def served(arr: np.ndarray) -> np.ndarray:
+        arr = jnp.asarray(arr, jnp.float32)
+        return np.asarray(arr if variant == "f32" else arr.astype(jnp.bfloat16), np.float32)
 
-    np.testing.assert_array_equal(params2["embed"], served(params["embed"], True))
-    np.testing.assert_array_equal(params2["final_norm"], served(params["final_norm"], False))
-    for key, arr in params["layers"].items():  # stacked: a matrix is [L, K, N]
-        np.testing.assert_array_equal(params2["layers"][key], served(arr, arr.ndim > 2),
-                                      err_msg=key)
+    for key in ("embed", "final_norm"):
+        np.testing.assert_array_equal(params2[key], served(params[key]), err_msg=key)
+    for key, arr in params["layers"].items():
+        np.testing.assert_array_equal(params2["layers"][key], served(arr), err_msg=key)
     reader = gguf.GGUFReader(str(dst))
     types = {gguf.GGMLQuantizationType.F32}
     if variant == "bf16":
