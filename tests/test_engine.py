@@ -49,8 +49,17 @@ def runner(request) -> ModelRunner:
                         multiplex_fused=True)
     r = ModelRunner(CFG, params, CacheConfig(page_size=PAGE, num_pages=400), rcfg,
                     max_running_requests=16)
+    _POOL_AT_START[id(r)] = _pool_pointers(r)
     r.warmup(progress=False)
     return r
+
+
+# Each runner's KV pool addresses when it was built (test_the_kv_pool_never_moves).
+_POOL_AT_START: dict[int, list[int]] = {}
+
+
+def _pool_pointers(r: ModelRunner) -> list[int]:
+    return [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(r.kv)]
 
 
 def _args(**kw) -> ServerArgs:
@@ -265,3 +274,19 @@ def test_seeded_sampling_is_the_same_multiplexed(runner):
     mux = Engine(_args(enable_multiplexing=True, multiplex_fill_fraction=0.75), runner=runner)
     assert [o.output_ids for o in _generate_in_waves(mux, prompts, sp)] == \
         [o.output_ids for o in plain]
+
+
+def test_the_kv_pool_never_moves(runner):
+    """Every executable donates the KV pool, so after warm-up, mixed and chunked prefill,
+    retraction, split prefill and (fused) multiplexing it is still at the addresses it had
+    when the runner was built: never copied, and still in the memory ModelRunner marked for
+    2 MiB pages."""
+    for kw in (dict(enable_mixed_chunk=True, chunked_prefill_size=16, max_prefill_tokens=16),
+               dict(enable_multiplexing=True, multiplex_fused=True, split_prefill_layers=1),
+               dict(enable_multiplexing=True, split_prefill_layers=2,
+                    max_total_tokens=48 * PAGE)):
+        _generate_in_waves(Engine(_args(**kw), runner=runner), _prompts(8, seed=11), GREEDY)
+    assert runner.step_counts[ForwardMode.MIXED] > 0
+    assert runner.step_counts[ForwardMode.SPLIT_PREFILL] > 0
+    assert len(_POOL_AT_START[id(runner)]) == 2  # K and V
+    assert _pool_pointers(runner) == _POOL_AT_START[id(runner)]
