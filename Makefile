@@ -57,8 +57,8 @@ gpu-check:
 # 15's goal; bf16's run, ~50 s, is in no goal); the Poisson sweep with llama-server F32
 # side by side (Q4_1 is in the offline run); the long-prompt frontier over xlaserve's
 # three chunked / multiplexed prefill configs; then docs/benchmarks.md's generated
-# section from the JSON. With the cuts: 14 min 58 s (session 21, at 401a846); 8 min 14 s on
-# session 22's AMD EPYC Zen 4 (at 4ac2b39).
+# section from the JSON. With the cuts: 14 min 58 s (session 21's Xeon, at 401a846, before
+# the BF16 peer); with it, 9 min 17 s on session 23's AMD EPYC Zen 4 (at 971d017).
 # llama-server joins when `make peers` has built it (a note says so otherwise); BENCH_PEERS
 # is expanded late because LLAMA_SERVER is defined below.
 BENCH_OUT := docs/results

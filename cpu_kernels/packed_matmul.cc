@@ -255,9 +255,8 @@ constexpr int64_t kRowByRow = 8;
 // loads. Interleaved A/B in one process (AMD EPYC Zen 4, 2 vCPU; SmolLM2 shapes, 30
 // distinct weights a chain), streaming 4 KiB ahead against none: f32 one call at 7-14
 // rows 0.73-0.96x the time, bf16 (vdpbf16ps) 0.77-0.99x; the 8-row f32 decode step
-// 40.1 -> 30.6 ms, 12 rows 0.93x; 1-6 and 16-32 rows unchanged (0.95-1.04x). Then 16 KiB
-// against 4 KiB: the 8-row step 0.87x (f32 29.2 -> 25.5 ms, bf16 16.1 -> 14.1), 12 rows
-// 0.93-0.95x, 16 and 32 rows unchanged.
+// 40.1 -> 30.6 ms, 12 rows 0.93x; 1-6 and 16-32 rows unchanged (0.95-1.04x). How far
+// ahead: kStreamAheadTiles.
 template <typename Step>
 void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64_t ldx,
           int64_t steps, int64_t N, int64_t p, int64_t m0, int64_t m1, const char* next) {

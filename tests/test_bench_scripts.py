@@ -322,7 +322,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     for v, dtype in (("q4_1", "float32"), ("bf16", "bfloat16")):
         rows = check["variants"][v]["prompts"]
         assert len(rows) == 4 and all(x["agree_tokens"] == x["tokens"] == 5 for x in rows)
-        # each variant against xlaserve in its own dtype, each started once
+        # each variant against xlaserve in its own dtype
         assert check["variants"][v]["xlaserve_dtype"] == dtype
         assert f"--dtype={dtype}" in check["xlaserve"][dtype]["argv"]
     assert check["variants"]["bf16"]["argv"][check["variants"]["bf16"]["argv"].index(

@@ -682,7 +682,8 @@ def test_a_zero_pool_comes_back_in_huge_pages_as_zeros():
     pool = jax.jit(lambda: (jnp.zeros(shape, jnp.float32), jnp.zeros(shape, jnp.float32)))()
     done = cpu_kernels.zeros_in_huge_pages(pool)
     assert done % (2 << 20) == 0 and done <= 2 * pool[0].nbytes
-    assert done >= 2 * 11 * (2 << 20) if _can_collapse() else done >= 0
+    if _can_collapse():  # 2 x 24 MiB hold at least 2 x 11 whole aligned 2 MiB pages
+        assert done >= 2 * 11 * (2 << 20)
     assert not np.asarray(pool[0]).any() and not np.asarray(pool[1]).any()
     # The write_kv kernel (donating the pool) fills every page of layer 1, KV head 0.
     slots = jnp.arange(1024 * 16, dtype=jnp.int32)
