@@ -57,6 +57,9 @@ flags.DEFINE_integer("long_len", 7680, "tokens of the long prompt")
 flags.DEFINE_integer("itl_decode_tokens", 256, "new tokens per decoding stream")
 flags.DEFINE_integer("itl_after_steps", 8, "decode steps before the long prompt arrives")
 flags.DEFINE_float("peak_hbm_tbps", 4.8, "nominal HBM bandwidth, TB/s (H200: 4.8)")
+flags.DEFINE_enum("attention_backend", None, ["pallas", "xla"], "attention kernels "
+                  "(default: the runtime's, pallas on a GPU; the GPU suite passes xla when "
+                  "the Pallas kernels failed their check on the device)")
 flags.DEFINE_string("compilation_cache_dir", "", "JAX persistent cache ('' off: a cold "
                     "start-up is what is measured)")
 
@@ -109,7 +112,7 @@ def _base_args(s: Sizes, max_running: int, decode_buckets: tuple[int, ...], exte
     takes XLA's dot and the jnp attention (interpreted Pallas would compile for minutes;
     the kernels section checks the kernels)."""
     cpu = (dict(attention_backend="xla", cpu_matmul="xla", per_layer_weights=False)
-           if FLAGS.smoke else {})
+           if FLAGS.smoke else dict(attention_backend=FLAGS.attention_backend))
     return ServerArgs(dtype=s.dtype, max_total_tokens=max_total_tokens,
                       max_running_requests=max_running, decode_buckets=decode_buckets,
                       extend_token_buckets=(s.chunk,), kv_len_buckets=(s.kv_len,),
@@ -235,7 +238,8 @@ def main(argv: list[str]) -> None:
     results: dict[str, Any] = {
         "script": "bench_engine", "command": bc.command_line(),
         "env": {"jax": jax.__version__, "backend": jax.default_backend(),
-                "device": dev.device_kind, "smoke": FLAGS.smoke},
+                "device": dev.device_kind, "smoke": FLAGS.smoke,
+                "attention_backend": FLAGS.attention_backend or "default"},
         "model": bc.model_summary(s.cfg, "llama3-8b-shape random" if not FLAGS.smoke
                                   else "tiny random", s.dtype),
         "sizes": dataclasses.asdict(s), "errors": []}

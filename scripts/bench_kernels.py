@@ -166,13 +166,26 @@ def _dense_attention(layers, causal, q, k, v):
     raise RuntimeError("no dot_product_attention implementation compiled")
 
 
-def _time_side_by_side(contenders: dict, iters: int) -> dict[str, float]:
-    """{name: (fn, args)} -> median seconds per call, calls interleaved A B A B."""
-    for fn, args in contenders.values():
-        jax.block_until_ready(fn(*args))  # compile and warm
-    times = {name: [] for name in contenders}
+def _time_side_by_side(contenders: dict, iters: int,
+                       failed: dict[str, str] | None = None) -> dict[str, float]:
+    """{name: (fn, args)} -> median seconds per call, calls interleaved A B A B. A
+    contender that fails to compile or run is left out and its error put in `failed`
+    (when given), so the others are still timed: one GPU run must yield every number it
+    can. Without `failed` the error propagates."""
+    live = {}
+    for name, (fn, args) in contenders.items():
+        try:
+            jax.block_until_ready(fn(*args))  # compile and warm
+        except Exception as e:
+            if failed is None:
+                raise
+            failed[name] = repr(e)[:2000]
+            print(f"{name}: ERROR {e!r}"[:2000], flush=True)
+            continue
+        live[name] = (fn, args)
+    times = {name: [] for name in live}
     for _ in range(iters):
-        for name, (fn, args) in contenders.items():
+        for name, (fn, args) in live.items():
             t0 = time.perf_counter()
             jax.block_until_ready(fn(*args))
             times[name].append(time.perf_counter() - t0)
@@ -219,12 +232,19 @@ def bench_correctness(rng) -> list[dict]:
                     meta["seq_lens"], meta["query_start"], meta["positions"])
             for extra in extras:
                 t0 = time.perf_counter()
-                # The reference at full f32 precision: XLA on a GPU may otherwise use tf32.
-                with jax.default_matmul_precision("highest"):
-                    ref = jax.jit(_attn_fn("ref", te, be, dh ** -0.5, **extra))(*args)
-                got = jax.jit(_attn_fn("pallas", te, be, dh ** -0.5, **extra))(*args)
-                err = _max_err(got[real], ref[real])
                 name = jnp.dtype(dtype).name
+                try:
+                    # The reference at full f32 precision: XLA on a GPU may otherwise use
+                    # tf32.
+                    with jax.default_matmul_precision("highest"):
+                        ref = jax.jit(_attn_fn("ref", te, be, dh ** -0.5, **extra))(*args)
+                    got = jax.jit(_attn_fn("pallas", te, be, dh ** -0.5, **extra))(*args)
+                    err = _max_err(got[real], ref[real])
+                except Exception as e:  # one case failing must not hide the others
+                    out.append(dict(mode=mode, dtype=name, **extra, ok=False,
+                                    error=repr(e)[:2000], traceback=traceback.format_exc()))
+                    print(f"correctness {mode} {name} {extra}: ERROR {e!r}"[:2000], flush=True)
+                    continue
                 secs = time.perf_counter() - t0  # both compiles and runs
                 out.append(dict(mode=mode, dtype=name, **extra, max_abs_err=err, tol=tol,
                                 ok=err < tol, seconds=secs))
@@ -274,19 +294,22 @@ def bench_decode(model: str, batch: int, context: int, rng, measured_tbps, **ker
         qd = q[:, None]  # [B, 1, Hq, Dh]
         dpa, dpa_impl = _dense_attention(layers, False, qd, kd, vd)
         contenders["dpa"] = (dpa, (qd, kd, vd))
-    t = _time_side_by_side(contenders, FLAGS.iters)
+    failed: dict[str, str] = {}
+    t = _time_side_by_side(contenders, FLAGS.iters, failed)
     moved = layers * kv_bytes_per_layer
     res = dict(model=model, batch=batch, context=context, layers=layers,
-               page_size=s, kv_bytes_per_call=moved, dpa_implementation=dpa_impl, **kernel_kw)
+               page_size=s, kv_bytes_per_call=moved, dpa_implementation=dpa_impl,
+               failed=failed, **kernel_kw)
     for name, sec in t.items():
         res[f"{name}_s"] = sec
         res[f"{name}_tbps"] = moved / sec / 1e12
-    res["pallas_frac_of_nominal"] = res["pallas_tbps"] / FLAGS.peak_hbm_tbps
-    if measured_tbps:
-        res["pallas_frac_of_measured_copy"] = res["pallas_tbps"] / measured_tbps
-    for other in ("ref", "dpa"):
-        if other in t:
-            res[f"speedup_vs_{other}"] = t[other] / t["pallas"]
+    if "pallas" in t:
+        res["pallas_frac_of_nominal"] = res["pallas_tbps"] / FLAGS.peak_hbm_tbps
+        if measured_tbps:
+            res["pallas_frac_of_measured_copy"] = res["pallas_tbps"] / measured_tbps
+        for other in ("ref", "dpa"):
+            if other in t:
+                res[f"speedup_vs_{other}"] = t[other] / t["pallas"]
     print(f"decode {model} B={batch} ctx={context} L={layers} {kernel_kw or ''}: "
           + ", ".join(f"{n} {res[f'{n}_tbps']:.3g} TB/s" for n in t))
     return res
@@ -309,20 +332,24 @@ def bench_prefill(model: str, rng) -> dict:
     kd, vd = dense(k_pool), dense(v_pool)
     qd = q.reshape(rows, n, hq, dh)
     dpa, dpa_impl = _dense_attention(layers, True, qd, kd, vd)
+    failed: dict[str, str] = {}
     t = _time_side_by_side({
         "pallas": (_over_layers(_attn_fn("pallas", te, be, scale), layers), args),
         "ref": (_over_layers(_attn_fn("ref", te, be, scale), layers), args),
         "dpa": (dpa, (qd, kd, vd)),
-    }, FLAGS.iters)
+    }, FLAGS.iters, failed)
     # QK^T and PV over the causal pairs: 2 matmuls x 2 flops per multiply-add.
     flops = layers * rows * 4 * hq * dh * n * (n + 1) // 2
     res = dict(model=model, rows=rows, tokens_per_row=n, layers=layers,
-               page_size=s, flops_per_call=flops, dpa_implementation=dpa_impl)
+               page_size=s, flops_per_call=flops, dpa_implementation=dpa_impl, failed=failed)
     for name, sec in t.items():
         res[f"{name}_s"] = sec
         res[f"{name}_tflops"] = flops / sec / 1e12
-    res["pallas_frac_of_nominal"] = res["pallas_tflops"] / FLAGS.peak_bf16_tflops
-    res["speedup_vs_ref"], res["speedup_vs_dpa"] = t["ref"] / t["pallas"], t["dpa"] / t["pallas"]
+    if "pallas" in t:
+        res["pallas_frac_of_nominal"] = res["pallas_tflops"] / FLAGS.peak_bf16_tflops
+        for other in ("ref", "dpa"):
+            if other in t:
+                res[f"speedup_vs_{other}"] = t[other] / t["pallas"]
     print(f"prefill {model} {rows}x{n}: "
           + ", ".join(f"{k} {res[f'{k}_tflops']:.3g} TFLOP/s" for k in t))
     return res

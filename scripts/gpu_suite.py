@@ -63,7 +63,7 @@ class Section:
     script: str
     args: tuple[str, ...]
     smoke_args: tuple[str, ...]
-    budget_s: int
+    budget_s: int | None  # None: whatever the sections before it left
 
 
 SECTIONS = [
@@ -77,7 +77,7 @@ SECTIONS = [
              "--smoke"), 90),
     Section("tbo", "tbo_schedule.py", (), (), 45),
     # Whatever the others left: compiling the 8B executables is most of it.
-    Section("engine", "bench_engine.py", (), ("--smoke",), 265),
+    Section("engine", "bench_engine.py", (), ("--smoke",), None),
 ]
 
 
@@ -102,12 +102,28 @@ def _traceback_from(log_text: str) -> str | None:
     return log_text[at:][-6000:] if at >= 0 else None
 
 
-def run_section(sec: Section, out_dir: Path, timeout_s: float) -> dict[str, Any]:
+def engine_backend(kernels: dict[str, Any] | None) -> tuple[str | None, str | None]:
+    """The engine section's attention backend from the kernels section's record: the
+    runtime's default (Pallas on a GPU) unless a bf16 kernel check, the dtype the engine
+    runs, failed or did not run there; then XLA's attention, so the engine's numbers still
+    come back. (backend flag or None, why)."""
+    if kernels is None or FLAGS.smoke:
+        return None, None
+    cases = [c for c in ((kernels.get("result") or {}).get("correctness") or [])
+             if c.get("dtype") == "bfloat16"]
+    if cases and all(c.get("ok") for c in cases):
+        return None, None
+    return "xla", ("the bf16 Pallas kernels failed on the device" if cases
+                   else f"the kernels section did not check bf16 ({kernels.get('status')})")
+
+
+def run_section(sec: Section, out_dir: Path, timeout_s: float,
+                extra_args: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run one section's script; its status, wall time and results (partial ones too)."""
     result_path, log_path = out_dir / f"{sec.name}.json", out_dir / f"{sec.name}.log"
     result_path.unlink(missing_ok=True)
     cmd = [sys.executable, str(SCRIPTS / sec.script), f"--out={result_path}",
-           *(sec.smoke_args if FLAGS.smoke else sec.args)]
+           *(sec.smoke_args if FLAGS.smoke else sec.args), *extra_args]
     rec: dict[str, Any] = {"command": " ".join(cmd[1:]), "budget_s": round(timeout_s, 1)}
     t0 = time.perf_counter()
     with open(log_path, "w") as logf:
@@ -177,13 +193,20 @@ def main(argv: list[str]) -> None:
             rec: dict[str, Any] = {"status": "skipped", "error": "no time left in the "
                                    f"suite's {total} s", "wall_s": 0.0}
         else:
-            budget = left if FLAGS.smoke else min(sec.budget_s, left)
-            log(f"{sec.name}: starting (budget {budget:.0f} s)")
+            budget = left if FLAGS.smoke or sec.budget_s is None else min(sec.budget_s, left)
+            extra: tuple[str, ...] = ()
+            why = None
+            if sec.name == "engine":
+                backend, why = engine_backend(summary["sections"].get("kernels"))
+                extra = (f"--attention_backend={backend}",) if backend else ()
+            log(f"{sec.name}: starting (budget {budget:.0f} s){' ' + extra[0] if extra else ''}")
             try:
-                rec = run_section(sec, out_dir, budget)
+                rec = run_section(sec, out_dir, budget, extra)
             except Exception as e:  # the suite itself must go on to the next section
                 rec = {"status": "failed", "error": repr(e),
                        "traceback": traceback.format_exc(), "wall_s": 0.0}
+            if why:
+                rec["attention_backend_why"] = why
         summary["sections"][sec.name] = rec
         summary["device_kind"] = _device_kind(summary["sections"])
         summary["total_wall_s"] = round(time.perf_counter() - t_start, 2)
