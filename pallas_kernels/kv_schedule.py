@@ -20,6 +20,7 @@ MASKED = -1e30  # finite, so a fully masked (padding) row gives 0 instead of NaN
 # Columns of the per-tile metadata array meta [NT, 7] int32 (see ragged_paged_attention.py).
 META = ("row", "kv_len", "prefix_len", "pos0", "nrows", "new_start", "layer")
 NROWS = META.index("nrows")
+NEW_START = META.index("new_start")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,9 +100,14 @@ def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref
             plgpu.copy_gmem_to_smem(k_ref.at[layer, h, page], k_smem.at[dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(v_ref.at[layer, h, page], v_smem.at[dst], v_bar.at[slot])
 
+    # The wrapper starts each row's new tokens at a multiple of S; writing each copy's
+    # first row as (page index) * S lets the lowering prove what TMA into 8-row SMEM tiles
+    # needs (jax 0.11's layout inference checks it; 0.10 would read the wrong rows).
+    new_page = lax.div(new_start, s_page)
+
     def fetch_new(blk, slot):  # as many copies as a page block: the barriers count arrivals
         for i in range(per_block):
-            src = (pl.ds(new_start + blk * bk + i * s_page, s_page), h)
+            src = (pl.ds((new_page + blk * per_block + i) * s_page, s_page), h)
             dst = (slot, pl.ds(i * s_page, s_page))
             plgpu.copy_gmem_to_smem(kn_ref.at[src], k_smem.at[dst], k_bar.at[slot])
             plgpu.copy_gmem_to_smem(vn_ref.at[src], v_smem.at[dst], v_bar.at[slot])

@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import paged_attention_mosaic, paged_attention_triton
 from pallas_kernels.attention_ref import paged_attention_ref
-from pallas_kernels.kv_schedule import NROWS, KernelConfig
+from pallas_kernels.kv_schedule import NEW_START, NROWS, KernelConfig
 from pallas_kernels.paged_attention_mosaic import mosaic_unsupported
 
 __all__ = ["paged_attention", "paged_attention_ref"]
@@ -135,6 +135,43 @@ def _tile_metadata(seq_lens, query_start, positions, layer, *, te, be, cfg: Kern
     return jnp.concatenate([meta, layer_col], axis=1), tok0
 
 
+def _page_aligned_new_kv(meta, query_start, k_new, v_new, *, te: int, be: int,
+                         cfg: KernelConfig):
+    """For the Mosaic body: k_new / v_new [T, Hkv, Dh] -> [N, Hkv, Dh] with each row's new
+    tokens starting at a multiple of the page size S, and meta's new_start column moved
+    with them. Why: the body's TMA copies land in SMEM tiled by 8 rows, so a copy's first
+    GMEM row must be a multiple of 8 (an unaligned one reads the wrong rows on the device;
+    jax 0.11's layout inference rejects it outright), and the body can only prove that for
+    offsets written as a multiple of S. Extend row r occupies [a_r, a_r + q_len_r) with
+    a_r = sum of the earlier rows' q_len rounded up to S; decode row i's one token sits at
+    E + i * S after them (E the extend part's static bound). Tokens no row owns (the bucket's
+    trailing padding) are dropped. N leaves a block of BK rows beyond the last row, so the
+    last block's copies stay in bounds."""
+    t, hkv, dh = k_new.shape
+    s, bk, nte = cfg.page_size, cfg.block_kv, cfg.num_extend_tiles
+    ext = pl.cdiv(te + be * (s - 1), s) * s if te else 0  # bound on the aligned extend span
+    bd = t - te
+    n = pl.cdiv(ext + bd * s, bk) * bk + bk
+    dst, starts = [], []
+    if te:
+        qs = query_start[:be + 1]
+        span = (qs[1:] - qs[:-1] + s - 1) // s * s  # [B_e] each row's aligned extent
+        a = jnp.cumsum(span) - span  # [B_e] aligned start of each row
+        j = jnp.arange(te, dtype=jnp.int32)
+        row = jnp.minimum(jnp.searchsorted(qs[1:], j, side="right"), be - 1)  # [T_e]
+        dst.append(jnp.where(j < qs[be], a[row] + j - qs[row], n))  # n: dropped
+        starts.append(a[meta[:nte, 0]])  # extend tiles' rows
+    if bd:
+        dec = ext + s * jnp.arange(bd, dtype=jnp.int32)  # [B_d]
+        dst.append(dec)
+        starts.append(dec)
+    dst = jnp.concatenate(dst)
+    moved = [jnp.zeros((n, hkv, dh), x.dtype).at[dst].set(x, mode="drop")
+             for x in (k_new, v_new)]  # [N, Hkv, Dh]
+    meta = meta.at[:, NEW_START].set(jnp.concatenate(starts).astype(jnp.int32))
+    return meta, *moved
+
+
 def _pack_q(q, tok0, te: int, cfg: KernelConfig, hkv: int):
     """q [T, Hq, Dh] -> tiles [NT, Hkv, M, Dh]; tile row r holds token tok0 + r // G, head r % G."""
     t, _, dh = q.shape
@@ -209,11 +246,15 @@ def paged_attention(
     if cfg.impl == "mosaic" and not interpret and (why := mosaic_unsupported(q.dtype)):
         raise NotImplementedError(why)
     meta, tok0 = _tile_metadata(seq_lens, query_start, positions, layer, te=te, be=be, cfg=cfg)
-    # A block of new tokens may run past T: pad so its copies stay in bounds, to a multiple
-    # of BK since TMA wants the sliced extent to be a multiple of SMEM's tiling.
-    t, bk = k_new.shape[0], cfg.block_kv
-    pad = ((0, pl.cdiv(t, bk) * bk + bk - t), (0, 0), (0, 0))
-    k_new, v_new = (jnp.pad(x.astype(k_pool.dtype), pad) for x in (k_new, v_new))
+    k_new, v_new = k_new.astype(k_pool.dtype), v_new.astype(k_pool.dtype)
+    if cfg.impl == "mosaic":
+        meta, k_new, v_new = _page_aligned_new_kv(meta, query_start, k_new, v_new, te=te,
+                                                  be=be, cfg=cfg)
+    else:
+        # A block of new tokens may run past T: pad so its loads stay in bounds.
+        t, bk = k_new.shape[0], cfg.block_kv
+        pad = ((0, pl.cdiv(t, bk) * bk + bk - t), (0, 0), (0, 0))
+        k_new, v_new = (jnp.pad(x, pad) for x in (k_new, v_new))
     q_tiles = _pack_q(q, tok0, te, cfg, k_pool.shape[1]).astype(k_pool.dtype)  # [NT, Hkv, M, Dh]
     body = paged_attention_mosaic if cfg.impl == "mosaic" else paged_attention_triton
     out = body.launch(meta, page_table.astype(jnp.int32), q_tiles, k_pool, v_pool, k_new, v_new,

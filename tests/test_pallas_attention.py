@@ -19,6 +19,8 @@ import pytest
 
 from models import layers, llama
 from pallas_kernels import get_paged_attention_fn
+from pallas_kernels import ragged_paged_attention as rpa
+from pallas_kernels.kv_schedule import NEW_START
 from pallas_kernels.ragged_paged_attention import paged_attention, paged_attention_ref
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, ModelConfig
@@ -199,6 +201,42 @@ def test_mosaic_body(dtype, page_size, group, window, cap, splits):
 
 def test_mosaic_decode_only_group_1_split():
     _check([], _ragged_lens(16), page_size=16, group=1, dtype=jnp.bfloat16, num_splits=4)
+
+
+@pytest.mark.parametrize("page_size", [16, 64])
+def test_mosaic_new_tokens_start_page_aligned(page_size):
+    """What the Mosaic body's TMA needs from the wrapper: each row's new K/V rows start at a
+    multiple of the page size (SMEM tiles are 8 rows; interpret mode cannot see an unaligned
+    copy, the device reads the wrong rows), hold the row's tokens in order, and meta's
+    new_start points at them; the bucket's padding tokens are dropped."""
+    s = page_size
+    batch, n_pages = _batch([(s + 1, 0), (5, 300), (37, s)], [1, s + 1, 40], s)
+    (q, k_new, v_new, k_pool, *_), te = (_inputs(batch, n_pages, s, 3, jnp.float32, 0),
+                                         batch.num_extend_tokens)
+    be = batch.num_extend_seqs
+    cfg = rpa._config(q, k_pool, batch.page_table, te=te, be=be, sm_scale=1.0,
+                      sliding_window=None, soft_cap=None, impl="mosaic", block_kv=None,
+                      num_slots=None, num_splits=1)
+    meta, _ = rpa._tile_metadata(batch.seq_lens, batch.query_start, batch.positions, 1,
+                                 te=te, be=be, cfg=cfg)
+    meta2, k2, v2 = rpa._page_aligned_new_kv(meta, batch.query_start, k_new, v_new, te=te,
+                                             be=be, cfg=cfg)
+    meta, meta2, qs = np.asarray(meta), np.asarray(meta2), np.asarray(batch.query_start)
+    k_new, k2, v2 = np.asarray(k_new), np.asarray(k2), np.asarray(v2)
+    starts = meta2[:, NEW_START]
+    assert (starts % s == 0).all()
+    assert k2.shape[0] % cfg.block_kv == 0 and k2.shape[0] >= starts.max() + cfg.block_kv
+    others = np.delete(meta2, NEW_START, axis=1)
+    np.testing.assert_array_equal(others, np.delete(meta, NEW_START, axis=1))
+    for tile in range(meta.shape[0]):
+        row = meta[tile, 0]
+        n = qs[row + 1] - qs[row] if tile < cfg.num_extend_tiles else 1
+        src = meta[tile, NEW_START]
+        np.testing.assert_array_equal(k2[starts[tile]:starts[tile] + n], k_new[src:src + n])
+        np.testing.assert_array_equal(v2[starts[tile]:starts[tile] + n],
+                                      np.asarray(v_new)[src:src + n])
+    # Every row's own tokens and nothing else: the padding tokens past the last row are gone.
+    assert np.count_nonzero(np.abs(k2).sum((1, 2))) == qs[be] + batch.seq_lens.shape[0] - be
 
 
 def test_triton_body_bf16():
