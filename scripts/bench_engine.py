@@ -45,7 +45,10 @@ from runtime.engine import Engine
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_engine.json", "JSON results path")
 flags.DEFINE_bool("smoke", False, "a tiny random model and tiny workloads (CPU check)")
-flags.DEFINE_list("parts", ["throughput", "itl"], "which parts to run")
+flags.DEFINE_list("parts", ["throughput", "itl"], "which parts to run: throughput, itl, "
+                  "throughput_per_layer (throughput again with per_layer_weights: one buffer "
+                  "per layer behind a lax.switch instead of the stacked weights' dynamic "
+                  "slices, the runtime's GPU default; see bench_layer_weights.py)")
 flags.DEFINE_list("concurrency", ["1", "32", "128"], "concurrent requests per throughput run")
 flags.DEFINE_integer("input_len", 128, "prompt tokens per throughput request")
 flags.DEFINE_integer("output_len", 128, "new tokens per throughput request")
@@ -63,6 +66,9 @@ flags.DEFINE_enum("attention_backend", None, ["pallas", "xla"], "attention kerne
 flags.DEFINE_string("compilation_cache_dir", "", "JAX persistent cache ('' off: a cold "
                     "start-up is what is measured)")
 
+
+
+STREAM_PROMPT_LEN = 16  # tokens of each decoding stream's prompt in the ITL part
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,12 +113,13 @@ def init_weights(cfg: ModelConfig, dtype: str) -> tuple[dict, float]:
 
 
 def _base_args(s: Sizes, max_running: int, decode_buckets: tuple[int, ...], extend_seqs: int,
-               max_total_tokens: int) -> ServerArgs:
+               max_total_tokens: int, per_layer_weights: bool | None = None) -> ServerArgs:
     """Few buckets: one extend-token bucket (the chunk), one page-table width. --smoke
     takes XLA's dot and the jnp attention (interpreted Pallas would compile for minutes;
     the kernels section checks the kernels)."""
-    cpu = (dict(attention_backend="xla", cpu_matmul="xla", per_layer_weights=False)
-           if FLAGS.smoke else dict(attention_backend=FLAGS.attention_backend))
+    cpu = (dict(attention_backend="xla", cpu_matmul="xla", per_layer_weights=bool(
+        per_layer_weights)) if FLAGS.smoke else dict(attention_backend=FLAGS.attention_backend,
+                                                    per_layer_weights=per_layer_weights))
     return ServerArgs(dtype=s.dtype, max_total_tokens=max_total_tokens,
                       max_running_requests=max_running, decode_buckets=decode_buckets,
                       extend_token_buckets=(s.chunk,), kv_len_buckets=(s.kv_len,),
@@ -173,41 +180,61 @@ def throughput(engine: Engine, s: Sizes, weight_bytes: int) -> dict[str, Any]:
 
 
 def long_prompt_during_decode(engine: Engine, s: Sizes) -> dict[str, Any]:
-    """s.itl_streams streams decode; after s.itl_after_steps decode steps one prompt of
-    s.long_len tokens arrives. Decode-step gaps before it and while it prefills."""
+    """s.itl_streams streams decode; once every one of them has its first token and
+    s.itl_after_steps more decode steps have run, one prompt of s.long_len tokens arrives.
+    Decode-step gaps before it and while it prefills (the gap the first token falls in
+    counts: with prefill first it is the whole freeze)."""
     vocab = engine.model_cfg.vocab_size
     t_start = time.perf_counter()
     streams = {engine.add_request(ids, bc.greedy(s.itl_decode_tokens))
-               for ids in _prompts(s.itl_streams, 16, vocab, 7)}
-    while len(_decode_steps(engine, t_start)) < s.itl_after_steps and engine.has_work():
-        engine.step()
+               for ids in _prompts(s.itl_streams, STREAM_PROMPT_LEN, vocab, 7)}
+    started: set[str] = set()
+    intervals: dict[str, int] = {}  # split-prefill intervals of each request's prefill
+
+    def step() -> list:
+        outs = engine.step()
+        intervals.update((o.rid, o.meta_info.get("prefill_intervals", 0)) for o in outs)
+        return outs
+
+    while started != streams and engine.has_work():
+        started.update(o.rid for o in step() if o.output_ids)
+    t_all = time.perf_counter()
+    while len(_decode_steps(engine, t_all)) < s.itl_after_steps and engine.has_work():
+        step()
     t_arrive = time.perf_counter()
     rid = engine.add_request(_prompts(1, s.long_len, vocab, 8)[0], bc.greedy(4))
     t_first = None
     while engine.has_work():
-        for o in engine.step():
+        for o in step():
             if o.rid == rid and o.output_ids and t_first is None:
                 t_first = time.perf_counter()
     ready = _decode_steps(engine, t_start, streams)  # the streams' tokens, not the prompt's
     gaps = np.diff(ready)
-    ends = np.asarray(ready[1:])
-    before = gaps[ends < t_arrive]
-    during = gaps[(ends > t_arrive) & (ends <= (t_first or ends[-1]))]
+    starts, ends = np.asarray(ready[:-1]), np.asarray(ready[1:])
+    before = gaps[(ends < t_arrive) & (starts >= t_all)]
+    during = gaps[(ends > t_arrive) & (starts < (t_first or ends[-1]))]
     # The window is only a measurement if the streams were still decoding at its end.
     return {"long_ttft_s": None if t_first is None else t_first - t_arrive,
             "itl_before": bc.summarize(before) if len(before) else None,
             "itl_during_prefill": bc.summarize(during) if len(during) else None,
             "streams_outlived_prefill": bool(t_first and ends[-1] > t_first),
+            "long_prefill_intervals": intervals.get(rid, 0),
+            "stream_prefill_intervals": sum(intervals.get(r, 0) for r in streams),
             "step_counts": engine.trace.step_counts()}
 
 
 def itl(model: tuple[ModelConfig, dict], s: Sizes, results: dict[str, Any]) -> None:
     """One runner with split-prefill and fused programs; the three loops run on it. Its
     one decode bucket holds the streams and the long prompt (a slot of its own, so it
-    starts at once and decodes with them)."""
+    starts at once and decodes with them). A second, small extend bucket takes the
+    streams' prompts whole: in the chunk's bucket they would be split prefills too (the
+    runner splits by bucket), so the streams would start one by one, over many iterations
+    (the first GPU run measured that by mistake)."""
     rows = s.itl_streams + 1
-    kv_tokens = s.itl_streams * (16 + s.itl_decode_tokens) + s.long_len + 4 * s.chunk
+    kv_tokens = (s.itl_streams * (STREAM_PROMPT_LEN + s.itl_decode_tokens) + s.long_len
+                 + 4 * s.chunk)
     args = dataclasses.replace(_base_args(s, rows, (rows,), 1, kv_tokens),
+                               extend_token_buckets=(2 * STREAM_PROMPT_LEN, s.chunk),
                                enable_multiplexing=True, multiplex_fused=True)
     fused, results["itl_startup"] = start_engine(args, model)
     runner = fused.runner
@@ -249,7 +276,9 @@ def main(argv: list[str]) -> None:
     _write(results)
     model = (s.cfg, params)
     parts = {"throughput": functools.partial(_throughput_part, model, s, results),
-             "itl": functools.partial(itl, model, s, results)}
+             "itl": functools.partial(itl, model, s, results),
+             "throughput_per_layer": functools.partial(_throughput_part, model, s, results,
+                                                       per_layer_weights=True)}
     for name in FLAGS.parts:
         try:
             parts[name]()
@@ -261,15 +290,18 @@ def main(argv: list[str]) -> None:
     sys.exit(1 if results["errors"] else 0)
 
 
-def _throughput_part(model: tuple[ModelConfig, dict], s: Sizes, results: dict[str, Any]
-                     ) -> None:
+def _throughput_part(model: tuple[ModelConfig, dict], s: Sizes, results: dict[str, Any],
+                     per_layer_weights: bool | None = None) -> None:
+    """Start-up and throughput of one runner; per_layer_weights=True: the results go under
+    keys with a _per_layer suffix (None: the runtime's default layout)."""
     most = max(s.concurrency)
     kv_tokens = most * (s.input_len + s.output_len) + 2 * s.chunk
-    args = _base_args(s, most, s.concurrency, s.extend_seqs, kv_tokens)
-    engine, results["startup"] = start_engine(args, model)
+    args = _base_args(s, most, s.concurrency, s.extend_seqs, kv_tokens, per_layer_weights)
+    sfx = "_per_layer" if per_layer_weights else ""
+    engine, results["startup" + sfx] = start_engine(args, model)
     _write(results)
-    results["throughput"] = throughput(engine, s, results["model"]["weight_bytes"])
-    results["throughput_compiles_after_warmup"] = engine.runner.compiles_after_warmup
+    results["throughput" + sfx] = throughput(engine, s, results["model"]["weight_bytes"])
+    results[f"throughput{sfx}_compiles_after_warmup"] = engine.runner.compiles_after_warmup
     # Returning drops the engine and its KV pool; the weights stay for the next runner.
 
 

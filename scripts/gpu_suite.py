@@ -11,11 +11,17 @@ budget:
   attention  scripts/bench_kernels.py --sections=roofline,decode,prefill: decode attention
              HBM bandwidth at 8k and 32k context (Llama-8B heads) against 4.8 TB/s and
              jax.nn.dot_product_attention, prefill attention TFLOP/s
+  layers     scripts/bench_layer_weights.py: the layer loop's weight reads at 8B shapes,
+             stacked weights dynamically sliced (the GPU default) against one buffer per
+             layer behind a lax.switch and an unrolled loop
   tbo        scripts/tbo_schedule.py: the TBO program's compiled schedule (async all-to-all
              pairs with the other micro-batch's compute between them; 2+ GPUs)
   engine     scripts/bench_engine.py: the engine on random Llama-3-8B-shaped bf16 weights:
              start-up, output throughput at 1 / 32 / 128 concurrent, ITL while a long
-             prompt prefills (plain, multiplexing two-call and fused)
+             prompt prefills (plain, multiplexing two-call and fused), throughput again
+             with per-layer weight buffers
+  sweep      scripts/bench_kernels.py --sweep: Mosaic tuning knobs side by side with the
+             defaults on three decode shapes (whatever time the others left)
 Why subprocesses: a hung compile is killed at its budget and the suite goes on; a crash
 (a kernel fault, an out-of-memory) loses that section only; every section gets the
 whole device memory (JAX preallocates per process); the scripts keep their own flags.
@@ -49,7 +55,8 @@ SCRIPTS = REPO / "scripts"
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "gpu_suite_out"), "where the JSON goes")
 flags.DEFINE_bool("smoke", False, "tiny sizes on any machine (a CPU check of the suite)")
-flags.DEFINE_list("sections", ["kernels", "attention", "tbo", "engine"], "sections to run")
+flags.DEFINE_list("sections", ["kernels", "attention", "layers", "tbo", "engine", "sweep"],
+                  "sections to run")
 flags.DEFINE_integer("total_budget_s", None, "wall-clock limit of the whole suite (default "
                      "470 s; 1800 s with --smoke, whose sections have no budgets of their "
                      "own: a shared CPU's wall time says little)")
@@ -75,9 +82,14 @@ SECTIONS = [
              "--decode_batches=8,64", "--decode_contexts=8192,32768", "--iters=5"),
             ("--sections=roofline,decode,prefill", "--nosweep", "--models=smollm2",
              "--smoke"), 90),
+    Section("layers", "bench_layer_weights.py", (), ("--smoke",), 60),
     Section("tbo", "tbo_schedule.py", (), (), 45),
-    # Whatever the others left: compiling the 8B executables is most of it.
-    Section("engine", "bench_engine.py", (), ("--smoke",), None),
+    # Compiling the 8B executables is most of it: 10 + 16 took 29 + 44 s on the H200,
+    # the whole section 130 s without the per-layer runner.
+    Section("engine", "bench_engine.py", ("--parts=throughput,itl,throughput_per_layer",),
+            ("--smoke", "--parts=throughput,itl,throughput_per_layer"), 270),
+    Section("sweep", "bench_kernels.py", ("--sections=roofline", "--sweep", "--iters=5"),
+            ("--sections=roofline", "--sweep", "--smoke"), None),
 ]
 
 

@@ -34,7 +34,7 @@ class _Absent(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _Absent())
 """
-SECTIONS = ["kernels", "attention", "tbo", "engine"]
+SECTIONS = ["kernels", "attention", "layers", "tbo", "engine", "sweep"]
 
 
 def _bare_env(tmp: Path) -> dict[str, str]:
@@ -101,6 +101,25 @@ def test_attention_section_compares_with_the_roofline_and_dot_product_attention(
     assert p["pallas_tflops"] > 0 and p["dpa_tflops"] > 0
 
 
+def test_layers_section_reads_the_weights_three_ways(suite):
+    r = suite[0]["sections"]["layers"]["result"]
+    assert r["errors"] == [] and [p["batch"] for p in r["points"]] == [1, 32, 128]
+    for p in r["points"]:
+        for v in ("stacked", "switch", "unrolled"):
+            assert p[f"{v}_gbps"] == pytest.approx(r["weight_bytes"] / p[f"{v}_s"] / 1e9)
+        # The same function of x three ways (f32 at smoke size: the same sums in order).
+        assert p["switch_max_abs_diff"] < 1e-5 and p["unrolled_max_abs_diff"] < 1e-5
+
+
+def test_sweep_section_times_variants_beside_the_defaults(suite):
+    r = suite[0]["sections"]["sweep"]["result"]
+    assert r["errors"] == [] and len(r["sweep"]) == 2
+    for point in r["sweep"]:
+        assert "default" in point["variants"] and not point["failed"]
+        for name in point["variants"]:
+            assert point[f"{name}_tbps"] > 0, name
+
+
 def test_tbo_section_says_why_a_cpu_cannot_show_the_overlap(suite):
     rec = suite[0]["sections"]["tbo"]
     r = rec["result"]
@@ -120,6 +139,12 @@ def test_engine_section_measures_startup_throughput_and_itl(suite):
         t = r["throughput"][str(c)]
         assert t["output_tokens"] == c * sizes["output_len"] and t["output_tok_s"] > 0
     assert r["throughput_compiles_after_warmup"] == 0
+    # Throughput again on per-layer weight buffers: the same tokens' worth of work.
+    assert r["startup_per_layer"]["executables"] > 0
+    for c in sizes["concurrency"]:
+        t = r["throughput_per_layer"][str(c)]
+        assert t["output_tokens"] == c * sizes["output_len"] and t["output_tok_s"] > 0
+    assert r["throughput_per_layer_compiles_after_warmup"] == 0
     assert set(r["itl"]) == {"plain", "multiplex_two_call", "multiplex_fused"}
     for name, rec in r["itl"].items():
         assert rec["long_ttft_s"] > 0 and rec["streams_outlived_prefill"], name
@@ -128,6 +153,11 @@ def test_engine_section_measures_startup_throughput_and_itl(suite):
     # The multiplexing loops ran the prefill as layer intervals, the plain one did not.
     assert r["itl"]["multiplex_two_call"]["step_counts"].get("split_prefill", 0) > 0
     assert r["itl"]["plain"]["step_counts"].get("split_prefill", 0) == 0
+    # Only the long prompt was split: the streams' prompts ran whole, so they all decode
+    # from the start (the first GPU run split them too, and they started one by one).
+    for name, rec in r["itl"].items():
+        assert rec["stream_prefill_intervals"] == 0, name
+        assert (rec["long_prefill_intervals"] > 0) == (name != "plain"), name
 
 
 def test_a_section_over_its_budget_is_killed_and_the_suite_goes_on(tmp_path):
