@@ -85,6 +85,20 @@ def test_llama8b_forward_lowers_for_cuda(mode, shape):
     assert "mosaic_gpu" in text
 
 
+def test_llama8b_per_layer_weights_decode_lowers_for_cuda():
+    """The GPU suite's per-layer throughput runner: the layers' own buffers behind a
+    lax.switch (layers.unstack_layers) instead of slices of the stack."""
+    shape = BucketShape(0, 0, 32, NP)
+    batch = ForwardBatch(**_arrays(shape), mode=ForwardMode.DECODE, num_extend_tokens=0,
+                         num_extend_seqs=0)
+    params = jax.eval_shape(layers.unstack_layers, _params())
+    assert len(params["layer_list"]) == CFG.num_layers
+    fwd = functools.partial(llama.forward, cfg=CFG, attention_backend="pallas")
+    text = jax.jit(fwd).trace(params, _kv(), batch).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "stablehlo.case" in text
+
+
 def test_llama8b_split_interval_and_fused_step_lower_for_cuda():
     """The multiplexing programs of the ITL runner: a 4-layer interval of a 2048-token
     prefill, and the same interval fused with a 32-row decode step."""
