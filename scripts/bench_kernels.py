@@ -271,13 +271,14 @@ def _layers_for(bytes_per_layer: int, cap: int) -> int:
 
 
 def bench_decode(model: str, batch: int, context: int, rng, measured_tbps,
-                 variants: dict[str, dict] | None = None) -> dict:
+                 variants: dict[str, dict] | None = None, page_size: int | None = None
+                 ) -> dict:
     """Decode attention's HBM bandwidth at one shape. Without `variants`: the kernels at
     their defaults ("pallas") against the XLA reference and dot_product_attention. With
     `variants` {name: tuning knobs}: those kernel configurations alone, timed side by side
     (interleaved, so a drifting clock or a first-run effect cannot favour one)."""
     hq, hkv, dh = HEADS[model]
-    s, dtype = FLAGS.page_size, jnp.bfloat16
+    s, dtype = page_size or FLAGS.page_size, jnp.bfloat16
     kv_bytes_per_layer = 2 * batch * context * hkv * dh * 2
     layers = _layers_for(kv_bytes_per_layer, 32)
     meta, _, _, num_pages = _batch([], [context] * batch, s, -(-context // s), rng)
@@ -388,20 +389,25 @@ def bench_kv_write() -> list[dict]:
     return out
 
 
-def _sweep_points() -> list[tuple[str, int, int, dict[str, dict]]]:
-    """Mosaic variants, each shape's timed side by side with the defaults: a big-batch
-    shape (block_kv x num_slots; 128 x 4 needs more than an H200's 227 KiB of SMEM) and a
-    small-batch one (num_splits, whose default is a heuristic). In smoke mode, two each.
-    The first H200 sweep timed each variant alone, and its first one (64 x 2) read 2.49
-    TB/s against 1.6-1.75 for the rest: side by side says whether that holds."""
+def _sweep_points() -> list[tuple[str, int, int, int | None, dict[str, dict]]]:
+    """(model, batch, context, page size (None: --page_size), variants): Mosaic variants,
+    each shape's timed side by side with the defaults. A big-batch shape (block_kv x
+    num_slots; 128 x 4 needs more than an H200's 227 KiB of SMEM), the same with 64-token
+    pages (each TMA copy 16 KiB instead of 4), and a small-batch one (num_splits, whose
+    default is a heuristic). In smoke mode, two each. The first H200 sweep timed each
+    variant alone, and its first one (64 x 2) read 2.49 TB/s against 1.6-1.75 for the
+    rest: side by side says whether that holds."""
     if FLAGS.smoke:
-        return [("llama8b", 2, 256, {"default": {}, "bk64_s2": dict(block_kv=64, num_slots=2)}),
-                ("smollm2", 2, 256, {"default": {}, "splits2": dict(num_splits=2)})]
+        return [("llama8b", 2, 256, None,
+                 {"default": {}, "bk64_s2": dict(block_kv=64, num_slots=2)}),
+                ("smollm2", 2, 256, None, {"default": {}, "splits2": dict(num_splits=2)})]
     big = {"default": {}, **{f"bk{bk}_s{n}": dict(block_kv=bk, num_slots=n)
                              for bk, n in ((64, 2), (64, 3), (64, 4), (128, 2), (128, 3))}}
+    pages64 = {"default": {}, "bk64_s2": dict(block_kv=64, num_slots=2),
+               "bk128_s2": dict(block_kv=128, num_slots=2)}
     small = {"default": {}, **{f"splits{k}": dict(num_splits=k) for k in (1, 4, 8, 16)}}
-    return [("llama8b", 64, 8192, big), ("llama8b", 8, 32768, big),
-            ("smollm2", 8, 8192, small)]
+    return [("llama8b", 64, 8192, None, big), ("llama8b", 64, 8192, 64, pages64),
+            ("llama8b", 8, 32768, None, big), ("smollm2", 8, 8192, None, small)]
 
 
 def main(argv):
@@ -447,9 +453,9 @@ def main(argv):
     if "kv_write" in want:
         results["kv_write"] = section("kv_write", bench_kv_write) or []
     if FLAGS.sweep:
-        for model, batch, ctx, variants in _sweep_points():
-            r = section(f"sweep {model} {batch} {ctx}", bench_decode, model, batch, ctx,
-                        rng, measured, variants)
+        for model, batch, ctx, page, variants in _sweep_points():
+            r = section(f"sweep {model} {batch} {ctx} page {page or FLAGS.page_size}",
+                        bench_decode, model, batch, ctx, rng, measured, variants, page)
             if r:
                 results["sweep"].append(r)
     Path(FLAGS.out).write_text(json.dumps(results, indent=1))
