@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from runtime.batch_builder import BucketShape
+from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import ScheduleBatch
 
 
@@ -131,9 +132,11 @@ class StepRecord:
 def step_record(batch: ScheduleBatch, shape: BucketShape | None, sched_start: float,
                 sched_end: float, launch_end: float, compiles_after_warmup: int, *,
                 split: SplitInterval | None = None, tbo: TboSplit | None = None,
-                est_device_s: float | None = None) -> StepRecord:
+                est_device_s: float | None = None,
+                mode: ForwardMode | None = None) -> StepRecord:
     """The record of a batch padded to `shape` (None: unpadded, e.g. a fake runner); a
-    split-prefill interval or a TBO step passes its `split` / `tbo` too."""
+    split-prefill interval or a TBO step passes its `split` / `tbo` too; `mode`: what ran,
+    where it is not the batch's mode."""
     ext = batch.extend_rows
     n_ext = sum(len(r.input_ids) for r in ext)
     n_dec = len(batch.decode_rows)
@@ -142,7 +145,8 @@ def step_record(batch: ScheduleBatch, shape: BucketShape | None, sched_start: fl
         rows = shape.num_extend_seqs + shape.num_decode_seqs
         tokens = shape.num_extend_tokens + shape.num_decode_seqs
     return StepRecord(
-        mode=batch.mode.value, bucket=shape, rids=tuple(r.req.rid for r in batch.rows),
+        mode=(mode or batch.mode).value, bucket=shape,
+        rids=tuple(r.req.rid for r in batch.rows),
         extend_rows=len(ext), decode_rows=n_dec, extend_tokens=n_ext,
         padded_rows=rows, padded_tokens=tokens,
         sched_start=sched_start, sched_end=sched_end, launch_end=launch_end,

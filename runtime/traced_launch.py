@@ -9,6 +9,7 @@ from typing import Protocol
 
 from runtime.batch_builder import BucketShape
 from runtime.exec_trace import ExecutionTrace, StepRecord, step_record
+from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import ScheduleBatch, StepOutput
 
 
@@ -46,8 +47,12 @@ def launch_traced(trace: ExecutionTrace, runner: TracedRunner, batch: ScheduleBa
     # A two-batch-overlap step (the runner's PendingStep.tbo) computed both micro-batches
     # at its own padded shape; a fake runner's pending has neither attribute.
     shape = getattr(pending, "padded_shape", None) or runner.bucket_for(batch)
+    # A split-prefill batch too small to split runs whole, as an EXTEND step
+    # (ModelRunner.launch): count it as one, not as a layer interval of a split prefill.
+    ran = ForwardMode.EXTEND if batch.mode is ForwardMode.SPLIT_PREFILL else None
     rec = step_record(batch, shape, sched_start, sched_end, time.perf_counter(),
-                      runner.compiles_after_warmup, tbo=getattr(pending, "tbo", None))
+                      runner.compiles_after_warmup, tbo=getattr(pending, "tbo", None),
+                      mode=ran)
     return TracedStep(pending, trace.record(rec))
 
 

@@ -288,7 +288,8 @@ def test_multiplexing_interleaves_intervals_with_decode_steps(runner):
 @pytest.mark.parametrize("fused", [False, True])
 def test_multiplex_loop_records_every_launch(fused):
     """Host only, the fake split runner: one record per launch, of the right kind; a fused
-    launch is one decode record carrying its interval and naming the prefill's rows."""
+    launch is one decode record carrying its interval and naming the prefill's rows; a
+    prefill too small to split is recorded as the EXTEND step it ran as."""
     sched, runner, loop = mux._setup(fused=fused)
     loop.trace = ExecutionTrace()
     arrivals, want = mux._workload()
@@ -300,9 +301,9 @@ def test_multiplex_loop_records_every_launch(fused):
     steps = loop.trace.steps()
     expect = {"decode": ("decode", False), "fused": ("decode", True),
               "interval": ("split_prefill", True), "sample": ("split_prefill", False),
-              "whole": ("split_prefill", False)}
+              "whole": ("extend", False)}
     assert [(s.mode, s.split is not None) for s in steps] == [expect[k] for k in kinds]
-    assert ("fused" in kinds) == fused
+    assert ("fused" in kinds) == fused and "whole" in kinds
     by_step = {s.step: s for s in steps}
     for s in steps:
         assert s.ready is not None and s.device_start <= s.ready
