@@ -48,11 +48,12 @@ gpu-check:
 # the command line below; 14 min 49 s in session 18 without int8): offline throughput of
 # xlaserve f32 and bf16 at 1 / 8 / 32 / 64 concurrent and weight-only int8 at 1 / 8 / 32
 # (its 64-way point took 41 s below f32's rate: int8's FMAs widen every weight, so it
-# gains nothing once compute-bound), the 32-way point being the 32-request run;
+# gains nothing once compute-bound), the 32-way point being the 32-request run; bf16 in
+# 12 bits (--compress_weights) likewise at 1 / 8 / 32;
 # llama-server F32 at 8 / 32 / 64 (its one-stream rate is the single stream's), BF16 (the
 # same weights in bf16: bf16's like-for-like peer) at 32, and Q4_1 at 1 (the single stream
 # it is compared on; it falls behind its own F32 from 8 streams on: sessions 9 and 14-18);
-# the single streams of all six interleaved, 3 runs each
+# the single streams of all seven interleaved, 3 runs each
 # (bench_offline's --single_repeats default); transformers batched at 32 in f32 (issue
 # 15's goal; bf16's run, ~50 s, is in no goal); the Poisson sweep with llama-server F32
 # side by side (Q4_1 is in the offline run); the long-prompt frontier over xlaserve's
@@ -69,7 +70,8 @@ bench: setup
 	test ! -x $(LLAMA_SERVER) || $(PY) scripts/check_llama_peer.py --out_dir=$(BENCH_OUT)
 	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64 \
 		--hf_batch_sizes=32 --hf_dtypes=float32 --dtype=float32 \
-		--also_dtypes=bfloat16,int8 --xla_concurrency=int8=1,8,32 \
+		--also_dtypes=bfloat16,int8,bf16x12 --xla_concurrency=int8=1,8,32 \
+		--xla_concurrency=bf16x12=1,8,32 \
 		--llama_variants=f32,bf16,q4_1 --llama_concurrency=q4_1=1 \
 		--llama_concurrency=f32=8,32,64 --llama_concurrency=bf16=32
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \

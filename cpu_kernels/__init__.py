@@ -4,7 +4,9 @@
 panels; see packed_matmul.cc for why XLA CPU's own GEMM is slow on decode-sized M. Up to
 three bf16 kernels (widening, vdpbf16ps, AMX tiles); the fastest on this CPU serves
 (bf16_kernel, measured once per machine). `pack_int8`: weight-only int8 panels with a
-scale per output column (`--quantization=int8`), a quarter of f32's bytes.
+scale per output column (`--quantization=int8`), a quarter of f32's bytes. `pack_x12`:
+bf16 weights in 12 bits each, losslessly (`--compress_weights`): 3/4 of bf16's bytes for
+a memory-bound decode step, the same products.
 `decode_attention`, `extend_attention`: paged attention of decode rows / of prefill
 (extend) tokens, reading the pool (float32 or bfloat16) in place; see attention.cc.
 `write_kv`: this step's K/V into the pool in place (write_kv.cc: XLA CPU's scatter
@@ -45,6 +47,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 PANEL = 64  # panel width, kNR in packed_matmul.cc
+X12_STEP = 192  # bytes of a compressed k pair of a panel, kX12StepBytes in packed_matmul.cc
 _SOURCES = [pathlib.Path(__file__).with_name(n)
             for n in ("packed_matmul.cc", "attention.cc", "write_kv.cc", "parallel.h",
                       "simd16.h")]
@@ -122,6 +125,10 @@ def _build() -> pathlib.Path:
 _BF16_SYMBOLS = {"widen": "XlaservePackedMatmulBf16Widen", "dot": "XlaservePackedMatmulBf16Dot",
                  "amx": "XlaservePackedMatmulBf16Amx"}
 _BF16_TARGET = "xlaserve_packed_matmul_bf16"  # the one that serves: bf16_kernel()
+# The compressed bf16 matmul (pack_x12), decoding into either bf16 kernel's products;
+# built where the compiler targets AVX-512BW ("dot": and avx512_bf16).
+_X12_SYMBOLS = {"widen": "XlaservePackedMatmulX12Widen", "dot": "XlaservePackedMatmulX12Dot"}
+_X12_TARGET = "xlaserve_packed_matmul_x12"
 
 
 @functools.cache
@@ -141,7 +148,36 @@ def load() -> ctypes.CDLL:
     jax.ffi.register_ffi_target(_BF16_TARGET,
                                 jax.ffi.pycapsule(getattr(lib, _BF16_SYMBOLS[kernel])),
                                 platform="cpu")
+    for n, symbol in _X12_SYMBOLS.items():
+        if hasattr(lib, symbol):
+            jax.ffi.register_ffi_target(f"{_X12_TARGET}_{n}",
+                                        jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
     return lib
+
+
+def x12_targets() -> dict[str, str]:
+    """FFI target of each compressed bf16 matmul kernel this CPU runs ({"widen": ...,
+    "dot": ...}; none without AVX-512BW), for tests and benchmarks."""
+    lib = load()
+    return {n: f"{_X12_TARGET}_{n}" for n, symbol in _X12_SYMBOLS.items() if hasattr(lib, symbol)}
+
+
+def x12_unavailable_reason() -> str | None:
+    """None when compressed bf16 weights (pack_x12) run here, else why not."""
+    reason = unavailable_reason()
+    if reason is None and "avx512bw" not in _cpu_flags():
+        reason = "compressed bf16 weights decode with AVX-512BW byte shuffles; this CPU lacks it"
+    return reason
+
+
+def _x12_target() -> str:
+    """The compressed kernel that serves: the products of the bf16 kernel that serves
+    (bf16_kernel), vdpbf16ps where that is "dot", else widening (AMX's tiles take whole
+    16-row blocks; a decode step's rows are few)."""
+    targets = x12_targets()
+    if not targets:
+        raise RuntimeError(f"compressed bf16 weights unavailable: {x12_unavailable_reason()}")
+    return targets["dot" if bf16_kernel() == "dot" and "dot" in targets else "widen"]
 
 
 def _bf16_kernels(lib: ctypes.CDLL) -> list[str]:
@@ -254,7 +290,9 @@ class PackedWeight:
     float32 [..., P, K, 64]; bfloat16 [..., P, K2, 64, 2] with K2 = ceil(K / 2), rows
     k and k + 1 interleaved per column (vdpbf16ps's operand layout); int8 (pack_int8)
     [..., P, K4 * 4, 64] with K4 = ceil(K / 4) and `scales` f32 [..., P, 64], W's
-    column n being q[:, n] * scales[n].
+    column n being q[:, n] * scales[n]; compressed bfloat16 (pack_x12) uint8
+    [..., P, K2, 192] with `table` uint8 [..., 16], `exc_start` int32 [..., P + 1] and
+    `exc` int32 [..., E, 2] (packed_matmul.cc, X12Decode).
 
     `layer`: None for one matrix; for a stack of them ([L, ...] panels), the traced index
     of the one a call multiplies by (at_layer), which the kernel reads in place.
@@ -267,6 +305,9 @@ class PackedWeight:
     layer: jax.Array | None = None
     rows: jax.Array | None = None
     scales: jax.Array | None = None
+    table: jax.Array | None = None
+    exc_start: jax.Array | None = None
+    exc: jax.Array | None = None
 
     @property
     def matrix_ndim(self) -> int:
@@ -339,6 +380,63 @@ def pack_int8(w: jax.Array | np.ndarray) -> PackedWeight:
                         scales=jnp.asarray(scales.reshape(*lead, p, PANEL)))
 
 
+def pack_x12(w: jax.Array | np.ndarray) -> PackedWeight:
+    """W [..., K, N] bfloat16 -> the same weights in 12 bits each, losslessly.
+
+    Each bf16's high byte (sign and 7 exponent bits) becomes a 4-bit code into a table of
+    its matrix's 15 most frequent high bytes and 0x00; its low byte is kept. A weight
+    whose high byte has no code (SmolLM2: ~0.02%) is stored as +0 and listed as an
+    exception, which the kernel adds after the product. The panel layout is the bf16
+    panels' (pack), each k pair's 128 values in packed_matmul.cc's byte order
+    (X12Decode). Done on the host in numpy, once at load."""
+    bits = np.asarray(jnp.asarray(w, jnp.bfloat16)).view(np.uint16)
+    *lead, k, n = bits.shape
+    p, k2 = -(-n // PANEL), -(-k // 2)
+    bits = np.pad(bits, [(0, 0)] * len(lead) + [(0, 2 * k2 - k), (0, p * PANEL - n)])
+    nd = len(lead)
+    rows = bits.reshape(*lead, k2, 2, p, PANEL)  # [..., K2, 2, P, 64]
+    rows = rows.transpose(*range(nd), nd + 2, nd, nd + 3, nd + 1)  # [..., P, K2, 64, 2]
+    mats = rows.reshape(-1, p, k2, 2 * PANEL)  # [B, P, K2, 128]: word t = 2 column + k parity
+    t = np.arange(2 * PANEL)
+    j, wi = t // 32, t % 32  # zmm j of the row, word wi in it
+    byte = 16 * (wi // 8) + 8 * (j % 2) + wi % 8
+    steps = np.zeros((*mats.shape[:3], X12_STEP), np.uint8)
+    tables = np.zeros((len(mats), 16), np.uint8)
+    starts = np.zeros((len(mats), p + 1), np.int32)
+    excs = []
+    for b, mat in enumerate(mats):
+        hi = (mat >> 8).astype(np.uint8)
+        counts = np.bincount(hi.ravel(), minlength=256)
+        counts[0] = -1  # 0x00 is entry 0 whatever its count: exceptions decode to +0
+        top = np.argsort(-counts, kind="stable")[:15]
+        table = np.concatenate([[0], np.sort(top)]).astype(np.uint8)
+        lut = np.full(256, -1, np.int16)
+        lut[table] = np.arange(16)
+        code = lut[hi]
+        miss = code < 0
+        lo = (mat & 0xFF).astype(np.uint8)
+        code[miss], lo[miss] = 0, 0
+        step = steps[b]  # [P, K2, 192], a view
+        step[..., 64 * (j // 2) + byte] = lo
+        for half in (0, 1):
+            sel = j // 2 == half
+            step[..., 128 + byte[sel]] |= (code[..., sel] << (4 * half)).astype(np.uint8)
+        pp, ss, tt = np.nonzero(miss)
+        pos = (2 * ss + tt % 2) * PANEL + tt // 2  # k * 64 + column
+        order = np.lexsort((pos, pp))
+        excs.append(np.stack([pos[order], mat[pp, ss, tt][order].astype(np.int32)], -1))
+        starts[b, 1:] = np.cumsum(np.bincount(pp, minlength=p))
+        tables[b] = table
+    e_max = max(len(e) for e in excs)
+    exc = np.zeros((len(mats), e_max, 2), np.int32)
+    for b, e in enumerate(excs):
+        exc[b, :len(e)] = e
+    return PackedWeight(panels=jnp.asarray(steps.reshape(*lead, p, k2, X12_STEP)), n=n, k=k,
+                        table=jnp.asarray(tables.reshape(*lead, 16)),
+                        exc_start=jnp.asarray(starts.reshape(*lead, p + 1)),
+                        exc=jnp.asarray(exc.reshape(*lead, e_max, 2)))
+
+
 def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -> jax.Array:
     """x [..., K] @ W -> [..., N] float32 through the FFI kernel.
 
@@ -351,6 +449,8 @@ def packed_matmul(x: jax.Array, w: PackedWeight, *, target: str | None = None) -
         raise ValueError(f"packed_matmul takes one matrix (or a stack and its layer), got "
                          f"panels {w.panels.shape}")
     load()
+    if w.dtype == jnp.uint8:
+        return _ffi_matmul(target or _x12_target(), x, w)
     name = {"float32": "xlaserve_packed_matmul",
             "int8": "xlaserve_packed_matmul_int8"}.get(w.dtype.name, target or _BF16_TARGET)
     return _ffi_matmul(name, x, w)
@@ -363,9 +463,9 @@ def _ffi_matmul(name: str, x: jax.Array, w: PackedWeight) -> jax.Array:
     if w.rows is not None and w.rows.shape != x2.shape[:1]:
         raise ValueError(f"row mask {w.rows.shape} does not match x rows {x2.shape[:1]}")
     rows = jnp.zeros((0,), jnp.int32) if w.rows is None else w.rows.astype(jnp.int32)
-    scales = () if w.scales is None else (w.scales,)
+    extra = tuple(a for a in (w.scales, w.table, w.exc_start, w.exc) if a is not None)
     y = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((x2.shape[0], w.n), jnp.float32))(
-        x2.astype(jnp.float32), w.panels, *scales, layer, rows)
+        x2.astype(jnp.float32), w.panels, *extra, layer, rows)
     return y.reshape(*lead, w.n)
 
 

@@ -44,6 +44,13 @@ constexpr int64_t kNR = 64;       // panel width: 4 zmm registers of 16 floats
 constexpr int64_t kMR = 6;        // rows per tile: 6 x 4 accumulators + 4 weights + 1 broadcast
 constexpr int64_t kMChunk = 96;   // rows per work unit, so large M splits across threads
 constexpr int64_t kRowBytes = 256;  // one panel step, both dtypes
+
+inline float Bf16ToF32(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float f;
+  std::memcpy(&f, &wide, sizeof(f));
+  return f;
+}
 // How far ahead of itself a one-row unit prefetches its own stream (a panel's rows, then
 // the next panel's, which follows it in memory); int8 twice as far (Int8Step::kAhead).
 // Without it a bf16 row read 9-19 GB/s at SmolLM2's shapes against f32's 13-27: per byte
@@ -71,6 +78,7 @@ struct F32Step {
   using X = float;
   static constexpr int64_t kPerStep = 64;            // panel elements per step
   static constexpr int64_t kPerVec = vn::kLanes;     // of them per native vector
+  static constexpr int64_t kStepBytes = kRowBytes;   // memory a step reads
   static constexpr int64_t kAhead = kStreamAhead;  // a one-row unit's stream-ahead
   template <int MR, int J>
   static inline void Run(vn::F (&acc)[MR][J], const float* x, int64_t ldx, const float* w,
@@ -91,6 +99,7 @@ struct Bf16WidenStep {
   using X = float;  // x rounded once per call (RoundX), kept f32: its broadcasts are loads
   static constexpr int64_t kPerStep = 128;
   static constexpr int64_t kPerVec = 2 * vn::kLanes;
+  static constexpr int64_t kStepBytes = kRowBytes;
   static constexpr int64_t kAhead = kStreamAhead;  // a one-row unit's stream-ahead
   template <int MR, int J>
   static inline void Run(vn::F (&acc)[MR][J], const X* x, int64_t ldx, const uint16_t* w,
@@ -120,6 +129,7 @@ struct Int8Step {
   using X = float;
   static constexpr int64_t kPerStep = 256;
   static constexpr int64_t kPerVec = vn::kLanes;
+  static constexpr int64_t kStepBytes = kRowBytes;
   // A one-row unit's stream-ahead: each 256-byte step widens 64 bytes four times
   // (16 widen-and-convert pairs and 16 FMAs against f32's 4 FMAs), so the
   // out-of-order window holds fewer bytes in flight. One-row int8 decode step,
@@ -148,6 +158,7 @@ struct Bf16DotStep {
   using X = uint16_t;  // vdpbf16ps takes the x pair as bf16
   static constexpr int64_t kPerStep = 128;
   static constexpr int64_t kPerVec = 32;
+  static constexpr int64_t kStepBytes = kRowBytes;
   static constexpr int64_t kAhead = kStreamAhead;  // a one-row unit's stream-ahead
   template <int MR, int J>
   static inline void Run(vn::F (&acc)[MR][J], const X* x, int64_t ldx, const uint16_t* w,
@@ -157,6 +168,105 @@ struct Bf16DotStep {
     for (int j = 0; j < 4; ++j) wv[j] = _mm512_loadu_si512(w + 32 * j);
     for (int m = 0; m < MR; ++m) {
       int32_t pair;  // x[m, 2s] and x[m, 2s + 1], broadcast to every lane
+      std::memcpy(&pair, x + m * ldx + 2 * s, sizeof(pair));
+      const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, (__m512bh)wv[j]);
+    }
+  }
+};
+#endif
+
+#ifdef __AVX512BW__
+// bf16 weights in 12 bits, losslessly (pack_bf16_x12 in cpu_kernels/__init__.py): a bf16
+// is a high byte (sign and 7 exponent bits) and a low byte (the last exponent bit and 7
+// mantissa bits). Across a matrix the high byte takes few values (SmolLM2: 11-23, ~2.7
+// bits of entropy), so it is stored as a 4-bit code into a table of the matrix's 16
+// (0x00 always among them); the rest, ~0.02% of SmolLM2's weights, are exceptions: they
+// decode to +0 and a list adds them after the product (X12Exceptions). Decoding costs a
+// few byte shuffles a step, and a one-row product, which waits on memory, reads 3/4 of
+// bf16's bytes.
+//
+// A step (one k pair of 64 columns, the 128 bf16 of a plain bf16 panel row) is 192
+// bytes: 128 low bytes, then 64 bytes of codes. Word t = 32 j + w of the plain row (the
+// zmm j of Bf16DotStep's operands) has its low byte at 64 (j / 2) + b and its code in the
+// low (j < 2) or high (j >= 2) nibble of code byte b, where b = 16 (w / 8) + 8 (j % 2) +
+// w % 8: vpunpck{l,h}bw interleave bytes 0-7 / 8-15 of each 128-bit lane,
+// so the low bytes and the looked-up high bytes come out as the plain row's words.
+constexpr int64_t kX12StepBytes = 192;
+
+// Step s of a compressed panel -> the plain bf16 row's 4 zmm (Bf16DotStep's wv).
+inline void X12Decode(const uint8_t* step, __m512i table, __m512i (&wv)[4]) {
+  const __m512i lo0 = _mm512_loadu_si512(step);
+  const __m512i lo1 = _mm512_loadu_si512(step + 64);
+  const __m512i codes = _mm512_loadu_si512(step + 128);
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  const __m512i hi0 = _mm512_shuffle_epi8(table, _mm512_and_si512(codes, nibble));
+  const __m512i hi1 =
+      _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(codes, 4), nibble));
+  wv[0] = _mm512_unpacklo_epi8(lo0, hi0);
+  wv[1] = _mm512_unpackhi_epi8(lo0, hi0);
+  wv[2] = _mm512_unpacklo_epi8(lo1, hi1);
+  wv[3] = _mm512_unpackhi_epi8(lo1, hi1);
+}
+
+// Decoded row s into a plain bf16 panel at `store` (128 bf16 a row), unless null.
+inline void X12Store(uint16_t* store, int64_t s, const __m512i (&wv)[4]) {
+  if (store == nullptr) return;
+  for (int j = 0; j < 4; ++j) _mm512_storeu_si512(store + 128 * s + 32 * j, wv[j]);
+}
+
+// The 16 table bytes in each 128-bit lane (vpshufb looks up within lanes).
+inline __m512i X12Table(const uint8_t* table) {
+  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table)));
+}
+
+// What the two decoding steps share: the panel's layout and the decoder's state.
+struct X12Step {
+  using T = uint8_t;
+  static constexpr int64_t kPerStep = kX12StepBytes;
+  static constexpr int64_t kPerVec = 0;  // whole panels only (AVX-512)
+  static constexpr int64_t kStepBytes = kX12StepBytes;
+  static constexpr int64_t kAhead = kStreamAhead;
+  __m512i table;  // X12Table
+  uint16_t* store = nullptr;  // non-null: the decoded rows also go here (X12Store)
+};
+
+// A compressed panel's k pair decoded, then Bf16WidenStep's products: the same sums in
+// the same order as Bf16WidenStep over the decoded panel (RunX12's cached path).
+struct X12WidenStep : X12Step {
+  using X = float;
+  template <int MR, int J>
+  inline void Run(vn::F (&acc)[MR][J], const X* x, int64_t ldx, const uint8_t* w,
+                  int64_t s) const {
+    static_assert(J == 4, "AVX-512 only: whole panels");
+    __m512i raw[4];
+    X12Decode(w, table, raw);
+    X12Store(store, s, raw);
+    for (int half = 0; half < 2; ++half) {
+      vn::F wv[4];
+      for (int j = 0; j < 4; ++j) wv[j] = half == 0 ? vn::widen_even(raw[j]) : vn::widen_odd(raw[j]);
+      for (int m = 0; m < MR; ++m) {
+        const vn::F b = vn::set1(x[m * ldx + 2 * s + half]);
+        for (int j = 0; j < 4; ++j) acc[m][j] = vn::fmadd(b, wv[j], acc[m][j]);
+      }
+    }
+  }
+};
+#endif
+
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+// A compressed panel's k pair decoded, then Bf16DotStep's products (same order).
+struct X12DotStep : X12Step {
+  using X = uint16_t;
+  template <int MR, int J>
+  inline void Run(vn::F (&acc)[MR][J], const X* x, int64_t ldx, const uint8_t* w,
+                  int64_t s) const {
+    static_assert(J == 4, "AVX-512 only: whole panels");
+    __m512i wv[4];
+    X12Decode(w, table, wv);
+    X12Store(store, s, wv);
+    for (int m = 0; m < MR; ++m) {
+      int32_t pair;
       std::memcpy(&pair, x + m * ldx + 2 * s, sizeof(pair));
       const __m512bh b = (__m512bh)_mm512_set1_epi32(pair);
       for (int j = 0; j < 4; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], b, (__m512bh)wv[j]);
@@ -194,8 +304,9 @@ constexpr int Groups() {
 // (that many elements into each panel row) over `steps` steps; columns beyond the matrix
 // are masked.
 template <typename Step, int MR, int J>
-inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T* panel,
-                 int64_t steps, float* y, int64_t ldy, const vn::Mask* mask, Prefetch pf) {
+inline void Tile(const Step& step, const typename Step::X* x, int64_t ldx,
+                 const typename Step::T* panel, int64_t steps, float* y, int64_t ldy,
+                 const vn::Mask* mask, Prefetch pf) {
   vn::F acc[MR][J];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < J; ++j) acc[m][j] = vn::setzero();
@@ -205,8 +316,8 @@ inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T*
   const char* ahead = reinterpret_cast<const char*>(panel) + pf.stream;
   for (int64_t k = 0; k < steps; ++k) {
     if (pf.stream > 0) {
-      for (int line = 0; line < 4; ++line)
-        _mm_prefetch(ahead + k * kRowBytes + 64 * line, _MM_HINT_T1);
+      for (int line = 0; line < Step::kStepBytes / 64; ++line)
+        _mm_prefetch(ahead + k * Step::kStepBytes + 64 * line, _MM_HINT_T1);
     } else if (pf_rows == steps) {  // one row per step (a 2-tile unit): no bookkeeping
       const char* p = pf.next + k * kRowBytes;
       for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T1);
@@ -216,7 +327,7 @@ inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T*
         for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_T1);
       }
     }
-    Step::template Run<MR, J>(acc, x, ldx, panel + k * Step::kPerStep, k);
+    step.template Run<MR, J>(acc, x, ldx, panel + k * Step::kPerStep, k);
   }
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < J; ++j)
@@ -226,12 +337,13 @@ inline void Tile(const typename Step::X* x, int64_t ldx, const typename Step::T*
 // y[0:MR, 0:64] = x[0:MR, :] @ panel, a group of columns at a time (Groups); the first
 // pass does the tile's prefetching.
 template <typename Step, int MR>
-inline void TileRow(const typename Step::X* x, int64_t ldx, const typename Step::T* panel,
-                    int64_t steps, float* y, int64_t ldy, const vn::Mask* mask, Prefetch pf) {
+inline void TileRow(const Step& step, const typename Step::X* x, int64_t ldx,
+                    const typename Step::T* panel, int64_t steps, float* y, int64_t ldy,
+                    const vn::Mask* mask, Prefetch pf) {
   constexpr int J = Groups<MR>();
   for (int g = 0; g < kVecs; g += J)
-    Tile<Step, MR, J>(x, ldx, panel + g * Step::kPerVec, steps, y + vn::kLanes * g, ldy,
-                      mask + g, g == 0 ? pf : Prefetch{});
+    Tile<Step, MR, J>(step, x, ldx, panel + g * Step::kPerVec, steps, y + vn::kLanes * g,
+                      ldy, mask + g, g == 0 ? pf : Prefetch{});
 }
 
 // Up to this many rows, AVX2 runs a unit row by row, each row with one-row tiles over
@@ -257,20 +369,23 @@ constexpr int64_t kRowByRow = 8;
 // rows 0.73-0.96x the time, bf16 (vdpbf16ps) 0.77-0.99x; the 8-row f32 decode step
 // 40.1 -> 30.6 ms, 12 rows 0.93x; 1-6 and 16-32 rows unchanged (0.95-1.04x). How far
 // ahead: kStreamAheadTiles.
+//
+// `next_rows`: how many kRowBytes rows of `next` to prefetch (its size; `steps` where it
+// is a panel like this one). `cached`: the panel is already in L2 (a compressed panel
+// decoded there, RunX12), so no tile streams it and all of them share out `next`.
 template <typename Step>
-void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64_t ldx,
-          int64_t steps, int64_t N, int64_t p, int64_t m0, int64_t m1, const char* next) {
-  using T = typename Step::T;
+void Unit(const Step& step, const typename Step::X* x, const typename Step::T* panel,
+          float* y, int64_t ldx, int64_t steps, int64_t N, int64_t p, int64_t m0, int64_t m1,
+          const char* next, int64_t next_rows, bool cached = false) {
   vn::Mask mask[kVecs];
   const int64_t cols = std::min(kNR, N - p * kNR);
   for (int j = 0; j < kVecs; ++j)
     mask[j] = vn::first_lanes(std::clamp<int64_t>(cols - vn::kLanes * j, 0, vn::kLanes));
-  const T* panel = wp + p * steps * Step::kPerStep;
   if (vn::kLanes == 8 && m1 - m0 <= kRowByRow) {
     for (int64_t m = m0; m < m1; ++m) {
       Prefetch pf;
       pf.stream = m == m0 ? Step::kAhead : 0;
-      TileRow<Step, 1>(x + m * ldx, ldx, panel, steps, y + m * N + p * kNR, N, mask, pf);
+      TileRow<Step, 1>(step, x + m * ldx, ldx, panel, steps, y + m * N + p * kNR, N, mask, pf);
     }
     return;
   }
@@ -279,24 +394,26 @@ void Unit(const typename Step::X* x, const typename Step::T* wp, float* y, int64
     const typename Step::X* xm = x + m * ldx;
     float* ym = y + m * N + p * kNR;
     Prefetch pf;
-    if (tiles > 1 && tile == 0) {
+    if (cached) {  // tile i of 0..tiles-1 takes its share of next's rows
+      if (next != nullptr) pf = {next, tile * next_rows / tiles, (tile + 1) * next_rows / tiles};
+    } else if (tiles > 1 && tile == 0) {
       pf.stream = kStreamAheadTiles;
     } else if (next != nullptr && tile > 0) {  // tile i of 1..tiles-1 takes its share of rows
-      pf = {next, (tile - 1) * steps / (tiles - 1), tile * steps / (tiles - 1)};
+      pf = {next, (tile - 1) * next_rows / (tiles - 1), tile * next_rows / (tiles - 1)};
     } else if (m1 - m0 == 1) {
       pf.stream = Step::kAhead;
     } else if (next != nullptr && tiles == 1) {
       // 2-6 rows: memory-bound, and the hardware prefetcher alone falls behind (30 layers
       // + head, A B A B: M=2 29 -> 25 ms, M=4 33 -> 27 ms).
-      pf = {next, 0, steps};
+      pf = {next, 0, next_rows};
     }
     switch (std::min(kMR, m1 - m)) {
-      case 6: TileRow<Step, 6>(xm, ldx, panel, steps, ym, N, mask, pf); break;
-      case 5: TileRow<Step, 5>(xm, ldx, panel, steps, ym, N, mask, pf); break;
-      case 4: TileRow<Step, 4>(xm, ldx, panel, steps, ym, N, mask, pf); break;
-      case 3: TileRow<Step, 3>(xm, ldx, panel, steps, ym, N, mask, pf); break;
-      case 2: TileRow<Step, 2>(xm, ldx, panel, steps, ym, N, mask, pf); break;
-      default: TileRow<Step, 1>(xm, ldx, panel, steps, ym, N, mask, pf); break;
+      case 6: TileRow<Step, 6>(step, xm, ldx, panel, steps, ym, N, mask, pf); break;
+      case 5: TileRow<Step, 5>(step, xm, ldx, panel, steps, ym, N, mask, pf); break;
+      case 4: TileRow<Step, 4>(step, xm, ldx, panel, steps, ym, N, mask, pf); break;
+      case 3: TileRow<Step, 3>(step, xm, ldx, panel, steps, ym, N, mask, pf); break;
+      case 2: TileRow<Step, 2>(step, xm, ldx, panel, steps, ym, N, mask, pf); break;
+      default: TileRow<Step, 1>(step, xm, ldx, panel, steps, ym, N, mask, pf); break;
     }
   }
 }
@@ -325,12 +442,14 @@ void Run(ffi::ThreadPool& pool, const typename Step::X* x, const typename Step::
          const float* scale = nullptr) {
   const int64_t chunks = static_cast<int64_t>(rows.size());
   const int64_t panel_elems = steps * Step::kPerStep;
-  xlaserve::ParallelStealing(pool, P * chunks, [=, &rows](int64_t u, int64_t after) {
+  const Step step{};
+  xlaserve::ParallelStealing(pool, P * chunks, [=, &rows, &step](int64_t u, int64_t after) {
     const int64_t p = u / chunks, c = u % chunks;
     const char* next = c == chunks - 1 && after == u + 1
                            ? reinterpret_cast<const char*>(w + (p + 1) * panel_elems)
                            : nullptr;
-    Unit<Step>(x, w, y, ldx, steps, N, p, rows[c].first, rows[c].second, next);
+    Unit<Step>(step, x, w + p * panel_elems, y, ldx, steps, N, p, rows[c].first,
+               rows[c].second, next, steps);
     if (scale != nullptr) ScaleColumns(y, N, p, rows[c].first, rows[c].second, scale);
   });
 }
@@ -517,6 +636,147 @@ void RunBf16(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const 
   const auto* xs = RoundX<typename Step::X>(x, M, K, 2 * K2, rows);
   Run<Step>(pool, xs, w, y, rows, 2 * K2, K2, N, P);
 }
+
+#ifdef __AVX512BW__
+// Exceptions of a compressed matrix (weights whose high byte has no code; they decode to
+// +0): `start` [P + 1] bounds each panel's run of `exc` [E, 2], (k * 64 + column, the
+// bf16's bits) in increasing position. Each adds x[m, k] * w to y[m, column] after the
+// panel's product, in that order whichever path computed it, so a row's result does not
+// depend on its batch. x: the rounded rows RoundX made (f32 or bf16 bits).
+template <typename X>
+void X12Exceptions(const X* x, int64_t ldx, const int32_t* start, const int32_t* exc,
+                   float* y, int64_t N, int64_t p, int64_t m0, int64_t m1) {
+  for (int64_t e = start[p]; e < start[p + 1]; ++e) {
+    const int64_t k = exc[2 * e] / kNR, col = p * kNR + exc[2 * e] % kNR;
+    const float w = Bf16ToF32(static_cast<uint16_t>(exc[2 * e + 1]));
+    for (int64_t m = m0; m < m1; ++m) {
+      float xv;
+      if constexpr (sizeof(X) == 4) {
+        xv = x[m * ldx + k];
+      } else {
+        xv = Bf16ToF32(x[m * ldx + k]);
+      }
+      y[m * N + col] += xv * w;
+    }
+  }
+}
+
+// The bf16 product by compressed panels w [P, K2, 192] (X12Decode): a unit of one tile
+// (1-6 rows; a decode step) decodes each step as it goes (Fused), reading the panel once
+// from memory. In a unit of several tiles, compute-bound, the first tile does the same
+// and also stores the decoded panel in L2 (plain bf16), and the other tiles run Plain's
+// tiles over that, as a bf16 call would, rather than decode it again each. Every row runs
+// the same products in the same order either way.
+//
+// Decoding the panel in a pass of its own before the tiles measured 0.7-0.85x bf16's
+// speed at 32 rows (bench_cpu_matmul.py): that pass waits on memory with nothing to
+// compute, where the first tile of a bf16 unit streams its panel in while it computes.
+template <typename Fused, typename Plain>
+void RunX12(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint8_t* w,
+            const uint8_t* table, const int32_t* start, const int32_t* exc, int64_t K2,
+            float* y, int64_t N, int64_t P, const Chunks& rows) {
+  using X = typename Fused::X;
+  const int64_t ldx = 2 * K2;
+  const X* xs = RoundX<X>(x, M, K, ldx, rows);
+  const int64_t chunks = static_cast<int64_t>(rows.size());
+  const int64_t panel_bytes = K2 * kX12StepBytes;
+  const int64_t next_rows = (panel_bytes + kRowBytes - 1) / kRowBytes;
+  Fused fused;
+  fused.table = X12Table(table);
+  const Plain plain{};
+  xlaserve::ParallelStealing(pool, P * chunks, [=, &rows, &fused, &plain](int64_t u,
+                                                                          int64_t after) {
+    const int64_t p = u / chunks, c = u % chunks;
+    const int64_t m0 = rows[c].first, m1 = rows[c].second;
+    const uint8_t* panel = w + p * panel_bytes;
+    const char* next = c == chunks - 1 && after == u + 1
+                           ? reinterpret_cast<const char*>(panel + panel_bytes)
+                           : nullptr;
+    if (m1 - m0 <= kMR) {
+      Unit<Fused>(fused, xs, panel, y, ldx, K2, N, p, m0, m1, next, next_rows);
+    } else {
+      thread_local std::vector<uint16_t> plain_panel;
+      plain_panel.resize(K2 * Plain::kPerStep);
+      Fused first = fused;
+      first.store = plain_panel.data();
+      vn::Mask mask[kVecs];
+      const int64_t cols = std::min(kNR, N - p * kNR);
+      for (int j = 0; j < kVecs; ++j)
+        mask[j] = vn::first_lanes(std::clamp<int64_t>(cols - vn::kLanes * j, 0, vn::kLanes));
+      Prefetch pf;
+      pf.stream = kStreamAheadTiles;
+      TileRow<Fused, kMR>(first, xs + m0 * ldx, ldx, panel, K2, y + m0 * N + p * kNR, N, mask,
+                          pf);
+      Unit<Plain>(plain, xs, plain_panel.data(), y, ldx, K2, N, p, m0 + kMR, m1, next,
+                  next_rows, /*cached=*/true);
+    }
+    X12Exceptions(xs, ldx, start, exc, y, N, p, m0, m1);
+  });
+}
+
+using X12Body = void (*)(ffi::ThreadPool&, const float* x, int64_t M, int64_t K,
+                         const uint8_t* w, const uint8_t* table, const int32_t* start,
+                         const int32_t* exc, int64_t K2, float* y, int64_t N, int64_t P,
+                         const Chunks& rows);
+
+// x [M, K] f32 @ the compressed bf16 matrix (w [P, K2, 192] uint8, table [16] uint8,
+// start [P + 1] int32, exc [E, 2] int32), or a stack of them with a leading [L] on each
+// and `layer` picking one -> y [M, N] f32.
+template <X12Body Body>
+ffi::Error PackedMatmulX12(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::U8> wp, ffi::Buffer<ffi::U8> table,
+                           ffi::Buffer<ffi::S32> start, ffi::Buffer<ffi::S32> exc,
+                           ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> mask,
+                           ffi::ResultBuffer<ffi::F32> y) {
+  const auto xd = x.dimensions();
+  const auto yd = y->dimensions();
+  const auto m = LayerMatrix(wp.dimensions(), 3, layer);
+  if (m.has_error()) return m.error();
+  const auto t = LayerMatrix(table.dimensions(), 1, layer);
+  if (t.has_error()) return t.error();
+  const auto s = LayerMatrix(start.dimensions(), 1, layer);
+  if (s.has_error()) return s.error();
+  const auto e = LayerMatrix(exc.dimensions(), 2, layer);
+  if (e.has_error()) return e.error();
+  const auto wd = m->dims;
+  if (xd.size() != 2 || yd.size() != 2 || wd[2] != kX12StepBytes ||
+      (xd[1] + 1) / 2 != wd[1] || yd[0] != xd[0] || t->dims[0] != 16 ||
+      s->dims[0] != wd[0] + 1 || e->dims[1] != 2)
+    return ffi::Error::InvalidArgument(
+        "packed_matmul: want x [M, K] f32, w [P, ceil(K / 2), 192] uint8, table [16] "
+        "uint8, start [P + 1] int32, exc [E, 2] int32, y [M, N]");
+  if (auto err = CheckN(yd[1], wd[0]); err.failure()) return err;
+  const int32_t* st = start.typed_data() + s->offset;
+  if (st[0] < 0 || st[wd[0]] > e->dims[0])
+    return ffi::Error::InvalidArgument("packed_matmul: exception bounds out of range");
+  const auto rows = RowMask(mask, xd[0], y->typed_data(), yd[1]);
+  if (rows.has_error()) return rows.error();
+  if (rows->empty()) return ffi::Error::Success();
+  Body(pool, x.typed_data(), xd[0], xd[1], wp.typed_data() + m->offset,
+       table.typed_data() + t->offset, st, exc.typed_data() + e->offset, wd[1],
+       y->typed_data(), yd[1], wd[0], *rows);
+  return ffi::Error::Success();
+}
+
+// The two decoded products (a macro argument cannot hold the template's comma).
+constexpr X12Body kX12Widen = RunX12<X12WidenStep, Bf16WidenStep>;
+#ifdef __AVX512BF16__
+constexpr X12Body kX12Dot = RunX12<X12DotStep, Bf16DotStep>;
+#endif
+
+auto X12Binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::F32>>()
+      .Arg<ffi::Buffer<ffi::U8>>()
+      .Arg<ffi::Buffer<ffi::U8>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Ret<ffi::Buffer<ffi::F32>>();
+}
+#endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 // bf16 on AMX (the tile matrix unit of Intel Xeons from Sapphire Rapids on): one
@@ -799,6 +1059,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulBf16Widen,
 #ifdef __AVX512BF16__
 XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulBf16Dot,
                               PackedMatmulBf16<RunBf16<Bf16DotStep>>, Bf16Binding());
+#endif
+
+#ifdef __AVX512BW__
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulX12Widen, PackedMatmulX12<kX12Widen>,
+                              X12Binding());
+#endif
+#if defined(__AVX512BW__) && defined(__AVX512BF16__)
+XLA_FFI_DEFINE_HANDLER_SYMBOL(XlaservePackedMatmulX12Dot, PackedMatmulX12<kX12Dot>,
+                              X12Binding());
 #endif
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)

@@ -41,18 +41,20 @@ def mlp(lp: dict, x: jax.Array) -> jax.Array:
     return gated_mlp(x, lp["w_gate"], lp["w_up"], lp["w_down"])
 
 
-def pack_for_cpu(params: dict, quantization: str | None = None) -> dict:
+def pack_for_cpu(params: dict, quantization: str | None = None, compress: bool = False) -> dict:
     """Weights for cpu_kernels.packed_matmul: per layer wq|wk|wv as `wqkv` and
     w_gate|w_up as `w_gate_up` (fewer, wider calls), wo and w_down packed, and the output
     head as a packed `lm_head` (for tied embeddings a transposed copy beside `embed`,
     which the token lookup keeps using, in f32). Weights keep their dtype (float32 or
     bfloat16), or with quantization="int8" these matrices become weight-only int8 with a
     scale per output column (cpu_kernels.pack_int8; the fused matrices are quantized
-    after fusing, which is the same per column). Norms and the lookup table stay as they
-    are. Stacked or per-layer (unstack_layers) trees."""
+    after fusing, which is the same per column), or with `compress` bfloat16 matrices are
+    stored in 12 bits each, losslessly (cpu_kernels.pack_x12). Norms and the lookup table
+    stay as they are. Stacked or per-layer (unstack_layers) trees."""
     if quantization not in (None, "int8"):
         raise ValueError(f"quantization={quantization!r}: expected None or 'int8'")
-    pack = cpu_kernels.pack_int8 if quantization == "int8" else cpu_kernels.pack
+    pack = (cpu_kernels.pack_int8 if quantization == "int8" else
+            cpu_kernels.pack_x12 if compress else cpu_kernels.pack)
     fused = {"wqkv": ("wq", "wk", "wv"), "wo": ("wo",), "w_gate_up": ("w_gate", "w_up"),
              "w_down": ("w_down",)}
     dropped = {name for parts in fused.values() for name in parts}

@@ -259,6 +259,10 @@ class RunnerConfig:
     # "int8": weight-only int8 matrices on the packed CPU matmul (cpu_kernels.pack_int8),
     # the rest in `dtype`; None: the matrices in `dtype` too.
     quantization: str | None = None
+    # bf16 matrices on the packed CPU matmul stored in 12 bits each, losslessly
+    # (cpu_kernels.pack_x12): 3/4 of bf16's bytes for a memory-bound decode step, the same
+    # weights and products (the exceptions summed after them).
+    compress_weights: bool = False
     # Two-batch overlap (runtime/two_batch_overlap.py, runtime/tbo_step.py): MoE batches
     # of at least tbo_min_tokens tokens run as two overlapped micro-batches.
     enable_two_batch_overlap: bool = False
@@ -277,6 +281,11 @@ class RunnerConfig:
                              "matmul (cpu_kernels: a CPU backend, x86-64 with AVX-512 or "
                              "AVX2 + FMA, a dense Llama-family model), not on "
                              f"cpu_matmul={self.cpu_matmul!r}")
+        if self.compress_weights and (self.dtype != "bfloat16" or self.cpu_matmul != "packed"
+                                      or self.quantization):
+            raise ValueError("compress_weights stores bfloat16 weights of the packed CPU "
+                             f"matmul; this is dtype={self.dtype!r}, cpu_matmul="
+                             f"{self.cpu_matmul!r}, quantization={self.quantization!r}")
         if self.attention_backend not in ("xla", "cpu", "pallas"):
             raise ValueError(f"attention_backend={self.attention_backend!r}: "
                              "expected 'xla', 'cpu' or 'pallas'")
@@ -320,6 +329,7 @@ class ServerArgs:
     dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
     kv_cache_dtype: str = "auto"  # auto: as dtype; float32 / bfloat16
     quantization: str | None = None  # "int8": weight-only int8 matrices (RunnerConfig)
+    compress_weights: bool = False  # bf16 matrices in 12 bits, losslessly (RunnerConfig)
     page_size: int = 16
     max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
     mem_fraction: float = 0.8

@@ -80,6 +80,13 @@ def default_cpu_matmul(args: ServerArgs, model_cfg: ModelConfig | None = None) -
     return _default_cpu_kernel_choice(args, "cpu_matmul", args.cpu_matmul, "packed", "xla")
 
 
+def _check_compress_weights(args: ServerArgs) -> bool:
+    """args.compress_weights, refused with the reason where this CPU cannot decode them."""
+    if args.compress_weights and (reason := cpu_kernels.x12_unavailable_reason()):
+        raise ValueError(f"--compress_weights: {reason}")
+    return args.compress_weights
+
+
 def default_per_layer_weights(args: ServerArgs, cpu_matmul: str) -> bool:
     """Per-layer weight buffers behind a lax.switch where XLA's dot runs on a CPU (it
     copies a dynamic slice of the stacked weights before every dot); elsewhere the
@@ -240,6 +247,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
                            if args.per_layer_weights is None else args.per_layer_weights),
         cpu_matmul=cpu_matmul,
         quantization=args.quantization,
+        compress_weights=_check_compress_weights(args),
         enable_split_prefill=args.enable_split_prefill or args.enable_multiplexing,
         split_prefill_layers=args.split_prefill_layers,
         multiplex_fused=args.multiplex_fused,

@@ -100,7 +100,8 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         if runner_cfg.per_layer_weights:
             self.params = self.model.unstack_layers(self.params)
         if runner_cfg.cpu_matmul == "packed":
-            self.params = self.model.pack_for_cpu(self.params, runner_cfg.quantization)
+            self.params = self.model.pack_for_cpu(self.params, runner_cfg.quantization,
+                                                  compress=runner_cfg.compress_weights)
             huge = cpu_kernels.back_with_huge_pages(self.params)
             logger.info("weights in 2 MiB pages: %d MiB", huge >> 20)
         kv_sh = None if mesh is None else sharding.kv_sharding(

@@ -12,7 +12,8 @@ decode step does: the weights come from memory, not cache, and XLA cannot run th
 concurrently. Contenders: f32, weight-only int8 (`int8`, cpu_kernels.pack_int8), bf16
 with the weights widened to f32 (`bf16`), bf16 `vdpbf16ps` (`bf16_dot`) and bf16 on AMX
 tiles (`bf16_amx`), each where the CPU has it (cpu_kernels.bf16_targets; by default every
-one it has); and, when asked for, the peer
+one it has), the same bf16 weights compressed to 12 bits (cpu_kernels.pack_x12) decoded
+into the widening (`x12`) or the `vdpbf16ps` products (`x12_dot`); and, when asked for, the peer
 PyTorch runs on the same shapes: `torch_f32` / `torch_bf16`, torch.nn.functional.linear
 (oneDNN, on every CPU thread; bf16 through AMX where the CPU has it) over the same chain
 of distinct weights (the `reference` extra). The JSON names
@@ -43,8 +44,9 @@ flags.DEFINE_string("out_dir", "bench_out/cpu_matmul", "where the JSON and PNG g
 flags.DEFINE_bool("smoke", False, "tiny shapes, few rounds (CI)")
 flags.DEFINE_list("rows", ["1", "32"], "M: rows of x (decode batch sizes)")
 flags.DEFINE_list("ops", ["qkv", "wo", "gate_up", "down", "lm_head"], "which shapes")
-flags.DEFINE_list("contenders", [], "f32, int8, bf16 (widening), bf16_dot, bf16_amx, torch_f32, "
-                  "torch_bf16; default: f32 and every bf16 kernel this CPU runs")
+flags.DEFINE_list("contenders", [], "f32, int8, bf16 (widening), bf16_dot, bf16_amx, x12, "
+                  "x12_dot, torch_f32, torch_bf16; default: f32 and every bf16 kernel this "
+                  "CPU runs")
 flags.DEFINE_integer("rounds", 15, "timed rounds (each times every contender once)")
 flags.DEFINE_integer("layers", 30, "distinct weights per call (lm_head: --head_copies)")
 flags.DEFINE_integer("head_copies", 3, "distinct lm_head weights per call")
@@ -104,7 +106,10 @@ def _time_op(op: str, k: int, n: int, rows: list[int], rng: np.random.Generator
               "int8": [cpu_kernels.pack_int8(jnp.asarray(w)) for w in w32]}
     targets = _targets()
     w16 = [cpu_kernels.pack(jnp.asarray(w, jnp.bfloat16)) for w in w32]
-    packed.update({c: w16 for c in targets if c not in packed})
+    if any(c.startswith("x12") for c in names):
+        packed["x12"] = [cpu_kernels.pack_x12(jnp.asarray(w, jnp.bfloat16)) for w in w32]
+    packed.update({c: packed["x12"] if c.startswith("x12") else w16
+                   for c in targets if c not in packed and c in names})
     torch_runs = {c: _torch_chain(k, w32, c.removeprefix("torch_"))
                   for c in names if c.startswith("torch_")}
     out = []
@@ -128,7 +133,8 @@ def _time_op(op: str, k: int, n: int, rows: list[int], rng: np.random.Generator
                 secs[c].append((time.perf_counter() - t0) / copies)
         for c, s in secs.items():
             med = bc.median(s)
-            nbytes = k * n * (4 if c.endswith("f32") else 1 if c == "int8" else 2)
+            nbytes = int(k * n * (4 if c.endswith("f32") else 1 if c == "int8"
+                                  else 1.5 if c.startswith("x12") else 2))
             out.append({"op": op, "k": k, "n": n, "rows": m, "contender": c,
                         "median_us": med * 1e6, "weight_gb_s": nbytes / med / 1e9,
                         "gflop_s": 2 * m * k * n / med / 1e9, "us_per_round": [v * 1e6 for v in s]})
@@ -140,8 +146,10 @@ def _time_op(op: str, k: int, n: int, rows: list[int], rng: np.random.Generator
 def _targets() -> dict[str, str | None]:
     """Contender -> the packed_matmul target it runs (None: the weights' dtype picks it)."""
     bf16 = cpu_kernels.bf16_targets()
+    x12 = cpu_kernels.x12_targets()
     return {"f32": None, "int8": None, "bf16": bf16["widen"],
-            **{f"bf16_{n}": t for n, t in bf16.items() if n != "widen"}}
+            **{f"bf16_{n}": t for n, t in bf16.items() if n != "widen"},
+            **{"x12" if n == "widen" else f"x12_{n}": t for n, t in x12.items()}}
 
 
 def _contenders() -> list[str]:

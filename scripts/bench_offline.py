@@ -52,10 +52,13 @@ from runtime.config import ModelConfig, ServerArgs
 from runtime.engine import Engine
 
 FLAGS = flags.FLAGS
-SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "int8"}
+SHORT_DTYPE = {"float32": "f32", "bfloat16": "bf16", "int8": "int8", "bf16x12": "bf16x12"}
 # Weight formats that are a quantization over f32 activations, not a dtype; transformers
 # has no counterpart of them here.
 QUANTIZED = {"int8"}
+# bf16 weights stored in 12 bits (--compress_weights): the same model as bfloat16, whose
+# transformers run is its reference.
+COMPRESSED = {"bf16x12"}
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
 flags.DEFINE_bool("smoke", False, "tiny random model, tiny workload (checks the script)")
 flags.DEFINE_integer("num_prompts", 32, "requests in the throughput run")
@@ -79,7 +82,8 @@ flags.DEFINE_integer("hf_threads", 0, "torch threads, 0 = os.cpu_count() (on a l
 flags.DEFINE_integer("max_running_requests", 32, "see ServerArgs")
 flags.DEFINE_string("dtype", None, "xlaserve's weights: float32 / bfloat16 / int8 "
                     "(weight-only int8 over f32 activations, serve.py's "
-                    "--quantization=int8); default: the server's dtype")
+                    "--quantization=int8) / bf16x12 (bfloat16 in 12 bits, serve.py's "
+                    "--compress_weights); default: the server's dtype")
 flags.DEFINE_list("also_dtypes", [], "further xlaserve weight formats (as --dtype) measured "
                   "in the same rounds against the same peer runs (transformers in each "
                   "dtype, none for int8): bench_offline_<bf16|f32|int8>.json / .png beside "
@@ -139,8 +143,10 @@ def _server_args(w: Workload, weights: str | None) -> ServerArgs:
     longest = _longest_request(w)
     kv = tuple(b for b in (256, 1024, 4096, 8192) if b >= longest)[:1] or (8192,)
     quantization = weights if weights in QUANTIZED else None
-    base = ServerArgs(dtype="float32" if quantization else weights,
-                      quantization=quantization, max_running_requests=FLAGS.max_running_requests,
+    compress = weights in COMPRESSED
+    base = ServerArgs(dtype="float32" if quantization else "bfloat16" if compress else weights,
+                      quantization=quantization, compress_weights=compress,
+                      max_running_requests=FLAGS.max_running_requests,
                       kv_len_buckets=kv, max_top_logprobs=0,
                       checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
@@ -499,14 +505,14 @@ def main(argv: list[str]) -> None:
         if want is not None and want not in SHORT_DTYPE:
             raise app.UsageError(f"--dtype / --also_dtypes: {want!r} is not one of "
                                  f"{sorted(SHORT_DTYPE)}")
-    hf_names = {d for d in SHORT_DTYPE if d not in QUANTIZED}
+    hf_names = {d for d in SHORT_DTYPE if d not in QUANTIZED | COMPRESSED}
     if not set(FLAGS.hf_dtypes) <= hf_names:
         raise app.UsageError(f"--hf_dtypes={','.join(FLAGS.hf_dtypes)}: transformers runs in "
                              f"{sorted(hf_names)}")
     for want in [FLAGS.dtype, *FLAGS.also_dtypes]:
         a = _server_args(w, want)
         engine, name = _make_engine(a)
-        d = a.quantization or str(engine.runner.cfg.dtype)
+        d = a.quantization or ("bf16x12" if a.compress_weights else str(engine.runner.cfg.dtype))
         if d in xla:
             raise app.UsageError(f"--also_dtypes repeats {d}, already measured")
         xla[d], args[d] = engine, a
@@ -540,7 +546,8 @@ def main(argv: list[str]) -> None:
         # bench_offline_<bf16|f32|int8>.*, with the same peer measurements.
         tag = "" if k == 0 else SHORT_DTYPE[d]
         engine = xla[d]
-        model = bc.model_summary(cfg, name, str(engine.runner.cfg.dtype), args[d].quantization,
+        dtype = str(engine.runner.cfg.dtype)
+        model = bc.model_summary(cfg, name, dtype, d if d != dtype else None,
                                  bc.decode_weight_bytes(engine))
         result = {"script": "bench_offline", "command": bc.command_line(),
                   "git_revision": bc.git_revision(), "machine": machine,

@@ -64,6 +64,8 @@ def _weights_label(model: dict[str, Any]) -> str:
     weights = model.get("weights", model["dtype"])
     if weights == model["dtype"]:
         return weights
+    if weights == "bf16x12":
+        return "bfloat16 weights in 12 bits (lossless)"
     return f"{weights} weights, {model['dtype']} activations"
 
 
@@ -237,6 +239,7 @@ def _check(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
 SECTIONS: list[tuple[str, Callable[[dict[str, Any], Path, Path], list[str]]]] = [
     ("check_llama_peer.json", _check), ("bench_offline.json", _offline),
     ("bench_offline_bf16.json", _offline), ("bench_offline_int8.json", _offline),
+    ("bench_offline_bf16x12.json", _offline),
     ("bench_serving_sweep.json", _sweep), ("bench_serving_frontier.json", _frontier)]
 
 

@@ -266,8 +266,9 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     the greedy check, then the page regenerated from their JSON between its markers."""
     r = _run("bench_offline.py", tmp_path, "--reference=off", "--llama_server=on",
              f"--llama_server_cmd={FAKE}", "--llama_variants=q4_1,f32",
-             "--also_dtypes=bfloat16,int8", "--llama_concurrency=f32=4",
-             "--xla_concurrency=int8=1", "--hf_dtypes=float32")
+             "--also_dtypes=bfloat16,int8,bf16x12", "--llama_concurrency=f32=4",
+             "--xla_concurrency=int8=1", "--xla_concurrency=bf16x12=1",
+             "--hf_dtypes=float32")
     w, rnd = r["workload"], r["rounds"][0]
     assert w["concurrency"] == [1, 4] and "--parallel" in r["llama_server"]["q4_1"]["argv"]
     for c in w["concurrency"]:
@@ -311,6 +312,14 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     assert "c1" in x8 and "c4" not in x8 and x8["throughput"]["output_tok_s"] > 0
     assert "c1_vs_llama_q4_1" in int8["summary"]["ratios"]
     assert not [k for k in int8["summary"]["ratios"] if k.startswith("c4_")]
+    # ... and bf16 in 12 bits (--compress_weights): the bf16 model in about 3/4 of its
+    # bytes (tables, exception lists), held to bf16's targets, no transformers of its own
+    x12 = json.loads((tmp_path / "bench_offline_bf16x12.json").read_text())
+    assert x12["tag"] == "bf16x12" and x12["engine_args"]["compress_weights"]
+    assert (x12["model"]["dtype"], x12["model"]["weights"]) == ("bfloat16", "bf16x12")
+    assert 0.7 < x12["model"]["weight_bytes"] / bf16["model"]["weight_bytes"] < 0.85
+    assert {"single_stream_vs_llama_q4_1", "c32_vs_llama_f32"} & set(x12["summary"]["targets"])
+    assert x12["transformers_dtype"] is None and "c4" not in x12["rounds"][0]["xlaserve"]
     serving = ["--smoke", f"--out_dir={tmp_path}", f"--xlaserve_cmd={FAKE}",
                f"--llama_server_cmd={FAKE}"]
     _script("bench_serving.py", *serving, "--tag=sweep", "--config=default=",
@@ -338,6 +347,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     for needle in ("### Offline throughput (tiny-random, float32", "llama-server Q4_1 tok/s",
                    "### Offline throughput (tiny-random, bfloat16", "of the f32 matmul probe",
                    "### Offline throughput (tiny-random, int8 weights, float32 activations",
+                   "### Offline throughput (tiny-random, bfloat16 weights in 12 bits (lossless)",
                    "single_stream_vs_llama_q4_1", "### Serving",
                    "Poisson arrivals", "### Long prompts during decode", "| a |",
                    "### llama-server serves the same model", "| bf16 | bfloat16 |", "5/5",

@@ -29,23 +29,27 @@ NEAR_TIE = 1e-3  # greedy steps whose top-2 logprob gap is smaller may legitimat
 @pytest.fixture(scope="module", params=[("packed", "cpu", "float32", None),
                                         ("xla", "xla", "float32", None),
                                         ("packed", "cpu", "bfloat16", None),
-                                        ("packed", "cpu", "float32", "int8")],
-                ids=["cpu_kernels", "xla", "cpu_kernels_bf16", "cpu_kernels_int8"])
+                                        ("packed", "cpu", "float32", "int8"),
+                                        ("packed", "cpu", "bfloat16", "x12")],
+                ids=["cpu_kernels", "xla", "cpu_kernels_bf16", "cpu_kernels_int8",
+                     "cpu_kernels_bf16_x12"])
 def runner(request) -> ModelRunner:
     """Both CPU paths: our kernels for matmuls and attention (the CPU default), and
     XLA's dot with jnp attention (CPUs without AVX-512; the GPU's matmul path); and our
     kernels on bf16 weights and a bf16 KV pool (--dtype=bfloat16), and on weight-only
-    int8 matrices (--quantization=int8). Each with its serving layer loop: the packed
+    int8 matrices (--quantization=int8), and on bf16 matrices in 12 bits
+    (--compress_weights, "x12"). Each with its serving layer loop: the packed
     kernels read the stacked weights in place, XLA's dot gets per-layer buffers
     (engine_setup.default_per_layer_weights)."""
-    matmul, attention, dtype, quantization = request.param
+    matmul, attention, dtype, weights = request.param
     params = llama.init_params(CFG, jax.random.key(7))
     # Few buckets keep warm-up short; padding to them is itself under test.
     rcfg = RunnerConfig(decode_buckets=(4, 16), extend_token_buckets=(64, 256),
                         extend_seq_buckets=(1, 4), kv_len_buckets=(256,), enable_mixed=True,
                         max_top_logprobs=2, strict_compile=True, per_layer_weights=matmul == "xla",
                         cpu_matmul=matmul, attention_backend=attention, dtype=dtype,
-                        quantization=quantization, enable_split_prefill=True,
+                        quantization=weights if weights == "int8" else None,
+                        compress_weights=weights == "x12", enable_split_prefill=True,
                         multiplex_fused=True)
     r = ModelRunner(CFG, params, CacheConfig(page_size=PAGE, num_pages=400), rcfg,
                     max_running_requests=16)

@@ -99,11 +99,13 @@ def test_tiny_models_match_transformers(name, path):
 
 
 def _engine_greedy_matches(cfg, params, ref, dtype: str, kv_dtype,
-                           quantization: str | None = None) -> None:
+                           quantization: str | None = None,
+                           compress_weights: bool = False) -> None:
     """8 concurrent requests (the two fixture prompts, four times each) through the Engine
     on the CPU fast path: 32 greedy tokens equal ref's up to the first step whose top-2
     margin < 0.05, with nothing compiled after warm-up."""
-    args = ServerArgs(dtype=dtype, quantization=quantization, max_running_requests=8,
+    args = ServerArgs(dtype=dtype, quantization=quantization,
+                      compress_weights=compress_weights, max_running_requests=8,
                       decode_buckets=(8,),
                       extend_token_buckets=(128,), kv_len_buckets=(128,),
                       max_prefill_tokens=128, chunked_prefill_size=128, max_extend_seqs=4,
@@ -175,12 +177,36 @@ def test_smollm2_bf16_teacher_forced_top1_matches_transformers_bf16(smollm2_bf16
     assert err_f32 < 0.5
 
 
+@pytest.mark.parametrize("compress", [False, True], ids=["bf16", "bf16_x12"])
 def test_smollm2_bf16_greedy_8_concurrent_match_transformers_bf16(smollm2_bf16,
-                                                                  reference_bf16):
+                                                                  reference_bf16, compress):
     """bf16 weights and pool: 32 greedy tokens of 8 concurrent requests equal
-    transformers-bf16's."""
+    transformers-bf16's; the same with the weights in 12 bits (--compress_weights)."""
     cfg, params = smollm2_bf16
-    _engine_greedy_matches(cfg, params, reference_bf16, "bfloat16", jnp.bfloat16)
+    _engine_greedy_matches(cfg, params, reference_bf16, "bfloat16", jnp.bfloat16,
+                           compress_weights=compress)
+
+
+@pytest.mark.parametrize("p", [0, 1])
+def test_smollm2_bf16_in_12_bits_is_bf16(smollm2_bf16, reference_bf16, p):
+    """--compress_weights holds the same bf16 weights: teacher-forced logits within f32
+    summation-order noise of the plain bf16 panels' (only the exceptions, ~0.02% of
+    SmolLM2's weights, are added in another order) and the same top-1 wherever
+    transformers' margin clears bf16 noise.
+
+    That noise is large in this model: each matmul differs by ~1e-6 relative, yet the two
+    bf16 kernels (widening and vdpbf16ps, the same products summed in another order) give
+    logits up to 0.33 apart on prompt 0 (f32 pool; measured in two processes, session 25),
+    and 12-bit against plain 0.30-0.50. A wrong weight moves them by whole units."""
+    cfg, params = smollm2_bf16
+    plain, x12 = (_teacher_forced(llama.pack_for_cpu(params, compress=c), cfg,
+                                  reference_bf16, p, kv_dtype=jnp.bfloat16)
+                  for c in (False, True))
+    err = np.abs(plain - x12).max()
+    print(f"prompt {p}: max abs logit difference, 12-bit vs plain bf16 panels: {err:.2e}")
+    assert err < 1.0
+    clear = reference_bf16[f"p{p}_tf_margins"] > BF16_NOISE
+    np.testing.assert_array_equal(plain.argmax(-1)[clear], x12.argmax(-1)[clear])
 
 
 # --quantization=int8 on the CPU fast path (weight-only int8 matrices, a scale per output

@@ -142,7 +142,8 @@ def log_ready(args: ServerArgs, engine: Engine) -> None:
                 "matmul %s%s", model_name(args), engine.model_cfg.architecture,
                 engine.model_cfg.num_layers, engine.model_cfg.vocab_size, runner.max_seq_len,
                 cfg.dtype, cfg.attention_backend, cfg.cpu_matmul,
-                f" ({cfg.quantization} weights)" if cfg.quantization else "")
+                f" ({cfg.quantization} weights)" if cfg.quantization else
+                " (bf16 weights in 12 bits)" if cfg.compress_weights else "")
     logger.info("compiled %d executables: decode buckets %s, extend token buckets %s, "
                 "extend seq buckets %s, kv_len buckets %s%s", runner.num_executables,
                 cfg.decode_buckets, cfg.extend_token_buckets, cfg.extend_seq_buckets,
