@@ -643,20 +643,28 @@ void RunBf16(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const 
 // bf16's bits) in increasing position. Each adds x[m, k] * w to y[m, column] after the
 // panel's product, in that order whichever path computed it, so a row's result does not
 // depend on its batch. x: the rounded rows RoundX made (f32 or bf16 bits).
+//
+// Row by row: y's rows are N floats apart, and at N = 3072 (SmolLM2's gate_up) every row's
+// line of a column falls in one L1 set, so a pass over the rows per exception evicted
+// each line it touched: 4 ns an exception and row, the 12-bit product at 32 rows
+// 1.22x the time of one without exceptions (0.03% of the weights); a row's 64 outputs
+// stay in L1 here (1.05x). Each output still takes its exceptions in the list's order.
 template <typename X>
 void X12Exceptions(const X* x, int64_t ldx, const int32_t* start, const int32_t* exc,
                    float* y, int64_t N, int64_t p, int64_t m0, int64_t m1) {
-  for (int64_t e = start[p]; e < start[p + 1]; ++e) {
-    const int64_t k = exc[2 * e] / kNR, col = p * kNR + exc[2 * e] % kNR;
-    const float w = Bf16ToF32(static_cast<uint16_t>(exc[2 * e + 1]));
-    for (int64_t m = m0; m < m1; ++m) {
+  if (start[p] == start[p + 1]) return;
+  for (int64_t m = m0; m < m1; ++m) {
+    const X* xm = x + m * ldx;
+    float* ym = y + m * N + p * kNR;
+    for (int64_t e = start[p]; e < start[p + 1]; ++e) {
+      const int32_t pos = exc[2 * e];
       float xv;
       if constexpr (sizeof(X) == 4) {
-        xv = x[m * ldx + k];
+        xv = xm[pos / kNR];
       } else {
-        xv = Bf16ToF32(x[m * ldx + k]);
+        xv = Bf16ToF32(xm[pos / kNR]);
       }
-      y[m * N + col] += xv * w;
+      ym[pos % kNR] += xv * Bf16ToF32(static_cast<uint16_t>(exc[2 * e + 1]));
     }
   }
 }
