@@ -32,8 +32,10 @@ the crossover shows), e.g. on the 4 fake devices of one CPU:
 With any +tbo variant every variant scans the stacked weights (per_layer_weights off),
 so the ratio is TBO's alone. `+switch` / `+stacked` pick the layer loop's weights: per-
 layer buffers behind a lax.switch, or the stacked tree (packed matrices read in place at
-the traced layer), e.g. --variants=packed+cpu+switch,packed+cpu+stacked. --rounds
-interleaves the variants' calls (A B A B) on a shared machine.
+the traced layer), e.g. --variants=packed+cpu+switch,packed+cpu+stacked. `+x12` holds
+bf16 weights in 12 bits (--compress_weights; with --dtype=bfloat16), e.g.
+--dtype=bfloat16 --variants=packed+cpu+x12,packed+cpu. --rounds interleaves the
+variants' calls (A B A B) on a shared machine.
 Writes bench_one_batch.json and bench_one_batch.png to --out_dir.
 """
 
@@ -171,7 +173,7 @@ def _base_args() -> ServerArgs:
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
 
 
-_OPTIONS = ("tbo", "switch", "stacked")
+_OPTIONS = ("tbo", "switch", "stacked", "x12")
 
 
 def _variants() -> list[str | None]:
@@ -182,7 +184,8 @@ def _variants() -> list[str | None]:
                 or {"switch", "stacked"} <= set(options)):
             raise app.UsageError(f"--variants: {v!r} is not MATMUL+ATTENTION[+OPTION...] with "
                                  "MATMUL packed / xla, ATTENTION cpu / xla / pallas and "
-                                 "OPTION tbo, switch or stacked (not both)")
+                                 "OPTION tbo, switch or stacked (not both), x12 (bf16 weights "
+                                 "in 12 bits, --compress_weights)")
     return list(FLAGS.variants) or [None]
 
 
@@ -198,7 +201,7 @@ def _variant_args(args: ServerArgs, variant: str | None) -> ServerArgs:
         per_layer = True
     args = dataclasses.replace(args, cpu_matmul=matmul, attention_backend=attention,
                                enable_two_batch_overlap=tbo, tbo_min_tokens=1,
-                               per_layer_weights=per_layer)
+                               per_layer_weights=per_layer, compress_weights="x12" in options)
     if not tbo:
         return args
     # Buckets for the micro-batches too (half of each point, rounded up), so a child is
@@ -309,7 +312,7 @@ def _time_interleaved(runners: list[ModelRunner], batch: ScheduleBatch, iters: i
 
 
 def _record(p: Point, variant: str | None, shape: BucketShape, host: list[float],
-            total: list[float], cfg: ModelConfig, itemsize: int,
+            total: list[float], cfg: ModelConfig, itemsize: float,
             roof: bc.Roofline) -> dict[str, Any]:
     stats = bc.summarize(total)
     med = stats["median_s"]
@@ -439,7 +442,8 @@ def main(argv: list[str]) -> None:
     jobs = [(p, batch, v) for p, (batch, _) in zip(points, built, strict=True) for v in variants]
     # Each variant's own bucket: the attention backend decides the page-table width.
     records = [_record(p, v, runners[v].bucket_for(batch), host, total, cfg,
-                       1 if runners[v].cfg.quantization == "int8" else runners[v].dtype.itemsize,
+                       1 if runners[v].cfg.quantization == "int8" else
+                       1.5 if runners[v].cfg.compress_weights else runners[v].dtype.itemsize,
                        roof)
                for (p, batch, v), (host, total) in zip(jobs, timed, strict=True)]
     runner = runners[variants[0]]

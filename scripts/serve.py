@@ -42,6 +42,9 @@ flags.DEFINE_enum("quantization", None, ["int8"], "int8: weight-only int8 matric
 flags.DEFINE_bool("compress_weights", _D.compress_weights, "bfloat16 matrices on the CPU "
                   "fast path in 12 bits each, losslessly (3/4 of bf16's bytes a token; the "
                   "same weights): needs --dtype=bfloat16 and AVX-512BW")
+flags.register_multi_flags_validator(
+    ["compress_weights", "dtype"], lambda f: not f["compress_weights"] or f["dtype"] == "bfloat16",
+    "--compress_weights stores bfloat16 weights: pass --dtype=bfloat16 with it")
 flags.DEFINE_integer("page_size", _D.page_size, "tokens per KV page")
 flags.DEFINE_integer("max_total_tokens", None, "KV pool size in tokens (default: from "
                      "--mem_fraction)")

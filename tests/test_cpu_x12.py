@@ -6,6 +6,9 @@ what it cannot serve."""
 from __future__ import annotations
 
 import functools
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -196,3 +199,12 @@ def test_the_serving_kernel_follows_the_bf16_one():
 def test_the_runner_refuses_what_it_cannot_compress(kw):
     with pytest.raises(ValueError, match="compress_weights stores bfloat16 weights"):
         RunnerConfig(compress_weights=True, **kw)
+
+
+def test_serve_refuses_compress_weights_without_bf16():
+    """A usage error before anything loads, naming the flag to add."""
+    serve = Path(__file__).resolve().parent.parent / "scripts" / "serve.py"
+    proc = subprocess.run([sys.executable, str(serve), "--compress_weights"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert "pass --dtype=bfloat16" in proc.stderr
