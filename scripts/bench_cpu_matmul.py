@@ -45,8 +45,8 @@ flags.DEFINE_bool("smoke", False, "tiny shapes, few rounds (CI)")
 flags.DEFINE_list("rows", ["1", "32"], "M: rows of x (decode batch sizes)")
 flags.DEFINE_list("ops", ["qkv", "wo", "gate_up", "down", "lm_head"], "which shapes")
 flags.DEFINE_list("contenders", [], "f32, int8, bf16 (widening), bf16_dot, bf16_amx, x12, "
-                  "x12_dot, torch_f32, torch_bf16; default: f32 and every bf16 kernel this "
-                  "CPU runs")
+                  "x12_dot, torch_f32, torch_bf16; default: f32, int8 and every bf16 and "
+                  "12-bit kernel this CPU runs")
 flags.DEFINE_integer("rounds", 15, "timed rounds (each times every contender once)")
 flags.DEFINE_integer("layers", 30, "distinct weights per call (lm_head: --head_copies)")
 flags.DEFINE_integer("head_copies", 3, "distinct lm_head weights per call")

@@ -410,18 +410,21 @@ def test_bench_cpu_matmul_smoke(tmp_path: Path) -> None:
     r = _run("bench_cpu_matmul.py", tmp_path)
     assert r["shapes"]["qkv"] == [64, 128] and r["shapes"]["lm_head"] == [64, 256]
     got = {(x["op"], x["rows"], x["contender"]) for x in r["records"]}
-    # By default: f32, int8 and every bf16 kernel this CPU runs (widening is plain "bf16").
+    # By default: f32, int8, every bf16 kernel this CPU runs (widening is plain "bf16") and
+    # every 12-bit one (widening is plain "x12").
     import cpu_kernels
     contenders = {"f32", "int8", "bf16", *(f"bf16_{n}" for n in cpu_kernels.bf16_targets()
-                                           if n != "widen")}
+                                           if n != "widen"),
+                  *("x12" if n == "widen" else f"x12_{n}" for n in cpu_kernels.x12_targets())}
     assert got == {(op, m, c) for op in ("qkv", "wo", "gate_up", "down", "lm_head")
                    for m in (1, 32) for c in contenders}
     for x in r["records"]:
         _positive(x, "median_us", "weight_gb_s", "gflop_s")
-        # GB/s is the weights' bytes (1, 2 or 4 a weight) over the time
-        itemsize = {"f32": 4, "int8": 1}.get(x["contender"], 2)
+        # GB/s is the weights' bytes (1, 1.5, 2 or 4 a weight) over the time
+        itemsize = {"f32": 4, "int8": 1}.get(x["contender"],
+                                             1.5 if x["contender"].startswith("x12") else 2)
         assert x["weight_gb_s"] == pytest.approx(
-            x["k"] * x["n"] * itemsize / x["median_us"] / 1e3)
+            int(x["k"] * x["n"] * itemsize) / x["median_us"] / 1e3)
 
 
 def test_bench_cpu_matmul_torch_peer(tmp_path: Path) -> None:
