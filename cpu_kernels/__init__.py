@@ -389,13 +389,9 @@ def pack_x12(w: jax.Array | np.ndarray) -> PackedWeight:
     exception, which the kernel adds after the product. The panel layout is the bf16
     panels' (pack), each k pair's 128 values in packed_matmul.cc's byte order
     (X12Decode). Done on the host in numpy, once at load."""
-    bits = np.asarray(jnp.asarray(w, jnp.bfloat16)).view(np.uint16)
-    *lead, k, n = bits.shape
-    p, k2 = -(-n // PANEL), -(-k // 2)
-    bits = np.pad(bits, [(0, 0)] * len(lead) + [(0, 2 * k2 - k), (0, p * PANEL - n)])
-    nd = len(lead)
-    rows = bits.reshape(*lead, k2, 2, p, PANEL)  # [..., K2, 2, P, 64]
-    rows = rows.transpose(*range(nd), nd + 2, nd, nd + 3, nd + 1)  # [..., P, K2, 64, 2]
+    plain = pack(jnp.asarray(w, jnp.bfloat16))
+    rows = np.asarray(plain.panels).view(np.uint16)  # [..., P, K2, 64, 2]
+    *lead, p, k2 = rows.shape[:-2]
     mats = rows.reshape(-1, p, k2, 2 * PANEL)  # [B, P, K2, 128]: word t = 2 column + k parity
     t = np.arange(2 * PANEL)
     j, wi = t // 32, t % 32  # zmm j of the row, word wi in it
@@ -431,7 +427,8 @@ def pack_x12(w: jax.Array | np.ndarray) -> PackedWeight:
     exc = np.zeros((len(mats), e_max, 2), np.int32)
     for b, e in enumerate(excs):
         exc[b, :len(e)] = e
-    return PackedWeight(panels=jnp.asarray(steps.reshape(*lead, p, k2, X12_STEP)), n=n, k=k,
+    return PackedWeight(panels=jnp.asarray(steps.reshape(*lead, p, k2, X12_STEP)),
+                        n=plain.n, k=plain.k,
                         table=jnp.asarray(tables.reshape(*lead, 16)),
                         exc_start=jnp.asarray(starts.reshape(*lead, p + 1)),
                         exc=jnp.asarray(exc.reshape(*lead, e_max, 2)))

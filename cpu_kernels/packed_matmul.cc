@@ -177,7 +177,7 @@ struct Bf16DotStep {
 #endif
 
 #ifdef __AVX512BW__
-// bf16 weights in 12 bits, losslessly (pack_bf16_x12 in cpu_kernels/__init__.py): a bf16
+// bf16 weights in 12 bits, losslessly (pack_x12 in cpu_kernels/__init__.py): a bf16
 // is a high byte (sign and 7 exponent bits) and a low byte (the last exponent bit and 7
 // mantissa bits). Across a matrix the high byte takes few values (SmolLM2: 11-23, ~2.7
 // bits of entropy), so it is stored as a 4-bit code into a table of the matrix's 16
@@ -346,6 +346,13 @@ inline void TileRow(const Step& step, const typename Step::X* x, int64_t ldx,
                       ldy, mask + g, g == 0 ? pf : Prefetch{});
 }
 
+// Panel p's columns that exist (of N), as each native vector's lane mask.
+inline void ColumnMasks(int64_t N, int64_t p, vn::Mask (&mask)[kVecs]) {
+  const int64_t cols = std::min(kNR, N - p * kNR);
+  for (int j = 0; j < kVecs; ++j)
+    mask[j] = vn::first_lanes(std::clamp<int64_t>(cols - vn::kLanes * j, 0, vn::kLanes));
+}
+
 // Up to this many rows, AVX2 runs a unit row by row, each row with one-row tiles over
 // the whole panel width (the first streams the panel in, the others read it from L2).
 // The 6 x 16 tiles pass over a panel four times, each pass reading 64 of every 256
@@ -378,9 +385,7 @@ void Unit(const Step& step, const typename Step::X* x, const typename Step::T* p
           float* y, int64_t ldx, int64_t steps, int64_t N, int64_t p, int64_t m0, int64_t m1,
           const char* next, int64_t next_rows, bool cached = false) {
   vn::Mask mask[kVecs];
-  const int64_t cols = std::min(kNR, N - p * kNR);
-  for (int j = 0; j < kVecs; ++j)
-    mask[j] = vn::first_lanes(std::clamp<int64_t>(cols - vn::kLanes * j, 0, vn::kLanes));
+  ColumnMasks(N, p, mask);
   if (vn::kLanes == 8 && m1 - m0 <= kRowByRow) {
     for (int64_t m = m0; m < m1; ++m) {
       Prefetch pf;
@@ -675,10 +680,9 @@ void X12Exceptions(const X* x, int64_t ldx, const int32_t* start, const int32_t*
 // and also stores the decoded panel in L2 (plain bf16), and the other tiles run Plain's
 // tiles over that, as a bf16 call would, rather than decode it again each. Every row runs
 // the same products in the same order either way.
-//
-// Decoding the panel in a pass of its own before the tiles measured 0.7-0.85x bf16's
-// speed at 32 rows (bench_cpu_matmul.py): that pass waits on memory with nothing to
-// compute, where the first tile of a bf16 unit streams its panel in while it computes.
+// (A pass of its own decoding the panel before the tiles would wait on memory with
+// nothing to compute, where the first tile of a bf16 unit streams its panel in while it
+// computes.)
 template <typename Fused, typename Plain>
 void RunX12(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const uint8_t* w,
             const uint8_t* table, const int32_t* start, const int32_t* exc, int64_t K2,
@@ -708,9 +712,7 @@ void RunX12(ffi::ThreadPool& pool, const float* x, int64_t M, int64_t K, const u
       Fused first = fused;
       first.store = plain_panel.data();
       vn::Mask mask[kVecs];
-      const int64_t cols = std::min(kNR, N - p * kNR);
-      for (int j = 0; j < kVecs; ++j)
-        mask[j] = vn::first_lanes(std::clamp<int64_t>(cols - vn::kLanes * j, 0, vn::kLanes));
+      ColumnMasks(N, p, mask);
       Prefetch pf;
       pf.stream = kStreamAheadTiles;
       TileRow<Fused, kMR>(first, xs + m0 * ldx, ldx, panel, K2, y + m0 * N + p * kNR, N, mask,
