@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -33,7 +34,14 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 import cpu_kernels
 from models.registry import model_module
 from runtime import sharding, two_batch_overlap
-from runtime.batch_builder import BucketShape, SeedRow, pack_rows
+from runtime.batch_builder import (
+    BucketShape,
+    SeedRow,
+    flatten_inputs,
+    input_layout,
+    pack_rows,
+    unflatten_inputs,
+)
 from runtime.bucket_plan import BucketPlan, StepKey, cost_key, key_name
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig
@@ -140,6 +148,8 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         self.fused = self._fused_executables() if runner_cfg.multiplex_fused else None
         self.tbo = self._tbo_executables() if runner_cfg.enable_two_batch_overlap else None
         self._samplers: dict[int, Callable] = {}
+        # The last sampled rows and their sampler input (runner_sampling._sample_words).
+        self._words_cache: tuple[list, np.ndarray] | None = None
         self.exec_stats: list[ExecutableStat] = []
         self._warm_compiles: int | None = None
         self._init_slot_exec: dict[int, Callable] = {}
@@ -203,7 +213,11 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
 
         dp = self.dp
 
-        def forward(params, kv, last_tokens, arrays, row_slots):
+        layout = input_layout(shape, dp)
+
+        def forward(params, kv, last_tokens, flat):
+            arrays = unflatten_inputs(flat, layout)  # flat: [sum of the layout's sizes]
+            row_slots = arrays.pop("row_slots")  # [B]
             # Decode inputs of -1 are the tokens this slot sampled in the previous step,
             # which the host has not read back yet (overlap scheduling).
             if dp == 1:
@@ -221,15 +235,15 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         return jax.jit(forward, donate_argnums=(1,), **self._out(self._replicated, self._kv_sh))
 
     def _abstract_inputs(self, shape: BucketShape) -> tuple[dict, jax.ShapeDtypeStruct]:
-        dp = self.dp  # under dp, each array is dp ranks' pieces of `shape`, rank after rank
-        t = dp * (shape.num_extend_tokens + shape.num_decode_seqs)
-        b = dp * (shape.num_extend_seqs + shape.num_decode_seqs)
-        rep = self._replicated
-        i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32, sharding=rep)  # noqa: E731
-        arrays = dict(input_ids=i32(t), positions=i32(t), out_cache_loc=i32(t),
-                      page_table=i32(b, shape.num_pages_per_seq), seq_lens=i32(b),
-                      query_start=i32(b + dp), logits_indices=i32(b))
-        return arrays, i32(b)
+        """The ForwardBatch arrays of `shape` and the row slots, as the split, fused and
+        two-batch-overlap programs take them (a plain step takes them flat: _flat_input)."""
+        arrays = {name: jax.ShapeDtypeStruct(s, jnp.int32, sharding=self._replicated)
+                  for name, s in input_layout(shape, self.dp)}
+        return arrays, arrays.pop("row_slots")
+
+    def _flat_input(self, shape: BucketShape) -> jax.ShapeDtypeStruct:
+        n = sum(math.prod(s) for _, s in input_layout(shape, self.dp))
+        return jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._replicated)
 
     def _lowerings(self) -> Iterator[tuple[str, Callable[[], Any]]]:
         """(name, lower) for every executable of the plan, in compile order."""
@@ -239,7 +253,7 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         for key in self.step_keys():
             yield key_name(key), functools.partial(
                 self._forward_fn(key).lower, params, kv, state.last_tokens,
-                *self._abstract_inputs(key.shape))
+                self._flat_input(key.shape))
         if self.split is not None:
             yield from self.split.lowerings(params, kv, lambda s: self._abstract_inputs(s)[0],
                                             jnp.dtype(self.cfg.activation_dtype))
@@ -355,7 +369,6 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         consumed: the device runs this forward meanwhile."""
         shape = self.bucket_for(batch)
         mode = ForwardMode.EXTEND if batch.mode is ForwardMode.SPLIT_PREFILL else batch.mode
-        exe = self._executables[StepKey(mode, shape)]
         self.init_slots(batch.extend_rows)
         if isinstance(batch, DPBatch):
             arrays = dp_pack(batch, shape, self.cache_cfg.page_size)
@@ -363,10 +376,19 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         else:
             arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape,
                                self.cache_cfg.page_size)
-        row_slots = self._row_slots(batch, shape)[0]
-        logits, self.kv = exe(self.params, self.kv, self.state.last_tokens, arrays, row_slots)
+        logits = self.run_forward(StepKey(mode, shape), arrays,
+                                  self._row_slots(batch, shape)[0])
         self.step_counts[mode] += 1
         return LaunchedForward(batch, shape, logits)
+
+    def run_forward(self, key: StepKey, arrays: dict[str, np.ndarray],
+                    row_slots: np.ndarray) -> jax.Array:
+        """Run the plain step program `key` on packed arrays (pack_rows; dp_pack under dp)
+        and the rows' slots: its logits [B, V]; the pool is updated in place."""
+        flat = flatten_inputs(arrays, row_slots, input_layout(key.shape, self.dp))
+        logits, self.kv = self._executables[key](self.params, self.kv,
+                                                 self.state.last_tokens, flat)
+        return logits
 
     def launch_sample(self, fwd: LaunchedForward) -> PendingStep:
         pending = self._sample(fwd.batch, fwd.shape, fwd.logits)

@@ -49,8 +49,7 @@ class SplitLaunch:
         for key in self.step_keys():
             if key.mode is ForwardMode.DECODE:
                 arrays, slots = self._cost_seed_inputs(key.shape)
-                logits, self.kv = self._executables[key](self.params, self.kv,
-                                                         self.state.last_tokens, arrays, slots)
+                logits = self.run_forward(key, arrays, slots)
                 self.costs.watch(cost_key(key.mode, key.shape), logits)
         for shape in self.split.shapes:
             arrays, _ = self._cost_seed_inputs(shape)

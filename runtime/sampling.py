@@ -117,6 +117,48 @@ class SamplingBatch:
             arrays[name][: len(given)] = given
         return cls(**arrays)
 
+    def to_words(self) -> np.ndarray:
+        """Host side: every column in one int32 vector, in word_layout's order (f32 and
+        u32 as their bit patterns, bool as 0/1): one host -> device transfer a step."""
+        parts = []
+        for name in (*_COLUMNS, *_WIDE_COLUMNS):
+            a = np.asarray(getattr(self, name))
+            parts.append((a.astype(np.int32) if a.dtype == np.bool_ else a).view(np.int32)
+                         .ravel())
+        return np.concatenate(parts)
+
+    @classmethod
+    def from_words(cls, words: jax.Array, batch_size: int, *, mask_width: int = 0,
+                   bias_slots: int = 0) -> SamplingBatch:
+        """to_words undone inside a trace: words [word_count] i32 -> the batch."""
+        arrays = {}
+        for name, (start, shape, dtype) in word_layout(batch_size, mask_width,
+                                                       bias_slots).items():
+            w = words[start:start + int(np.prod(shape))].reshape(shape)
+            arrays[name] = (w != 0 if dtype == np.bool_ else w if dtype == np.int32
+                            else lax.bitcast_convert_type(w, dtype))
+        return cls(**arrays)
+
+
+def word_layout(batch_size: int, mask_width: int = 0, bias_slots: int = 0
+                ) -> dict[str, tuple[int, tuple[int, ...], type[np.generic]]]:
+    """Column -> (first word, shape, dtype) in SamplingBatch.to_words's vector."""
+    widths = {"token_bitmask": mask_width, "bias_ids": bias_slots, "bias_values": bias_slots}
+    out, start = {}, 0
+    for name, (_, dtype) in _COLUMNS.items():
+        out[name] = (start, (batch_size,), dtype)
+        start += batch_size
+    for name, (_, dtype) in _WIDE_COLUMNS.items():
+        out[name] = (start, (batch_size, widths[name]), dtype)
+        start += batch_size * widths[name]
+    return out
+
+
+def word_count(batch_size: int, mask_width: int = 0, bias_slots: int = 0) -> int:
+    """Length of SamplingBatch.to_words's vector."""
+    return sum(int(np.prod(shape)) for _, shape, _ in
+               word_layout(batch_size, mask_width, bias_slots).values())
+
 
 @flax.struct.dataclass
 class SampleOutput:

@@ -83,9 +83,8 @@ def _rows(lengths: list[int], prefix: int, first_page: int, seed: int) -> list[B
 def _extend_logits(r: ModelRunner, batch: ScheduleBatch) -> np.ndarray:
     shape = r.bucket_for(batch)
     arrays = pack_rows(batch.extend_rows, [], shape, PAGE)
-    exe = r._executables[StepKey(ForwardMode.EXTEND, shape)]
-    slots = r._row_slots(batch, shape)[0]
-    logits, r.kv = exe(r.params, r.kv, r.state.last_tokens, arrays, slots)
+    logits = r.run_forward(StepKey(ForwardMode.EXTEND, shape), arrays,
+                           r._row_slots(batch, shape)[0])
     return np.asarray(logits)
 
 
@@ -156,9 +155,8 @@ def test_fused_step_equals_decode_then_interval(runner, start, k):
     decode = ScheduleBatch(ForwardMode.DECODE, [], dec_rows)
     dec_shape = runner.bucket_for(decode)
     dec_arrays = pack_rows([], dec_rows, dec_shape, PAGE)
-    slots = runner._row_slots(decode, dec_shape)[0]
-    want_logits, runner.kv = runner._executables[StepKey(ForwardMode.DECODE, dec_shape)](
-        runner.params, runner.kv, runner.state.last_tokens, dec_arrays, slots)
+    want_logits = runner.run_forward(StepKey(ForwardMode.DECODE, dec_shape), dec_arrays,
+                                     runner._row_slots(decode, dec_shape)[0])
     want_hidden, runner.kv = runner.split.interval(runner.params, runner.kv, split, k)
     want_pool = _pool(runner)
     mixed = ScheduleBatch(ForwardMode.MIXED, rows, dec_rows)
