@@ -86,44 +86,77 @@ def pack_rows(extend_rows: Sequence[Row], decode_rows: Sequence[Row], shape: Buc
               page_size: int) -> dict[str, np.ndarray]:
     """Pack rows into the ForwardBatch layout (runtime/forward_batch.py). Padding tokens
     write to page 0, which the allocator never hands out."""
+    layout = input_layout(shape)
+    arrays = unflatten_inputs(np.empty(sum(math.prod(s) for _, s in layout), np.int32), layout)
+    del arrays["row_slots"]
+    _fill(arrays, extend_rows, decode_rows, shape, page_size)
+    return arrays
+
+
+def pack_flat(extend_rows: Sequence[Row], decode_rows: Sequence[Row], shape: BucketShape,
+              page_size: int, row_slots: np.ndarray) -> np.ndarray:
+    """pack_rows and the rows' slots, written straight into flatten_inputs's vector."""
+    layout = input_layout(shape)
+    flat = np.empty(sum(math.prod(s) for _, s in layout), np.int32)
+    arrays = unflatten_inputs(flat, layout)  # views of flat
+    arrays.pop("row_slots")[:] = row_slots
+    _fill(arrays, extend_rows, decode_rows, shape, page_size)
+    return flat
+
+
+def _fill(arrays: dict[str, np.ndarray], extend_rows: Sequence[Row],
+          decode_rows: Sequence[Row], shape: BucketShape, page_size: int) -> None:
     te, be, bd, npg = (shape.num_extend_tokens, shape.num_extend_seqs, shape.num_decode_seqs,
                        shape.num_pages_per_seq)
     t, b = te + bd, be + bd
     n_ext = sum(len(r.input_ids) for r in extend_rows)
     if n_ext > te or len(extend_rows) > be or len(decode_rows) > bd:
         raise ValueError(f"rows do not fit bucket {shape}")
-    input_ids = np.zeros(t, np.int32)
-    positions = np.full(t, PAD_POSITION, np.int32)
-    out_cache_loc = np.zeros(t, np.int32)
-    page_table = np.zeros((b, npg), np.int32)
-    seq_lens = np.zeros(b, np.int32)
-    query_start = np.full(b + 1, n_ext, np.int32)
-    logits_indices = np.zeros(b, np.int32)
+    input_ids, positions = arrays["input_ids"], arrays["positions"]
+    out_cache_loc, page_table = arrays["out_cache_loc"], arrays["page_table"]
+    seq_lens, query_start = arrays["seq_lens"], arrays["query_start"]
+    logits_indices = arrays["logits_indices"]
+    input_ids.fill(0)
+    positions.fill(PAD_POSITION)
+    out_cache_loc.fill(0)
+    page_table.fill(0)
+    seq_lens.fill(0)
+    query_start.fill(n_ext)
+    logits_indices.fill(0)
 
-    def put(row_idx: int, tok0: int, row: Row) -> None:
-        n = len(row.input_ids)
-        end = row.start_pos + n
-        pages = np.asarray(row.pages, np.int32)
+    def check(row: Row) -> int:
         ctx_pages = -(-row.start_pos // page_size)  # the table lists earlier context only
         if ctx_pages > npg:
             raise ValueError(f"row needs {ctx_pages} context pages; bucket has {npg}")
-        pos = np.arange(row.start_pos, end, dtype=np.int32)
-        input_ids[tok0:tok0 + n] = row.input_ids
-        positions[tok0:tok0 + n] = pos
-        out_cache_loc[tok0:tok0 + n] = pages[pos // page_size] * page_size + pos % page_size
-        page_table[row_idx, :ctx_pages] = pages[:ctx_pages]
-        seq_lens[row_idx] = end
-        query_start[row_idx] = tok0
-        logits_indices[row_idx] = tok0 + n - 1
+        return ctx_pages
 
     tok = 0
     for i, row in enumerate(extend_rows):
-        put(i, tok, row)
-        tok += len(row.input_ids)
+        n = len(row.input_ids)
+        end = row.start_pos + n
+        pages = np.asarray(row.pages, np.int32)
+        ctx_pages = check(row)
+        pos = np.arange(row.start_pos, end, dtype=np.int32)
+        input_ids[tok:tok + n] = row.input_ids
+        positions[tok:tok + n] = pos
+        out_cache_loc[tok:tok + n] = pages[pos // page_size] * page_size + pos % page_size
+        page_table[i, :ctx_pages] = pages[:ctx_pages]
+        seq_lens[i] = end
+        query_start[i] = tok
+        logits_indices[i] = tok + n - 1
+        tok += n
+    # Decode rows feed one token each: scalar writes (a decode step packs every row, and
+    # a row's numpy temporaries cost more than the step's other host work on 2 cores).
     for i, row in enumerate(decode_rows):
-        put(be + i, te + i, row)
+        if len(row.input_ids) != 1:
+            raise ValueError(f"a decode row feeds one token, not {len(row.input_ids)}")
+        pos, t_i, r_i = row.start_pos, te + i, be + i
+        ctx_pages = check(row)
+        input_ids[t_i] = row.input_ids[0]
+        positions[t_i] = pos
+        out_cache_loc[t_i] = row.pages[pos // page_size] * page_size + pos % page_size
+        page_table[r_i, :ctx_pages] = row.pages[:ctx_pages]
+        seq_lens[r_i] = pos + 1
+        logits_indices[r_i] = t_i
     query_start[be:be + bd] = te + np.arange(bd, dtype=np.int32)
     query_start[b] = t
-    return dict(input_ids=input_ids, positions=positions, out_cache_loc=out_cache_loc,
-                page_table=page_table, seq_lens=seq_lens, query_start=query_start,
-                logits_indices=logits_indices)

@@ -39,6 +39,7 @@ from runtime.batch_builder import (
     SeedRow,
     flatten_inputs,
     input_layout,
+    pack_flat,
     pack_rows,
     unflatten_inputs,
 )
@@ -370,14 +371,15 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         shape = self.bucket_for(batch)
         mode = ForwardMode.EXTEND if batch.mode is ForwardMode.SPLIT_PREFILL else batch.mode
         self.init_slots(batch.extend_rows)
+        row_slots = self._row_slots(batch, shape)[0]
+        key = StepKey(mode, shape)
         if isinstance(batch, DPBatch):
-            arrays = dp_pack(batch, shape, self.cache_cfg.page_size)
+            logits = self.run_forward(key, dp_pack(batch, shape, self.cache_cfg.page_size),
+                                      row_slots)
             self.step_counts[ForwardMode.IDLE] += batch.num_idle
         else:
-            arrays = pack_rows(batch.extend_rows, batch.decode_rows, shape,
-                               self.cache_cfg.page_size)
-        logits = self.run_forward(StepKey(mode, shape), arrays,
-                                  self._row_slots(batch, shape)[0])
+            logits = self._run_flat(key, pack_flat(batch.extend_rows, batch.decode_rows,
+                                                   shape, self.cache_cfg.page_size, row_slots))
         self.step_counts[mode] += 1
         return LaunchedForward(batch, shape, logits)
 
@@ -385,7 +387,10 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
                     row_slots: np.ndarray) -> jax.Array:
         """Run the plain step program `key` on packed arrays (pack_rows; dp_pack under dp)
         and the rows' slots: its logits [B, V]; the pool is updated in place."""
-        flat = flatten_inputs(arrays, row_slots, input_layout(key.shape, self.dp))
+        return self._run_flat(key, flatten_inputs(arrays, row_slots,
+                                                  input_layout(key.shape, self.dp)))
+
+    def _run_flat(self, key: StepKey, flat: np.ndarray) -> jax.Array:
         logits, self.kv = self._executables[key](self.params, self.kv,
                                                  self.state.last_tokens, flat)
         return logits

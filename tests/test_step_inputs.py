@@ -14,6 +14,7 @@ from runtime.batch_builder import (
     BucketShape,
     flatten_inputs,
     input_layout,
+    pack_flat,
     pack_rows,
     unflatten_inputs,
 )
@@ -45,6 +46,13 @@ def test_flat_forward_inputs_round_trip():
             np.testing.assert_array_equal(back[name], a, err_msg=name)
     with pytest.raises(ValueError, match="page_table"):
         flatten_inputs({**arrays, "page_table": arrays["page_table"][:, :2]}, slots, layout)
+    # pack_flat writes the same vector without the arrays in between
+    slots = np.arange(5, dtype=np.int32) + 10
+    np.testing.assert_array_equal(
+        pack_flat(extend, decode, shape, 4, slots),
+        flatten_inputs(pack_rows(extend, decode, shape, 4), slots, input_layout(shape)))
+    with pytest.raises(ValueError, match="one token"):
+        pack_rows([], [BatchRow(Req("d", [7]), [1, 2], 6, [7, 8], True)], shape, 4)
 
 
 def _batch(b: int) -> sampling.SamplingBatch:
