@@ -278,11 +278,18 @@ struct X12DotStep : X12Step {
 // Rows [begin, end) of the next panel to pull into L2 while a tile computes, spread
 // evenly over the tile's steps (a burst of prefetches stalls on the fill buffers); or,
 // `stream` > 0, the tile's own panel that many bytes ahead of each step.
+//
+// `once`: the data prefetched is read by one pass of one tile and not again (a one-row
+// unit's own panel; the next panel where a single tile will read it): non-temporal, so
+// the weights stream past the caches. Otherwise the later tiles of a unit read the panel
+// from L2, so it is fetched there (T1).
 struct Prefetch {
   const char* next = nullptr;
   int64_t begin = 0, end = 0;
   int64_t stream = 0;
+  bool once = false;
 };
+
 
 // Native vectors of columns per tile of MR rows: the whole panel where the registers hold
 // MR x kVecs accumulators and a panel row (AVX-512's 32 zmm: 6 x 4 + 4), else fewer, so
@@ -300,36 +307,35 @@ constexpr int Groups() {
   }
 }
 
-// y[0:MR, 0:J lanes] = x[0:MR, :] @ the panel's J native vectors of columns from `panel`
-// (that many elements into each panel row) over `steps` steps; columns beyond the matrix
-// are masked.
-template <typename Step, int MR, int J>
-inline void Tile(const Step& step, const typename Step::X* x, int64_t ldx,
-                 const typename Step::T* panel, int64_t steps, float* y, int64_t ldy,
-                 const vn::Mask* mask, Prefetch pf) {
+// Tile's body, its prefetches with hint kHint (a constant for _mm_prefetch; Tile picks it
+// from Prefetch::once, outside the step loop).
+template <typename Step, int MR, int J, int kHint>
+inline void TileHint(const Step& step, const typename Step::X* x, int64_t ldx,
+                     const typename Step::T* panel, int64_t steps, float* y, int64_t ldy,
+                     const vn::Mask* mask, Prefetch pf) {
   vn::F acc[MR][J];
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < J; ++j) acc[m][j] = vn::setzero();
   const int64_t pf_rows = pf.next != nullptr ? pf.end - pf.begin : 0;
   int64_t pf_row = pf.begin, pf_acc = 0;  // fixed point: pf_rows rows per `steps` steps
   // Past the last panel this touches memory beyond the weights: prefetches never fault.
-  // Non-temporal hints: a step streams every weight once, and the weights that went into
-  // L3 pushed out the host thread's working set, whose Python then ran several times
-  // slower beside the kernels (one SmolLM2 12-bit decode row: 0.88 -> 0.75 ms of host CPU
-  // a step, ~8% more single-stream tokens a second). The panel still sits in L1/L2 for the
-  // unit's other tiles.
+  // Non-temporal where read once: the weights that went into L3 pushed out the host
+  // thread's working set, whose Python then ran several times slower beside the kernels
+  // (one SmolLM2 12-bit decode row: 0.88 -> 0.75 ms of host CPU a step, ~8% more
+  // single-stream tokens a second). Panels that later tiles reread are fetched T1:
+  // non-temporal there made 8-row decode steps 1.1-1.25x slower (f32, bf16, 12-bit).
   const char* ahead = reinterpret_cast<const char*>(panel) + pf.stream;
   for (int64_t k = 0; k < steps; ++k) {
     if (pf.stream > 0) {
       for (int line = 0; line < Step::kStepBytes / 64; ++line)
-        _mm_prefetch(ahead + k * Step::kStepBytes + 64 * line, _MM_HINT_NTA);
+        _mm_prefetch(ahead + k * Step::kStepBytes + 64 * line, (_mm_hint)kHint);
     } else if (pf_rows == steps) {  // one row per step (a 2-tile unit): no bookkeeping
       const char* p = pf.next + k * kRowBytes;
-      for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_NTA);
+      for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, (_mm_hint)kHint);
     } else {
       for (pf_acc += pf_rows; pf_acc >= steps; pf_acc -= steps, ++pf_row) {
         const char* p = pf.next + pf_row * kRowBytes;
-        for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, _MM_HINT_NTA);
+        for (int line = 0; line < 4; ++line) _mm_prefetch(p + 64 * line, (_mm_hint)kHint);
       }
     }
     step.template Run<MR, J>(acc, x, ldx, panel + k * Step::kPerStep, k);
@@ -337,6 +343,20 @@ inline void Tile(const Step& step, const typename Step::X* x, int64_t ldx,
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < J; ++j)
       vn::mask_storeu(y + m * ldy + vn::kLanes * j, mask[j], acc[m][j]);
+}
+
+// y[0:MR, 0:J lanes] = x[0:MR, :] @ the panel's J native vectors of columns from `panel`
+// (that many elements into each panel row) over `steps` steps; columns beyond the matrix
+// are masked.
+template <typename Step, int MR, int J>
+inline void Tile(const Step& step, const typename Step::X* x, int64_t ldx,
+                 const typename Step::T* panel, int64_t steps, float* y, int64_t ldy,
+                 const vn::Mask* mask, Prefetch pf) {
+  if (pf.once) {
+    TileHint<Step, MR, J, _MM_HINT_NTA>(step, x, ldx, panel, steps, y, ldy, mask, pf);
+  } else {
+    TileHint<Step, MR, J, _MM_HINT_T1>(step, x, ldx, panel, steps, y, ldy, mask, pf);
+  }
 }
 
 // y[0:MR, 0:64] = x[0:MR, :] @ panel, a group of columns at a time (Groups); the first
@@ -395,6 +415,7 @@ void Unit(const Step& step, const typename Step::X* x, const typename Step::T* p
     for (int64_t m = m0; m < m1; ++m) {
       Prefetch pf;
       pf.stream = m == m0 ? Step::kAhead : 0;
+      pf.once = m1 - m0 == 1;  // more rows reread the panel from L2
       TileRow<Step, 1>(step, x + m * ldx, ldx, panel, steps, y + m * N + p * kNR, N, mask, pf);
     }
     return;
@@ -405,17 +426,21 @@ void Unit(const Step& step, const typename Step::X* x, const typename Step::T* p
     float* ym = y + m * N + p * kNR;
     Prefetch pf;
     if (cached) {  // tile i of 0..tiles-1 takes its share of next's rows
-      if (next != nullptr) pf = {next, tile * next_rows / tiles, (tile + 1) * next_rows / tiles};
+      // The next compressed panel: its unit's first tile reads it once and decodes it.
+      if (next != nullptr)
+        pf = {next, tile * next_rows / tiles, (tile + 1) * next_rows / tiles, 0, true};
     } else if (tiles > 1 && tile == 0) {
       pf.stream = kStreamAheadTiles;
     } else if (next != nullptr && tile > 0) {  // tile i of 1..tiles-1 takes its share of rows
       pf = {next, (tile - 1) * next_rows / (tiles - 1), tile * next_rows / (tiles - 1)};
     } else if (m1 - m0 == 1) {
       pf.stream = Step::kAhead;
+      pf.once = true;
     } else if (next != nullptr && tiles == 1) {
       // 2-6 rows: memory-bound, and the hardware prefetcher alone falls behind (30 layers
-      // + head, A B A B: M=2 29 -> 25 ms, M=4 33 -> 27 ms).
-      pf = {next, 0, next_rows};
+      // + head, A B A B: M=2 29 -> 25 ms, M=4 33 -> 27 ms). One tile reads the next panel
+      // in one pass where a tile spans the panel (Groups).
+      pf = {next, 0, next_rows, 0, Groups<kMR>() == kVecs};
     }
     switch (std::min(kMR, m1 - m)) {
       case 6: TileRow<Step, 6>(step, xm, ldx, panel, steps, ym, N, mask, pf); break;
