@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from runtime.batch_builder import BucketShape
 from runtime.config import RunnerConfig
-from runtime.executable_budget import FORWARD_COST, SAMPLER_COST, PlanPart
+from runtime.executable_budget import FORWARD_COST, MULTI_STEP_COST, SAMPLER_COST, PlanPart
 from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import ScheduleBatch
 
@@ -85,7 +85,8 @@ class BucketPlan:
         ext_tokens = sum(len(r.input_ids) for r in ext)
         # The page table lists earlier context only (this step's K/V reach attention
         # directly), so a fresh prefill takes the smallest bucket whatever its length.
-        max_ctx = max(r.start_pos for r in (*ext, *dec))
+        # A multi-step row's last step reads the context before its last position.
+        max_ctx = max(r.start_pos + r.num_steps - 1 for r in (*ext, *dec))
         widths = self._extend_widths() if ext else self.decode_widths()
         np_ = widths[-1] if len(widths) == 1 else self._pages(
             smallest_fitting(c.kv_len_buckets, max_ctx, "sequence length"))
@@ -104,7 +105,7 @@ class BucketPlan:
         return self.cfg.kv_len_buckets[-1]
 
     def plan_parts(self, counts: dict[ForwardMode, int], split: int, fused: int,
-                   samplers: int, tbo: int = 0) -> list[PlanPart]:
+                   samplers: int, tbo: int = 0, multi: int = 0) -> list[PlanPart]:
         """The plan's groups with the flags that multiply each (for the budget check)."""
         c = self.cfg
         kv = f"{len(c.kv_len_buckets)} kv_len_buckets"
@@ -125,6 +126,9 @@ class BucketPlan:
             PlanPart("TBO", tbo, FORWARD_COST,
                      "--enable_two_batch_overlap: one per DECODE / EXTEND / MIXED bucket of "
                      "at least tbo_min_tokens / 2 tokens"),
+            PlanPart("MULTI_STEP", multi, MULTI_STEP_COST,
+                     f"--num_scheduler_steps > 1: one per DECODE bucket ({len(c.decode_buckets)}"
+                     f" decode_buckets x {kv})"),
             PlanPart("sampler", samplers, SAMPLER_COST,
                      "one per distinct batch-row count of the buckets above"),
         ]

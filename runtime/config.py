@@ -185,6 +185,9 @@ class SchedulerConfig:
     max_extend_seqs: most rows in one extend batch.
     enable_mixed_chunk: run the prefill rows and the running decode rows in one MIXED batch.
     overlap: the engine launches batch N+1 before it calls process_results for batch N.
+    num_scheduler_steps: decode steps one DECODE batch runs on the device (runtime/
+      multi_step.py) when no request can be admitted and no row is grammar-constrained;
+      1 = one step a batch.
     max_context_len: longest prompt + max_new_tokens accepted (e.g. the runner's largest
       sequence bucket); None = only the pool size limits it.
     """
@@ -199,11 +202,13 @@ class SchedulerConfig:
     disable_prefix_cache: bool = False
     overlap: bool = False
     max_context_len: int | None = None
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError(f"schedule_policy={self.schedule_policy!r}: expected 'fcfs' or 'lpm'")
-        for name in ("max_running_requests", "max_prefill_tokens", "max_extend_seqs"):
+        for name in ("max_running_requests", "max_prefill_tokens", "max_extend_seqs",
+                     "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size < 0:
@@ -268,8 +273,13 @@ class RunnerConfig:
     enable_two_batch_overlap: bool = False
     tbo_token_distribution_threshold: float = 0.48
     tbo_min_tokens: int = 128
+    # Decode steps of one multi-step program (runtime/multi_step.py), compiled for every
+    # DECODE bucket when > 1 (vLLM's --num-scheduler-steps).
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
+        if self.num_scheduler_steps < 1:
+            raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} must be >= 1")
         if self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"dtype={self.dtype!r}: expected 'float32' or 'bfloat16'")
         if self.cpu_matmul not in ("xla", "packed"):
@@ -391,3 +401,6 @@ class ServerArgs:
     enable_two_batch_overlap: bool = False
     tbo_token_distribution_threshold: float = 0.48
     tbo_min_tokens: int | None = None
+    # Decode steps per DECODE batch, run on the device in one program when no request can
+    # be admitted (runtime/multi_step.py; vLLM's --num-scheduler-steps). 1: one a batch.
+    num_scheduler_steps: int = 1

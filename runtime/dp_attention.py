@@ -48,7 +48,7 @@ class DPBatch(ScheduleBatch):
         dec = [r for p in real for r in p.decode_rows]
         mode = (ForwardMode.MIXED if ext and dec else
                 ForwardMode.EXTEND if ext else ForwardMode.DECODE)
-        return cls(mode, ext, dec, parts)
+        return cls(mode, ext, dec, parts=parts)
 
     @property
     def rows(self) -> list[BatchRow]:

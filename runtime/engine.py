@@ -205,6 +205,7 @@ class Engine:
             disable_prefix_cache=args.disable_prefix_cache,
             overlap=not args.disable_overlap_schedule,
             max_context_len=runner.max_seq_len,
+            num_scheduler_steps=args.num_scheduler_steps,
         )
         decode_fn = tokenizer.decode if tokenizer else None
         self.scheduler: Scheduler | DPScheduler = (
@@ -214,7 +215,16 @@ class Engine:
         self._profile_dir: str | None = None
         self._profile_start = 0.0
         overlap = not args.disable_overlap_schedule
+        if args.num_scheduler_steps not in (1, runner.cfg.num_scheduler_steps):
+            raise ValueError(f"num_scheduler_steps={args.num_scheduler_steps} needs a runner "
+                             "compiled with RunnerConfig.num_scheduler_steps="
+                             f"{args.num_scheduler_steps} (it has "
+                             f"{runner.cfg.num_scheduler_steps})")
         if args.enable_multiplexing or args.enable_split_prefill:
+            if args.num_scheduler_steps > 1:
+                raise ValueError("num_scheduler_steps > 1 runs in the plain step loop, not "
+                                 "with split prefill / multiplexing (their decode steps are "
+                                 "one at a time between prefill intervals)")
             if runner.split is None:
                 raise ValueError("split prefill / multiplexing need a runner compiled with "
                                  "RunnerConfig.enable_split_prefill")

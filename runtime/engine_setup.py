@@ -253,6 +253,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         multiplex_fused=args.multiplex_fused,
         split_min_tokens=args.split_prefill_min_tokens,
         enable_two_batch_overlap=args.enable_two_batch_overlap,
+        num_scheduler_steps=args.num_scheduler_steps,
         tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
         tbo_min_tokens=(TBO_MIN_TOKENS_PER_RANK * args.ep if args.tbo_min_tokens is None
                         else args.tbo_min_tokens),

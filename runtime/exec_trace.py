@@ -99,6 +99,9 @@ class StepRecord:
     # For a launch nobody reads back (a split-prefill interval): the loop's estimate of its
     # device seconds. Its end is then placed by it, and never after the next readback.
     est_device_s: float | None = None
+    # Decode steps the launch ran on the device (a multi-step program, mode
+    # "multi_decode": runtime/multi_step.py); decode_rows of them each.
+    decode_steps: int = 1
     # Filled by ExecutionTrace.
     step: int = -1
     ready: float | None = None  # when the readback returned
@@ -136,7 +139,7 @@ def step_record(batch: ScheduleBatch, shape: BucketShape | None, sched_start: fl
                 mode: ForwardMode | None = None) -> StepRecord:
     """The record of a batch padded to `shape` (None: unpadded, e.g. a fake runner); a
     split-prefill interval or a TBO step passes its `split` / `tbo` too; `mode`: what ran,
-    where it is not the batch's mode."""
+    where it is not the batch's mode. A multi-step batch is mode "multi_decode"."""
     ext = batch.extend_rows
     n_ext = sum(len(r.input_ids) for r in ext)
     n_dec = len(batch.decode_rows)
@@ -145,13 +148,13 @@ def step_record(batch: ScheduleBatch, shape: BucketShape | None, sched_start: fl
         rows = shape.num_extend_seqs + shape.num_decode_seqs
         tokens = shape.num_extend_tokens + shape.num_decode_seqs
     return StepRecord(
-        mode=(mode or batch.mode).value, bucket=shape,
+        mode="multi_decode" if batch.steps > 1 else (mode or batch.mode).value, bucket=shape,
         rids=tuple(r.req.rid for r in batch.rows),
         extend_rows=len(ext), decode_rows=n_dec, extend_tokens=n_ext,
         padded_rows=rows, padded_tokens=tokens,
         sched_start=sched_start, sched_end=sched_end, launch_end=launch_end,
         compiles_after_warmup=compiles_after_warmup, split=split, tbo=tbo,
-        est_device_s=est_device_s)
+        est_device_s=est_device_s, decode_steps=batch.steps)
 
 
 @dataclasses.dataclass

@@ -40,6 +40,9 @@ class ExecutableCost:
 # and the host side is a small fraction of this, so the CPU figures are an upper bound.
 FORWARD_COST = ExecutableCost(maps=130, resident_mb=12.0)
 SAMPLER_COST = ExecutableCost(maps=270, resident_mb=12.0)
+# A multi-step decode program (runtime/multi_step.py): a forward and a sampler in one loop.
+MULTI_STEP_COST = ExecutableCost(maps=FORWARD_COST.maps + SAMPLER_COST.maps,
+                                 resident_mb=FORWARD_COST.resident_mb + SAMPLER_COST.resident_mb)
 # Mappings the runtime needs beyond the executables (threads' stacks, arenas, the KV
 # pool, sockets) and the share of free memory the plan may take.
 _RESERVED_MAPS = 4096

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import cpu_kernels
 from models.registry import model_module
-from runtime import sharding, two_batch_overlap
+from runtime import sampling, sharding, two_batch_overlap
 from runtime.batch_builder import (
     BucketShape,
     SeedRow,
@@ -60,7 +60,10 @@ from runtime.executable_budget import (
     footprint,
 )
 from runtime.forward_batch import ForwardBatch, ForwardMode
+from runtime.grammar import mask_width
 from runtime.kv_pool import KVPool, init_kv_pool, kv_pool_shape
+from runtime.multi_step import MultiStepExecutables, multi_step_fn, pack_steps
+from runtime.request import MAX_LOGIT_BIAS
 from runtime.runner_sampling import PendingStep, SamplingLaunch
 from runtime.runner_split import SplitLaunch
 from runtime.schedule_batch import ScheduleBatch
@@ -148,6 +151,9 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
             if runner_cfg.enable_split_prefill else None)
         self.fused = self._fused_executables() if runner_cfg.multiplex_fused else None
         self.tbo = self._tbo_executables() if runner_cfg.enable_two_batch_overlap else None
+        self.multi = (MultiStepExecutables(runner_cfg.num_scheduler_steps, self.step_keys(),
+                                           cache_cfg.page_size)
+                      if runner_cfg.num_scheduler_steps > 1 else None)
         self._samplers: dict[int, Callable] = {}
         # The last sampled rows and their sampler input (runner_sampling._sample_words).
         self._words_cache: tuple[list, np.ndarray] | None = None
@@ -177,7 +183,8 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         return self.buckets.plan_parts(n, len(self.split.names) if self.split else 0,
                                        len(self.fused.names) if self.fused else 0,
                                        len(self.sampler_sizes()),
-                                       len(self.tbo.names) if self.tbo else 0)
+                                       len(self.tbo.names) if self.tbo else 0,
+                                       len(self.multi.names) if self.multi else 0)
 
     def _tbo_executables(self) -> TboExecutables:
         """TBO programs for the buckets a split child can need: the children of a batch of
@@ -266,6 +273,11 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
             yield from self.tbo.lowerings(params, kv, state.last_tokens, self._abstract_inputs,
                                           lambda n: jax.ShapeDtypeStruct(
                                               (n,), jnp.int32, sharding=self._replicated))
+        if self.multi is not None:
+            yield from self.multi.lowerings(
+                self._multi_step_fn, params, kv, state,
+                lambda n: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._replicated),
+                lambda b: self._abstract_sample_inputs(b)[1])
         sample = self._sample_fn()
         for b in self.sampler_sizes():
             yield f"sample/B{b}", functools.partial(sample.lower, state,
@@ -310,7 +322,7 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         exes = {n: wrap(n, e) if wrap else e for n, e in self.compiled.items()}
         self._executables = {k: exes[key_name(k)] for k in self.step_keys()}
         self._samplers = {b: exes[f"sample/B{b}"] for b in self.sampler_sizes()}
-        for group in (self.split, self.fused, self.tbo):
+        for group in (self.split, self.fused, self.tbo, self.multi):
             if group is not None:
                 group.install(exes)
         self._init_slot_exec = {n: exes[f"init_slot/N{n}"] for n in self.cfg.kv_len_buckets}
@@ -337,7 +349,7 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
 
     @property
     def num_executables(self) -> int:
-        extra = sum(len(g.names) for g in (self.split, self.fused, self.tbo)
+        extra = sum(len(g.names) for g in (self.split, self.fused, self.tbo, self.multi)
                     if g and self._executables)
         return len(self._executables) + len(self._samplers) + len(self._init_slot_exec) + extra
 
@@ -360,6 +372,8 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         """Dispatch one step asynchronously; the returned PendingStep reads it back. A
         SPLIT_PREFILL batch too small to split (can_split) runs whole as an EXTEND step.
         With two-batch overlap, a batch it splits runs as two micro-batches (launch_tbo)."""
+        if batch.steps > 1:
+            return self.launch_multi_step(batch)
         if self.tbo is not None and (pending := self.launch_tbo(batch)) is not None:
             return pending
         return self.launch_sample(self.launch_forward(batch))
@@ -401,6 +415,34 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
                 else fwd.batch.mode)
         self.costs.watch(cost_key(mode, fwd.shape), pending.out.next_tokens)
         return pending
+
+    def _multi_step_fn(self, key: StepKey) -> Callable:
+        model, cfg, mesh = self.model, self.model_cfg, self.mesh
+        backend = self.cfg.attention_backend
+        b = key.shape.num_decode_seqs
+        layout = sampling.word_layout(b, mask_width(cfg.vocab_size), MAX_LOGIT_BIAS)
+        program = multi_step_fn(
+            key, self.cfg.num_scheduler_steps, self.cache_cfg.page_size,
+            lambda params, kv, batch: model.forward(params, kv, batch, cfg, backend, mesh=mesh),
+            self._sample_body(), (2 * b + layout["step"][0], b))
+        return jax.jit(program, donate_argnums=(1, 2),
+                       **self._out(self._replicated, self._kv_sh, self._replicated))
+
+    def launch_multi_step(self, batch: ScheduleBatch) -> PendingStep:
+        """Run a DECODE batch's `steps` decode steps in one program (runtime/multi_step.py);
+        its results carry a step axis."""
+        shape = self.bucket_for(batch)
+        key = StepKey(ForwardMode.DECODE, shape)
+        rows = batch.decode_rows
+        row_slots, _, padded = self._row_slots(batch, shape)
+        page = self.cache_cfg.page_size
+        flat = pack_steps(pack_flat([], rows, shape, page, row_slots), rows, shape, page)
+        out, self.kv, self.state = self.multi(key, self.params, self.kv, self.state, flat,
+                                              self._sample_words(padded))
+        self.check_no_compiles()
+        self.step_counts[ForwardMode.DECODE] += batch.steps
+        return PendingStep(batch, out, np.arange(len(rows)), self.cfg.max_top_logprobs,
+                           steps=batch.steps)
 
     def launch_tbo(self, batch: ScheduleBatch) -> PendingStep | None:
         """Run `batch` as two overlapped micro-batches (runtime/two_batch_overlap.py); None
@@ -468,7 +510,9 @@ def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None, cache: CacheConfig) -> Non
                                       cfg.enable_split_prefill),
                                      ("multiplex_fused", cfg.multiplex_fused),
                                      ("enable_two_batch_overlap",
-                                      cfg.enable_two_batch_overlap)) if on]
+                                      cfg.enable_two_batch_overlap),
+                                     ("num_scheduler_steps > 1",
+                                      cfg.num_scheduler_steps > 1)) if on]
         if off:
             raise ValueError(f"dp={dp} (data-parallel attention) does not run with "
                              f"{', '.join(off)} yet")

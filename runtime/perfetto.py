@@ -25,7 +25,8 @@ from runtime.exec_trace import ExecutionTrace, RequestSpan, StepRecord
 
 HOST, DEVICE, MICRO, REQUESTS = 1, 2, 3, 4
 _HOST_LANES = {"scheduling": 1, "launch": 2, "results": 3}
-_MODE_LANES = {"extend": 1, "decode": 2, "mixed": 3, "split_prefill": 4, "idle": 5}
+_MODE_LANES = {"extend": 1, "decode": 2, "mixed": 3, "split_prefill": 4, "idle": 5,
+               "multi_decode": 6}
 _BUBBLE_LANE = 9
 
 
@@ -49,7 +50,8 @@ def _step_name(r: StepRecord) -> str:
     if r.split is not None:
         s = r.split
         return f"{r.mode} L{s.start_layer}-{s.start_layer + s.num_layers}"
-    return f"{r.mode} {r.rows}r/{r.tokens}t"
+    steps = f" x{r.decode_steps}" if r.decode_steps > 1 else ""
+    return f"{r.mode} {r.rows}r/{r.tokens}t{steps}"
 
 
 def _step_events(r: StepRecord, t0: float) -> Iterable[dict[str, Any]]:

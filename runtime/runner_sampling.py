@@ -27,9 +27,11 @@ class PendingStep:
     """Device results of a launched step; `result()` blocks and reads them back."""
 
     def __init__(self, batch: ScheduleBatch, out: sampling.SampleOutput, order: np.ndarray,
-                 top_n: int) -> None:
+                 top_n: int, steps: int = 1) -> None:
         # order: padded-row index of each real row (extend rows, then decode rows).
+        # steps > 1: a multi-step program's results, each array with a leading [K] axis.
         self.batch, self.out, self._order, self._top_n = batch, out, order, top_n
+        self._steps = steps
         # A two-batch-overlap step: its split, and the shape it computed (both children's
         # padded rows and tokens), for the execution trace.
         self.tbo: TboSplit | None = None
@@ -43,6 +45,8 @@ class PendingStep:
         # np.asarray, not jax.device_get: on the CPU backend device_get's async host copy
         # costs ~0.3 ms of host CPU a step (0.08 ms this way), taken from the kernels' cores.
         out = jax.tree.map(np.asarray, self.out)
+        if self._steps > 1:  # [K, B, ...] -> [B, K, ...], StepOutput's layout
+            out = jax.tree.map(lambda a: np.swapaxes(a, 0, 1), out)
         o = self._order
         top = (out.top_ids[o], out.top_logprobs[o]) if self._top_n else None
         return StepOutput(next_token_ids=out.next_tokens[o], logprobs=out.logprobs[o],
@@ -53,6 +57,12 @@ class SamplingLaunch:
     """Sampling of ModelRunner (`self` is the runner)."""
 
     def _sample_fn(self) -> Callable:
+        return jax.jit(self._sample_body(), donate_argnums=(0,),
+                       **self._out(self._replicated, self._replicated))
+
+    def _sample_body(self) -> Callable:
+        """sample(state, logits [B, V], words) -> (SampleOutput, state): the sampler
+        program's body, also run inside the multi-step programs (runtime/multi_step.py)."""
         top_n, dummy = self.cfg.max_top_logprobs, self.max_running
         mask_w = mask_width(self.model_cfg.vocab_size)
 
@@ -72,8 +82,7 @@ class SamplingLaunch:
                 prompt_mask=state.prompt_mask)
             return out, state
 
-        return jax.jit(sample, donate_argnums=(0,),
-                       **self._out(self._replicated, self._replicated))
+        return sample
 
     def _abstract_sample_inputs(self, b: int) -> tuple:
         rep = self._replicated

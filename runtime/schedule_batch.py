@@ -30,6 +30,9 @@ class BatchRow:
     new_slot: first row since the request took `req.req_slot` (admission or resume after a
       retraction): per-slot device state (penalty counts, RNG) must be reset from
       `req.prompt_ids` / `req.output_ids` before this row runs.
+    num_steps: decode steps of a multi-step batch (runtime/multi_step.py) this row runs:
+      it samples a token at each of positions start_pos .. start_pos + num_steps - 1, each
+      fed the one before, and `pages` cover them all.
     """
 
     req: Req
@@ -38,6 +41,7 @@ class BatchRow:
     pages: list[int]
     sample: bool
     new_slot: bool = False
+    num_steps: int = 1
 
     @property
     def end_pos(self) -> int:
@@ -46,11 +50,14 @@ class BatchRow:
 
 @dataclasses.dataclass
 class ScheduleBatch:
-    """Rows of one forward: extend rows first, then decode rows (one input token each)."""
+    """Rows of one forward: extend rows first, then decode rows (one input token each).
+    steps > 1: a DECODE batch run as one multi-step program of that many steps; each row
+    runs its own num_steps of them (runtime/multi_step.py)."""
 
     mode: ForwardMode
     extend_rows: list[BatchRow]
     decode_rows: list[BatchRow]
+    steps: int = 1
 
     @property
     def rows(self) -> list[BatchRow]:
@@ -68,9 +75,10 @@ class StepOutput:
 
     Rows with sample=False may hold anything. `logprobs` may be None when no row asked for
     logprobs; `top_logprobs` is (ids [num_rows, k], logprobs [num_rows, k]) with k >= every
-    row's sampling.top_logprobs, or None.
+    row's sampling.top_logprobs, or None. A multi-step batch's (ScheduleBatch.steps = K)
+    have a step axis after the row axis: [num_rows, K], [num_rows, K, k].
     """
 
-    next_token_ids: np.ndarray  # [num_rows] int
+    next_token_ids: np.ndarray  # [num_rows] int; [num_rows, K] for K steps
     logprobs: np.ndarray | None = None  # [num_rows] float: logprob of the chosen token
     top_logprobs: tuple[np.ndarray, np.ndarray] | None = None

@@ -33,7 +33,8 @@ LPM_MAX_QUEUE = 128
 
 @dataclasses.dataclass(frozen=True)
 class ReqEvent:
-    """What one sampled row did to its request: new_token_ids is [] or [token]."""
+    """What one sampled row did to its request: new_token_ids is [] or [token] (up to
+    the row's num_steps tokens for a multi-step batch)."""
 
     req: Req
     new_token_ids: list[int]
@@ -147,6 +148,13 @@ class Scheduler:
     def next_batch(self) -> ScheduleBatch | None:
         """The next batch to run, or None when nothing can run until results arrive."""
         self._check_inflight()
+        steps = self._decode_steps()
+        if steps > 1:
+            rows = self._schedule_decode(steps)
+            if not rows:
+                return None
+            self._inflight += 1
+            return ScheduleBatch(ForwardMode.DECODE, [], rows, steps)
         if self.config.enable_mixed_chunk:
             decode = self._schedule_decode()
             extend = self._schedule_extend(len(decode))
@@ -198,7 +206,7 @@ class Scheduler:
 
     def process_results(self, batch: ScheduleBatch, output: StepOutput) -> list[ReqEvent]:
         """Apply a batch's sampled tokens; returns one event per sampled, still-live row."""
-        rows = batch.rows
+        rows, steps = batch.rows, batch.steps
         tokens = output.next_token_ids.tolist()
         if len(tokens) != len(rows):
             raise ValueError(f"{len(tokens)} tokens for {len(rows)} rows")
@@ -211,10 +219,13 @@ class Scheduler:
                 self._cache_prefilled(req)
             if not row.sample:
                 continue
+            if steps > 1:
+                events.extend(self._accept_steps(req, row.num_steps, tokens[i], output, i))
+                continue
             req.num_pending -= 1
             if req.finished:  # aborted, or finished while this batch was in flight
                 continue
-            events.append(self._accept(req, tokens[i], output, i))
+            events.append(self._accept(req, tokens[i], output, (i,)))
         return events
 
     def _check_inflight(self) -> None:
@@ -226,17 +237,33 @@ class Scheduler:
 
     # ---- results ----
 
-    def _accept(self, req: Req, token: int, output: StepOutput, i: int) -> ReqEvent:
+    def _accept_steps(self, req: Req, n: int, tokens: list[int], output: StepOutput,
+                      i: int) -> list[ReqEvent]:
+        """A multi-step row's first n tokens, taken one by one as single steps would be:
+        those after its finish (or an abort) are dropped. One event for all of them."""
+        new, done = [], False
+        for j in range(n):
+            req.num_pending -= 1
+            if req.finished:
+                continue
+            ev = self._accept(req, tokens[j], output, (i, j))
+            new += ev.new_token_ids
+            done = ev.finished
+        return [ReqEvent(req, new, done)] if new or done else []
+
+    def _accept(self, req: Req, token: int, output: StepOutput, at: tuple[int, ...]
+                ) -> ReqEvent:
+        """Take one sampled token; `at` indexes its row (and step) in output's arrays."""
         if len(req.output_ids) >= req.sampling.max_new_tokens:  # max_new_tokens == 0
             self._finish(req, FinishReason("length"))
             return ReqEvent(req, [], True)
         req.output_ids.append(token)
         if req.sampling.logprobs and output.logprobs is not None:
-            req.output_logprobs.append(float(output.logprobs[i]))
+            req.output_logprobs.append(float(output.logprobs[at]))
         k = req.sampling.top_logprobs
         if k and output.top_logprobs is not None:
             ids, lps = output.top_logprobs
-            req.output_top_logprobs.append((ids[i, :k].tolist(), lps[i, :k].tolist()))
+            req.output_top_logprobs.append((ids[at][:k].tolist(), lps[at][:k].tolist()))
         reason = req.check_finished(self.eos_token_ids, self.decode_fn)
         if reason is not None:
             self._finish(req, reason)
@@ -351,7 +378,21 @@ class Scheduler:
 
     # ---- decode and retraction ----
 
-    def _schedule_decode(self) -> list[BatchRow]:
+    def _decode_steps(self) -> int:
+        """num_scheduler_steps when this batch may run them all on the device: nothing to
+        prefill (no chunk under way, no waiting request a free slot could admit, so a new
+        request's first token never waits for them) and no grammar-constrained request
+        (its mask needs each token first); else 1."""
+        k = self.config.num_scheduler_steps
+        if k == 1 or self._chunked is not None or (self.waiting and self._free_slots):
+            return 1
+        if any(r.grammar is not None or r.is_prefilling for r in self.running):
+            return 1
+        return k
+
+    def _schedule_decode(self, steps: int = 1) -> list[BatchRow]:
+        """The running requests' decode rows, each of min(steps, tokens it has left)
+        steps."""
         rows: list[BatchRow] = []
         scheduled: set[Req] = set()
         for req in list(self.running):  # oldest first: the newest get retracted
@@ -359,33 +400,36 @@ class Scheduler:
                 continue
             if req.num_generated >= req.sampling.max_new_tokens:  # last token in flight
                 continue
-            if not self._reserve_decode_page(req, scheduled):
+            n = min(steps, req.sampling.max_new_tokens - req.num_generated)
+            if not self._reserve_decode_pages(req, scheduled, n):
                 continue
-            rows.append(self._decode_row(req))
+            rows.append(self._decode_row(req, n))
             scheduled.add(req)
         return rows
 
-    def _reserve_decode_page(self, req: Req, scheduled: set[Req]) -> bool:
-        """Make sure position kv_len has a page, retracting the newest unscheduled requests
-        if the pool is out of pages. False if req itself had to be retracted."""
-        if req.kv_len < len(req.pages) * self.page_size:
+    def _reserve_decode_pages(self, req: Req, scheduled: set[Req], n: int) -> bool:
+        """Make sure positions kv_len .. kv_len + n - 1 have pages, retracting the newest
+        unscheduled requests if the pool is out of pages. False if req itself had to be
+        retracted."""
+        need = pages_for(req.kv_len + n, self.page_size) - len(req.pages)
+        if need <= 0:
             return True
-        while not self._can_get(1):
+        while not self._can_get(need):
             victim = next(r for r in reversed(self.running)
                           if r not in scheduled and r not in self._held)
             self._retract(victim)
             if victim is req:
                 return False
-        req.pages += self._allocate(1)
+        req.pages += self._allocate(need)
         return True
 
-    def _decode_row(self, req: Req) -> BatchRow:
+    def _decode_row(self, req: Req, n: int = 1) -> BatchRow:
         pos = req.kv_len
         assert pos == req.num_known + req.num_pending - 1, "decode row out of step"
         token = PREV_TOKEN if req.num_pending else req.output_ids[-1]
-        req.kv_len += 1
-        req.num_pending += 1
-        return BatchRow(req, [token], pos, req.pages[:], sample=True)
+        req.kv_len += n
+        req.num_pending += n
+        return BatchRow(req, [token], pos, req.pages[:], sample=True, num_steps=n)
 
     def _retract(self, req: Req) -> None:
         """Send a running request back to the front of the queue; it keeps its tokens and

@@ -80,6 +80,8 @@ flags.DEFINE_list("hf_batch_sizes", ["8", "32"], "transformers generate batch si
 flags.DEFINE_integer("hf_threads", 0, "torch threads, 0 = os.cpu_count() (on a loaded machine "
                      "OpenMP's spinning threads can slow torch down many times over)")
 flags.DEFINE_integer("max_running_requests", 32, "see ServerArgs")
+flags.DEFINE_integer("num_scheduler_steps", 1, "xlaserve's decode steps per program when "
+                     "no request can be admitted (serve.py's --num_scheduler_steps)")
 flags.DEFINE_string("dtype", None, "xlaserve's weights: float32 / bfloat16 / int8 "
                     "(weight-only int8 over f32 activations, serve.py's "
                     "--quantization=int8) / bf16x12 (bfloat16 in 12 bits, serve.py's "
@@ -147,6 +149,7 @@ def _server_args(w: Workload, weights: str | None) -> ServerArgs:
     base = ServerArgs(dtype="float32" if quantization else "bfloat16" if compress else weights,
                       quantization=quantization, compress_weights=compress,
                       max_running_requests=FLAGS.max_running_requests,
+                      num_scheduler_steps=FLAGS.num_scheduler_steps,
                       kv_len_buckets=kv, max_top_logprobs=0,
                       checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)

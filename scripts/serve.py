@@ -127,6 +127,10 @@ flags.DEFINE_float("tbo_token_distribution_threshold", _D.tbo_token_distribution
                    "than this share of the tokens on one side")
 flags.DEFINE_integer("tbo_min_tokens", None, "smaller batches run unsplit (default: 128 per "
                      "ep rank)")
+flags.DEFINE_integer("num_scheduler_steps", _D.num_scheduler_steps, "decode steps a "
+                     "DECODE batch runs on the device in one program when no request can "
+                     "be admitted (vLLM's --num-scheduler-steps): the host schedules, "
+                     "launches and reads back once per that many tokens; 1 turns it off")
 flags.DEFINE_integer("dp", _D.dp, "data-parallel attention ranks: each runs its own "
                      "requests over its own KV pages (must divide --max_running_requests; "
                      "buckets are per rank)")
@@ -184,7 +188,7 @@ def server_args() -> ServerArgs:
         split_prefill_min_tokens=FLAGS.split_prefill_min_tokens,
         enable_two_batch_overlap=FLAGS.enable_two_batch_overlap,
         tbo_token_distribution_threshold=FLAGS.tbo_token_distribution_threshold,
-        tbo_min_tokens=FLAGS.tbo_min_tokens,
+        tbo_min_tokens=FLAGS.tbo_min_tokens, num_scheduler_steps=FLAGS.num_scheduler_steps,
         trace_dir=FLAGS.trace_dir or None, trace_buffer_steps=FLAGS.trace_buffer_steps)
 
 

@@ -8,11 +8,13 @@ allocation, eviction and slot lookup is right; any bug changes the tokens.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter, defaultdict
 from collections.abc import Callable
 
 import numpy as np
 
+from runtime.forward_mode import ForwardMode
 from runtime.kv_cache import PAD_PAGE, cache_slots, pages_for
 from runtime.prefix_cache import PrefixCache
 from runtime.request import ReqStatus
@@ -51,6 +53,8 @@ class FakeRunner:
     def forward(self, batch: ScheduleBatch) -> StepOutput:
         """Write every row's tokens, then read every row's sequence (like one layer of a
         forward), failing on anything a real device could get wrong."""
+        if batch.steps > 1:
+            return self._forward_steps(batch)
         writer: dict[int, int] = {}  # cache slot -> row that writes it in this batch
         for i, row in enumerate(batch.rows):
             prev = int(self.last[row.req.req_slot])
@@ -75,6 +79,29 @@ class FakeRunner:
             tokens.append(tok)
         self.num_batches += 1
         return StepOutput(np.asarray(tokens, np.int64))
+
+
+    def _forward_steps(self, batch: ScheduleBatch) -> StepOutput:
+        """A multi-step DECODE batch as the device runs it: step j feeds each row with more
+        than j steps the token its slot sampled in step j - 1. Tokens [rows, K]; a row's
+        steps past its num_steps stay -1 (the host must not read them)."""
+        assert batch.mode is ForwardMode.DECODE and not batch.extend_rows
+        tokens = np.full((len(batch.rows), batch.steps), -1, np.int64)
+        for row in batch.rows:
+            assert 1 <= row.num_steps <= batch.steps
+            assert len(row.pages) == pages_for(row.start_pos + row.num_steps,
+                                               self.page_size), "pages for every step"
+        for j in range(batch.steps):
+            live = [i for i, r in enumerate(batch.rows) if r.num_steps > j]
+            rows = [dataclasses.replace(
+                r, input_ids=r.input_ids if j == 0 else [PREV_TOKEN], start_pos=r.start_pos + j,
+                pages=r.pages[:pages_for(r.start_pos + j + 1, self.page_size)], num_steps=1)
+                for r in (batch.rows[i] for i in live)]
+            out = self.forward(ScheduleBatch(ForwardMode.DECODE, [], rows))
+            tokens[live, j] = out.next_token_ids
+            self.num_batches -= 1
+        self.num_batches += 1
+        return StepOutput(tokens)
 
 
 def reference_output(prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:

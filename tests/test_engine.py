@@ -50,7 +50,7 @@ def runner(request) -> ModelRunner:
                         cpu_matmul=matmul, attention_backend=attention, dtype=dtype,
                         quantization=weights if weights == "int8" else None,
                         compress_weights=weights == "x12", enable_split_prefill=True,
-                        multiplex_fused=True)
+                        multiplex_fused=True, num_scheduler_steps=4)
     r = ModelRunner(CFG, params, CacheConfig(page_size=PAGE, num_pages=400), rcfg,
                     max_running_requests=16)
     _POOL_AT_START[id(r)] = _pool_pointers(r)
@@ -288,9 +288,74 @@ def test_the_kv_pool_never_moves(runner):
     for kw in (dict(enable_mixed_chunk=True, chunked_prefill_size=16, max_prefill_tokens=16),
                dict(enable_multiplexing=True, multiplex_fused=True, split_prefill_layers=1),
                dict(enable_multiplexing=True, split_prefill_layers=2,
-                    max_total_tokens=48 * PAGE)):
+                    max_total_tokens=48 * PAGE),
+               dict(num_scheduler_steps=4, max_total_tokens=48 * PAGE)):
         _generate_in_waves(Engine(_args(**kw), runner=runner), _prompts(8, seed=11), GREEDY)
     assert runner.step_counts[ForwardMode.MIXED] > 0
     assert runner.step_counts[ForwardMode.SPLIT_PREFILL] > 0
     assert len(_POOL_AT_START[id(runner)]) == 2  # K and V
     assert _pool_pointers(runner) == _POOL_AT_START[id(runner)]
+
+
+# ---- multi-step decode (runtime/multi_step.py) ----
+
+
+def _count_multi_steps(runner: ModelRunner, monkeypatch) -> list[int]:
+    """Record the steps of each multi-step launch."""
+    calls, launch = [], runner.launch_multi_step
+
+    def counted(batch):
+        calls.append(batch.steps)
+        return launch(batch)
+
+    monkeypatch.setattr(runner, "launch_multi_step", counted)
+    return calls
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("pool", [None, 48 * PAGE], ids=["pool", "small_pool"])
+def test_multi_step_decode_matches_alone(runner, reference, overlap, pool, monkeypatch):
+    """Requests arriving in waves: decode runs 4 steps a program between admissions (12
+    tokens: partial last programs too), single steps beside prefills; retraction on the
+    small pool."""
+    calls = _count_multi_steps(runner, monkeypatch)
+    eng = Engine(_args(num_scheduler_steps=4, disable_overlap_schedule=not overlap,
+                       max_total_tokens=pool), runner=runner)
+    outs = _generate_in_waves(eng, _prompts(16), GREEDY)
+    _check_same(outs, reference)
+    assert len(calls) >= 3 and set(calls) == {4}
+    if pool:
+        assert eng.scheduler.stats().num_retractions > 0
+    runner.check_no_compiles()
+
+
+def test_multi_step_sampling_penalties_and_stops_match_single_steps(runner, monkeypatch):
+    """Seeded sampling, penalties, logprobs, stop tokens and lengths that end inside a
+    program: the same tokens as one step at a time."""
+    prompts = _prompts(6, seed=5)
+    sp = [SamplingParams(temperature=0.9, top_p=0.9, top_k=20, seed=s, max_new_tokens=5 + 2 * s,
+                         ignore_eos=True, logprobs=True, top_logprobs=2,
+                         frequency_penalty=0.5 * (s % 2), repetition_penalty=1 + 0.3 * (s % 3))
+          for s in range(6)]
+    # Stop tokens that the odd requests' own samples hit after 4-6 tokens.
+    free = Engine(_args(), runner=runner).generate(prompts, sp)
+    sp = [dataclasses.replace(p, stop_token_ids=(f.output_ids[3 + i % 3],)) if i % 2 else p
+          for i, (p, f) in enumerate(zip(sp, free, strict=True))]
+    single = Engine(_args(), runner=runner).generate(prompts, sp)
+    calls = _count_multi_steps(runner, monkeypatch)
+    multi = Engine(_args(num_scheduler_steps=4), runner=runner).generate(prompts, sp)
+    assert calls
+    for m, o in zip(multi, single, strict=True):
+        assert m.output_ids == o.output_ids
+        assert m.meta_info["finish_reason"] == o.meta_info["finish_reason"]
+        np.testing.assert_allclose(m.meta_info["output_token_logprobs"],
+                                   o.meta_info["output_token_logprobs"], atol=1e-5)
+    assert any(o.meta_info["finish_reason"]["type"] == "stop" for o in single)
+    runner.check_no_compiles()
+
+
+def test_multi_step_flags_are_checked(runner):
+    with pytest.raises(ValueError, match="compiled with RunnerConfig.num_scheduler_steps=3"):
+        Engine(_args(num_scheduler_steps=3), runner=runner)
+    with pytest.raises(ValueError, match="plain step loop"):
+        Engine(_args(num_scheduler_steps=4, enable_multiplexing=True), runner=runner)

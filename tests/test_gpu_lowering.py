@@ -110,3 +110,37 @@ def test_llama8b_split_interval_and_fused_step_lower_for_cuda():
     fused = FusedExecutables(CFG, "pallas", [BucketShape(2048, 1, 32, NP)], [4])
     (step,) = fused.lowerings(params, kv, sds((33,), jnp.int32), _arrays, jnp.bfloat16)
     assert "mosaic_gpu" in _cuda_text(step[1])
+
+
+def test_llama8b_multi_step_decode_lowers_for_cuda():
+    """A 4-step decode program of 32 rows (runtime/multi_step.py, --num_scheduler_steps):
+    the forward with the Pallas kernels and the runner's sampler in one device loop."""
+    import math
+    from types import SimpleNamespace
+
+    from runtime import sampling
+    from runtime.batch_builder import input_layout
+    from runtime.bucket_plan import StepKey
+    from runtime.grammar import mask_width
+    from runtime.multi_step import multi_step_fn
+    from runtime.request import MAX_LOGIT_BIAS
+    from runtime.runner_sampling import SamplingLaunch
+    from runtime.slot_state import SlotState
+
+    b, v = 32, CFG.vocab_size
+    runner = SimpleNamespace(cfg=SimpleNamespace(max_top_logprobs=5), max_running=b,
+                             model_cfg=CFG)
+    key = StepKey(ForwardMode.DECODE, BucketShape(0, 0, b, NP))
+    words = sampling.word_layout(b, mask_width(v), MAX_LOGIT_BIAS)
+    program = multi_step_fn(
+        key, 4, PAGE, functools.partial(llama.forward, cfg=CFG, attention_backend="pallas"),
+        SamplingLaunch._sample_body(runner), (2 * b + words["step"][0], b))
+    state = SlotState(last_tokens=sds((b + 1,), jnp.int32),
+                      token_counts=sds((b + 1, v), jnp.int32),
+                      prompt_mask=sds((b + 1, v), jnp.bool_))
+    n = sum(math.prod(s) for _, s in input_layout(key.shape)) + b
+    n_words = 2 * b + sampling.word_count(b, mask_width(v), MAX_LOGIT_BIAS)
+    text = jax.jit(program).trace(_params(), _kv(), state, sds((n,), jnp.int32),
+                                  sds((n_words,), jnp.int32)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text and "stablehlo.while" in text

@@ -13,6 +13,7 @@ import pytest
 
 from runtime.config import CacheConfig, SchedulerConfig
 from runtime.forward_mode import ForwardMode
+from runtime.kv_cache import pages_for
 from runtime.request import FinishReason, Req, ReqStatus, SamplingParams
 from runtime.schedule_batch import PREV_TOKEN, StepOutput
 from runtime.scheduler import Scheduler
@@ -74,6 +75,25 @@ def assert_drained(sched: Scheduler) -> None:
     check_invariants(sched)
 
 
+def run_in_waves(sched: Scheduler, runner: FakeRunner, overlap: bool,
+                 alone: dict[str, list[int]]) -> list[Req]:
+    """The workload arriving four at once, then one per step; every request's output
+    must equal its run alone, streamed as it was produced."""
+    reqs = workload()
+    arrivals = list(reversed(reqs))
+
+    def arrive(step: int) -> None:
+        check_invariants(sched)
+        for _ in range(4 if step == 0 else 1 if arrivals else 0):
+            sched.add(arrivals.pop())
+
+    streamed = drive(sched, runner, overlap, on_step=arrive)
+    for r in reqs:
+        assert r.output_ids == alone[r.rid], r.rid
+        assert streamed[r.rid] == r.output_ids
+    return reqs
+
+
 # ---- the core property ----
 
 
@@ -103,18 +123,8 @@ def test_batched_outputs_equal_alone(alone, chunk, cache, mixed, overlap, num_pa
         overlap=overlap,
         max_running=16,
     )
-    reqs = workload()
-    arrivals = list(reversed(reqs))
-
-    def arrive(step: int) -> None:  # four at once, then one per step
-        check_invariants(sched)
-        for _ in range(4 if step == 0 else 1 if arrivals else 0):
-            sched.add(arrivals.pop())
-
-    streamed = drive(sched, runner, overlap, on_step=arrive)
+    reqs = run_in_waves(sched, runner, overlap, alone)
     for r in reqs:
-        assert r.output_ids == alone[r.rid], r.rid
-        assert streamed[r.rid] == r.output_ids
         assert r.status is ReqStatus.FINISHED and r.finish_reason.kind in ("stop", "length")
     if num_pages == 36:
         assert sched.stats().num_retractions > 0
@@ -434,3 +444,99 @@ def test_sampling_params_from_dict():
     sp.validate(VOCAB)
     with pytest.raises(ValueError, match="unknown sampling parameter"):
         SamplingParams.from_dict({"temprature": 1.0})
+
+
+# ---- multi-step decode (runtime/multi_step.py) ----
+
+
+def count_steps(runner: FakeRunner) -> list[int]:
+    """Record each launched batch's steps."""
+    seen, forward = [], runner.forward
+
+    def wrapped(batch):
+        seen.append(batch.steps)
+        return forward(batch)
+
+    runner.forward = wrapped
+    return seen
+
+
+@pytest.mark.parametrize("num_pages", [400, 36], ids=["big_pool", "tiny_pool"])
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["plain", "mixed"])
+def test_multi_step_outputs_equal_alone(alone, mixed, overlap, num_pages):
+    sched, runner = make(num_pages=num_pages, chunked_prefill_size=16, enable_mixed_chunk=mixed,
+                         overlap=overlap, max_running=16, num_scheduler_steps=4)
+    steps = count_steps(runner)
+    run_in_waves(sched, runner, overlap, alone)
+    # On the tiny pool retracted requests wait with free slots, so most batches are single.
+    assert steps.count(4) >= (5 if num_pages == 400 else 1) and steps.count(1) >= 10
+    if num_pages == 36:
+        assert sched.stats().num_retractions > 0
+    assert_drained(sched)
+
+
+def test_multi_step_only_when_nothing_can_be_admitted():
+    sched, runner = make(num_scheduler_steps=4, max_running=2)
+    a, b, c = (req(x, [5 + i] * 6, 30, ignore_eos=True) for i, x in enumerate("abc"))
+    sched.add(a)
+    first = sched.next_batch()  # a's prefill
+    sched.process_results(first, runner.forward(first))
+    batch = sched.next_batch()
+    assert batch.steps == 4 and [r.num_steps for r in batch.rows] == [4]
+    assert a.kv_len == 10 and a.num_pending == 4 and len(a.pages) == pages_for(10, PS)
+    sched.process_results(batch, runner.forward(batch))
+    assert len(a.output_ids) == 5
+    sched.add(b)  # a free slot: b prefills first, a single step beside nothing
+    batch = sched.next_batch()
+    assert batch.steps == 1 and batch.mode is ForwardMode.EXTEND
+    sched.process_results(batch, runner.forward(batch))
+    sched.add(c)  # no free slot for c: a and b may run 4 steps
+    batch = sched.next_batch()
+    assert batch.steps == 4 and len(batch.rows) == 2
+    sched.process_results(batch, runner.forward(batch))
+
+
+def test_multi_step_stops_where_single_steps_stop():
+    ref = reference_output([8] * 5, 200, ignore_eos=True)
+    stop_tok = ref[10]
+    base = reference_output([11] * 5, 60, True)
+    text = fake_decode(base)
+    stop = text[21:24]
+    sched, runner = make(num_pages=600, num_scheduler_steps=4)
+    by_stop = req("stop", [8] * 5, 200, ignore_eos=True, stop_token_ids=(stop_tok,))
+    by_eos = req("eos", [8] * 5, 200)
+    by_len = req("len", [8] * 5, 7, ignore_eos=True)  # 1 + 4 + 2: the last batch runs 2
+    by_str = req("str", [11] * 5, 60, ignore_eos=True, stop=(stop,))
+    steps = count_steps(runner)
+    run(sched, runner, [by_stop, by_eos, by_len, by_str])
+    assert 4 in steps
+    assert by_stop.output_ids == ref[: ref.index(stop_tok) + 1]
+    assert EOS in ref and by_eos.output_ids == ref[: ref.index(EOS) + 1]
+    assert by_len.output_ids == ref[:7] and by_len.finish_reason.kind == "length"
+    k = text.find(stop) + len(stop)
+    assert by_str.output_ids == base[:k] and by_str.finish_reason.matched == stop
+    assert_drained(sched)
+
+
+def test_multi_step_logprobs_and_abort_in_flight():
+    sched, runner = make(num_scheduler_steps=3, overlap=True)
+    r = req("r", [3] * 5, 20, logprobs=True, top_logprobs=1, ignore_eos=True)
+    sched.add(r)
+    first = sched.next_batch()  # prefill
+    second = sched.next_batch()  # 3 steps, launched before first's results
+    assert second.steps == 3 and second.rows[0].input_ids == [PREV_TOKEN]
+    sched.process_results(first, StepOutput(np.array([7]), np.array([-0.5]),
+                                            (np.array([[7]]), np.array([[-0.5]]))))
+    top = (np.array([[[4], [5], [6]]]), np.array([[[-1.0], [-2.0], [-3.0]]]))
+    events = sched.process_results(second, StepOutput(np.array([[4, 5, 6]]),
+                                                      np.array([[-1.0, -2.0, -3.0]]), top))
+    assert [e.new_token_ids for e in events] == [[4, 5, 6]] and r.output_ids == [7, 4, 5, 6]
+    assert r.output_logprobs == [-0.5, -1.0, -2.0, -3.0]
+    assert r.output_top_logprobs[1:] == [([4], [-1.0]), ([5], [-2.0]), ([6], [-3.0])]
+    third = sched.next_batch()
+    assert third.steps == 3 and r.num_pending == 3
+    sched.abort("r")
+    assert sched.process_results(third, StepOutput(np.array([[1, 2, 3]]))) == []
+    assert r.output_ids == [7, 4, 5, 6] and r.num_pending == 0
+    assert_drained(sched)

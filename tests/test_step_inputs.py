@@ -153,3 +153,35 @@ def test_cached_sampler_words_equal_fresh_ones_step_after_step(monkeypatch):
     step(11, "abg")
     rows["a"] = req("a", 3, temperature=0.2)  # a new request object in the same slot
     step(12, "abg")
+
+
+def test_multi_step_inputs_list_every_page_their_steps_write():
+    """A multi-step batch (runtime/multi_step.py): each row's page table covers the
+    positions of all its steps, its step count follows the plain vector, and the bucket's
+    sequence length fits its last step's context."""
+    from runtime.bucket_plan import BucketPlan
+    from runtime.config import RunnerConfig
+    from runtime.forward_mode import ForwardMode
+    from runtime.multi_step import pack_steps
+    from runtime.schedule_batch import ScheduleBatch
+
+    rows = [BatchRow(Req("a", [1]), [5], 6, [7, 8, 9], True, num_steps=4),  # 6..9
+            BatchRow(Req("b", [1]), [-1], 3, [4, 2], True, num_steps=2)]    # 3..4
+    plan = BucketPlan(RunnerConfig(decode_buckets=(4,), kv_len_buckets=(8, 16)), page_size=4)
+    shape = plan.bucket_for(ScheduleBatch(ForwardMode.DECODE, [], rows, steps=4))
+    assert shape == BucketShape(0, 0, 4, 4)  # decode takes the widest table: 16 tokens
+    late = [dataclasses.replace(rows[0], start_pos=14, pages=[7, 8, 9, 10, 11])]
+    with pytest.raises(ValueError, match="sequence length=17"):  # the last step's context
+        plan.bucket_for(ScheduleBatch(ForwardMode.DECODE, [], late, steps=4))
+    slots = np.arange(4, dtype=np.int32)
+    flat = pack_flat([], rows, shape, 4, slots)
+    plain = unflatten_inputs(flat.copy(), input_layout(shape))
+    packed = pack_steps(flat, rows, shape, 4)
+    n = len(flat)
+    np.testing.assert_array_equal(packed[n:], [4, 2, 0, 0])
+    arrays = unflatten_inputs(packed[:n], input_layout(shape))
+    np.testing.assert_array_equal(arrays["page_table"][:2], [[7, 8, 9, 0], [4, 2, 0, 0]])
+    for name in ("input_ids", "positions", "out_cache_loc", "seq_lens", "row_slots"):
+        np.testing.assert_array_equal(arrays[name], plain[name], err_msg=name)
+    with pytest.raises(ValueError, match="need 3 pages"):
+        pack_steps(flat, rows, BucketShape(0, 0, 4, 2), 4)
