@@ -71,7 +71,7 @@ bench: setup
 	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64 \
 		--hf_batch_sizes=32 --hf_dtypes=float32 --dtype=float32 \
 		--also_dtypes=bfloat16,int8,bf16x12 --xla_concurrency=int8=1,8,32 \
-		--xla_concurrency=bf16x12=1,8,32 \
+		--xla_concurrency=bf16x12=1,8,32 --xla_steps=bf16x12=4 \
 		--llama_variants=f32,bf16,q4_1 --llama_concurrency=q4_1=1 \
 		--llama_concurrency=f32=8,32,64 --llama_concurrency=bf16=32
 	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \

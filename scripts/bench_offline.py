@@ -80,8 +80,6 @@ flags.DEFINE_list("hf_batch_sizes", ["8", "32"], "transformers generate batch si
 flags.DEFINE_integer("hf_threads", 0, "torch threads, 0 = os.cpu_count() (on a loaded machine "
                      "OpenMP's spinning threads can slow torch down many times over)")
 flags.DEFINE_integer("max_running_requests", 32, "see ServerArgs")
-flags.DEFINE_integer("num_scheduler_steps", 1, "xlaserve's decode steps per program when "
-                     "no request can be admitted (serve.py's --num_scheduler_steps)")
 flags.DEFINE_string("dtype", None, "xlaserve's weights: float32 / bfloat16 / int8 "
                     "(weight-only int8 over f32 activations, serve.py's "
                     "--quantization=int8) / bf16x12 (bfloat16 in 12 bits, serve.py's "
@@ -107,6 +105,9 @@ flags.DEFINE_multi_string("xla_concurrency", [], "FORMAT=C1,C2,...: the sweep po
                           "xlaserve weight format (--dtype / --also_dtypes) where not all of "
                           "--concurrency, as --llama_concurrency; its throughput run "
                           "(--num_prompts requests) runs whatever they are")
+flags.DEFINE_multi_string("xla_steps", [], "FORMAT=K: xlaserve's decode steps per program "
+                          "for one weight format (serve.py's --num_scheduler_steps, when no "
+                          "request can be admitted); 1 for the others")
 flags.DEFINE_list("hf_dtypes", [], "the formats transformers runs in (default: every "
                   "measured one it has: float32, bfloat16)")
 
@@ -149,7 +150,7 @@ def _server_args(w: Workload, weights: str | None) -> ServerArgs:
     base = ServerArgs(dtype="float32" if quantization else "bfloat16" if compress else weights,
                       quantization=quantization, compress_weights=compress,
                       max_running_requests=FLAGS.max_running_requests,
-                      num_scheduler_steps=FLAGS.num_scheduler_steps,
+                      num_scheduler_steps=_steps().get(weights or "", 1),
                       kv_len_buckets=kv, max_top_logprobs=0,
                       checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
@@ -406,6 +407,18 @@ def llama_points(w: Workload) -> dict[str, tuple[int, ...]]:
         raise app.UsageError(str(e)) from None
 
 
+def _steps() -> dict[str, int]:
+    """--xla_steps: format -> num_scheduler_steps."""
+    out = {}
+    for spec in FLAGS.xla_steps:
+        d, _, k = spec.partition("=")
+        if d not in SHORT_DTYPE or not k.isdigit() or int(k) < 1:
+            raise app.UsageError(f"--xla_steps={spec}: want FORMAT=K with FORMAT one of "
+                                 f"{sorted(SHORT_DTYPE)} and K >= 1")
+        out[d] = int(k)
+    return out
+
+
 def xla_points(w: Workload) -> dict[str, tuple[int, ...]]:
     """Each xlaserve weight format's sweep points: --concurrency, or its --xla_concurrency."""
     try:
@@ -498,7 +511,7 @@ def main(argv: list[str]) -> None:
     t_start = time.perf_counter()
     w = _workload()
     # A bad --llama_concurrency, --xla_concurrency or format fails before anything slow.
-    llama_pts, xla_pts = llama_points(w), xla_points(w)
+    llama_pts, xla_pts, _ = llama_points(w), xla_points(w), _steps()
     machine = bc.machine_info()
     bc.log(f"load average {machine['load_average']} on {machine['cpu_count']} CPUs")
     with_llama = want_llama()

@@ -74,6 +74,9 @@ def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
     llama = list(rounds[0].get("llama_server", {}))
     dtype = r["model"]["dtype"]
     weights = _weights_label(r["model"])
+    steps = r.get("engine_args", {}).get("num_scheduler_steps", 1)
+    if steps > 1:
+        weights += f", {steps} decode steps per program"
     out = [f"### Offline throughput ({r['model']['name']}, {weights}, "
            f"{w['input_len']} in / {w['output_len']} out, {len(rounds)} round(s), medians)",
            "", *_provenance(r)]

@@ -268,7 +268,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
              f"--llama_server_cmd={FAKE}", "--llama_variants=q4_1,f32",
              "--also_dtypes=bfloat16,int8,bf16x12", "--llama_concurrency=f32=4",
              "--xla_concurrency=int8=1", "--xla_concurrency=bf16x12=1",
-             "--hf_dtypes=float32")
+             "--xla_steps=bf16x12=4", "--hf_dtypes=float32")
     w, rnd = r["workload"], r["rounds"][0]
     assert w["concurrency"] == [1, 4] and "--parallel" in r["llama_server"]["q4_1"]["argv"]
     for c in w["concurrency"]:
@@ -320,6 +320,10 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     assert 0.7 < x12["model"]["weight_bytes"] / bf16["model"]["weight_bytes"] < 0.85
     assert {"single_stream_vs_llama_q4_1", "c32_vs_llama_f32"} & set(x12["summary"]["targets"])
     assert x12["transformers_dtype"] is None and "c4" not in x12["rounds"][0]["xlaserve"]
+    # --xla_steps: 12-bit bf16 decodes 4 steps a program (--num_scheduler_steps), the rest 1
+    assert x12["engine_args"]["num_scheduler_steps"] == 4
+    assert bf16["engine_args"]["num_scheduler_steps"] == 1
+    assert r["engine_args"]["num_scheduler_steps"] == 1
     serving = ["--smoke", f"--out_dir={tmp_path}", f"--xlaserve_cmd={FAKE}",
                f"--llama_server_cmd={FAKE}"]
     _script("bench_serving.py", *serving, "--tag=sweep", "--config=default=",
@@ -347,7 +351,8 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     for needle in ("### Offline throughput (tiny-random, float32", "llama-server Q4_1 tok/s",
                    "### Offline throughput (tiny-random, bfloat16", "of the f32 matmul probe",
                    "### Offline throughput (tiny-random, int8 weights, float32 activations",
-                   "### Offline throughput (tiny-random, bfloat16 weights in 12 bits (lossless)",
+                   "### Offline throughput (tiny-random, bfloat16 weights in 12 bits (lossless), "
+                   "4 decode steps per program",
                    "single_stream_vs_llama_q4_1", "### Serving",
                    "Poisson arrivals", "### Long prompts during decode", "| a |",
                    "### llama-server serves the same model", "| bf16 | bfloat16 |", "5/5",
@@ -385,7 +390,8 @@ def test_llama_concurrency_specs() -> None:
 
 
 @pytest.mark.parametrize("flag", ["--llama_concurrency=q4_1=3", "--xla_concurrency=int8=3",
-                                  "--hf_dtypes=int8", "--also_dtypes=int4"])
+                                  "--hf_dtypes=int8", "--also_dtypes=int4",
+                                  "--xla_steps=int4=2"])
 def test_bench_offline_rejects_bad_flags(tmp_path: Path, flag: str) -> None:
     """A bad sweep spec, a transformers format it has not, or an unknown weight format is a
     usage error naming the flag at once, before anything is written."""
