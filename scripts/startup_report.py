@@ -30,6 +30,7 @@ COMBOS: dict[str, dict[str, Any]] = {
     "unchunked": {"chunked_prefill_size": None, "max_prefill_tokens": 4096},
     "split_prefill": {"enable_split_prefill": True},
     "multiplexing": {"enable_multiplexing": True},
+    "multi_step": {"num_scheduler_steps": 4},
 }
 
 FLAGS = flags.FLAGS

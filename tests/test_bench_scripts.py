@@ -464,3 +464,16 @@ def test_bench_cpu_attention_smoke(tmp_path: Path) -> None:
                    for m, p in (("decode", (2, 40, None)), ("extend", (None, None, 70)))}
     for x in r["records"]:
         _positive(x, "median_ms", "kv_gb_s" if x["mode"] == "decode" else "gflop_s")
+
+
+def test_bench_multi_step_smoke(tmp_path: Path) -> None:
+    """scripts/bench_multi_step.py at a tiny size: an engine per --steps value, alternating
+    rounds, the same greedy tokens on each, ratios against the first."""
+    r = _run("bench_multi_step.py", tmp_path, "--steps=1,4", "--rounds=2", png=False)
+    assert r["steps"] == [1, 4] and len(r["rounds"]) == 2 and r["concurrency"] == 4
+    s = r["summary"]
+    assert s["K4_same_tokens"] and s["K1_same_tokens"] and s["K1_single_vs_K1"] == 1.0
+    for k in ("K1_single_decode_tok_s", "K4_single_decode_tok_s", "K4_c4_output_tok_s",
+              "K4_single_vs_K1", "K4_c4_vs_K1"):
+        assert s[k] > 0, k
+    assert r["rounds"][0]["4"]["single"]["new_tokens"] == r["new_tokens"] == 8
