@@ -424,7 +424,7 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         program = multi_step_fn(
             key, self.cfg.num_scheduler_steps, self.cache_cfg.page_size,
             lambda params, kv, batch: model.forward(params, kv, batch, cfg, backend, mesh=mesh),
-            self._sample_body(), (2 * b + layout["step"][0], b))
+            self._sample_body(), 2 * b + layout["step"][0])
         return jax.jit(program, donate_argnums=(1, 2),
                        **self._out(self._replicated, self._kv_sh, self._replicated))
 

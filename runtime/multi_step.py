@@ -70,9 +70,6 @@ class MultiStepExecutables:
     def install(self, compiled: dict[str, Callable]) -> None:
         self._exe = {n: compiled[n] for n in self.names}
 
-    def has(self, key: StepKey) -> bool:
-        return self.name(key) in self._exe
-
     def __call__(self, key: StepKey, *args: Any) -> Any:
         return self._exe[self.name(key)](*args)
 
@@ -99,17 +96,16 @@ def pack_steps(flat: np.ndarray, rows: list[BatchRow], shape: BucketShape,
 def multi_step_fn(key: StepKey, steps: int, page_size: int,
                   forward: Callable[[Any, Any, ForwardBatch], tuple[jax.Array, Any]],
                   sample: Callable[[Any, jax.Array, jax.Array], tuple[Any, Any]],
-                  step_words: tuple[int, int]) -> Callable:
+                  step_at: int) -> Callable:
     """The K-step program of DECODE bucket `key` (unjitted): (params, kv, state, flat,
     words) -> (SampleOutput with a [K] axis, kv, state).
 
     forward(params, kv, batch) -> (logits [B, V], kv) is the model's forward; sample(state,
-    logits, words) -> (SampleOutput, state) the runner's sampler body; step_words the
-    (first word, rows) of the sampling words' `step` column."""
+    logits, words) -> (SampleOutput, state) the runner's sampler body; step_at the first
+    word of the sampling words' `step` column (one word per row)."""
     layout = input_layout(key.shape)
     b = key.shape.num_decode_seqs
     n_plain = sum(math.prod(s) for _, s in layout)
-    step_at = step_words[0]
 
     def program(params, kv, state, flat, words):
         arrays = unflatten_inputs(flat[:n_plain], layout)

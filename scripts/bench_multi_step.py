@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-import time
 from typing import Any
 
 import bench_common as bc
@@ -52,11 +51,7 @@ def _args(steps: int) -> ServerArgs:
 def _round(engine: Engine, ids: list[int], n: int, conc: int) -> dict[str, Any]:
     rec: dict[str, Any] = {"single": bc.xla_single(engine, ids, n)}
     if conc > 1:
-        t0 = time.perf_counter()
-        outs = engine.generate([ids] * conc, bc.greedy(n))
-        secs = time.perf_counter() - t0
-        rec["batch"] = bc.throughput_record(secs, conc * len(ids),
-                                            sum(len(o.output_ids) for o in outs))
+        rec["batch"] = bc.xla_throughput(engine, [ids] * conc, n)
     return rec
 
 
