@@ -28,8 +28,17 @@ serve: setup
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 
+# The CPU kernels' own tests and the engine's invariance over them run again at every
+# instruction-set level below the machine's (XLASERVE_CPU_ISA, cpu_kernels/isa.py), so a
+# change that breaks the AVX2 build fails on an AVX-512 machine too.
+ISA_TESTS := tests/test_cpu_kernels.py tests/test_cpu_x12.py tests/test_engine.py \
+	-k "cpu_kernels or x12"
 test: setup lint
 	$(PY) -m pytest -q
+	for isa in $$($(PY) -c "from cpu_kernels import isa; print(*isa.levels_below())"); do \
+		echo "== CPU kernels capped at XLASERVE_CPU_ISA=$$isa"; \
+		XLASERVE_CPU_ISA=$$isa $(PY) -m pytest -q $(ISA_TESTS) || exit 1; \
+	done
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow

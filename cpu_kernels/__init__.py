@@ -13,11 +13,11 @@ a memory-bound decode step, the same products.
 converts a whole bf16 pool every step).
 
 The library is compiled on first use with the machine's C++ compiler (`$CXX`, else g++)
-for this CPU (-march=native) and cached under ~/.cache/xlaserve/cpu_kernels, keyed by the
-source, the compiler, the jaxlib headers and the CPU. It needs x86-64 with AVX-512F, or
-AVX2 and FMA (simd16.h: the same kernels on 8-lane halves); `unavailable_reason()` says
-why not, and the engine then falls back to XLA's dot and the
-jnp attention (runtime.engine_setup).
+for this CPU (-march=native, capped by $XLASERVE_CPU_ISA: cpu_kernels.isa) and cached under
+~/.cache/xlaserve/cpu_kernels, keyed by the source, the compiler, the jaxlib headers and the
+instruction set. It needs x86-64 with AVX2 and FMA (simd16.h: the AVX-512 kernels on 8-lane
+halves); `unavailable_reason()` says why not, and the engine then falls back to XLA's dot
+and the jnp attention (runtime.engine_setup).
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from cpu_kernels import isa
+
 log = logging.getLogger(__name__)
 
 PANEL = 64  # panel width, kNR in packed_matmul.cc
@@ -63,17 +65,6 @@ _CACHE = pathlib.Path(os.environ.get("XLASERVE_CPU_KERNELS_CACHE",
                                      "~/.cache/xlaserve/cpu_kernels")).expanduser()
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = pathlib.Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            return set(line.split(":", 1)[1].split())
-    return set()
-
-
 def _compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
@@ -82,9 +73,8 @@ def unavailable_reason() -> str | None:
     """None when the kernels can be built and run here, else why not."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"needs x86-64, this is {platform.machine()}"
-    flags = _cpu_flags()
-    if "avx512f" not in flags and not {"avx2", "fma"} <= flags:
-        return "needs a CPU with AVX-512F, or AVX2 and FMA"
+    if isa.level() is None:
+        return "needs a CPU with AVX2 and FMA"
     if _compiler() is None:
         return f"no C++ compiler ({os.environ.get('CXX', 'g++')}) on PATH"
     return None
@@ -95,13 +85,13 @@ def _build() -> pathlib.Path:
     path. -march=native turns on avx512_bf16 (vdpbf16ps) where the CPU has it."""
     cxx = _compiler()
     include = jax.ffi.include_dir()
-    flags = [cxx, "-O3", "-march=native", "-std=c++17", "-shared", "-fPIC",
-             "-w", f"-I{include}"]
+    flags = [cxx, "-O3", "-march=native", *isa.compiler_flags(), "-std=c++17", "-shared",
+             "-fPIC", "-w", f"-I{include}"]
     cmd = [*flags, *(str(src) for src in _SOURCES if src.suffix == ".cc")]
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([
         *(src.read_text() for src in _SOURCES), " ".join(flags), version, jax.__version__,
-        " ".join(sorted(_cpu_flags()))]).encode()).hexdigest()[:16]
+        " ".join(sorted(isa.flags()))]).encode()).hexdigest()[:16]
     lib = _CACHE / key / "libxlaserve_cpu.so"
     if lib.exists():
         return lib
@@ -124,6 +114,8 @@ def _build() -> pathlib.Path:
 # process use the tile registers (XlaserveAmxReady).
 _BF16_SYMBOLS = {"widen": "XlaservePackedMatmulBf16Widen", "dot": "XlaservePackedMatmulBf16Dot",
                  "amx": "XlaservePackedMatmulBf16Amx"}
+# The instruction-set level (cpu_kernels.isa) each is built at.
+_BF16_LEVEL = {"widen": "avx2", "dot": "avx512_bf16", "amx": "amx"}
 _BF16_TARGET = "xlaserve_packed_matmul_bf16"  # the one that serves: bf16_kernel()
 # The compressed bf16 matmul (pack_x12), decoding into either bf16 kernel's products;
 # built where the compiler targets AVX-512BW ("dot": and avx512_bf16).
@@ -165,8 +157,10 @@ def x12_targets() -> dict[str, str]:
 def x12_unavailable_reason() -> str | None:
     """None when compressed bf16 weights (pack_x12) run here, else why not."""
     reason = unavailable_reason()
-    if reason is None and "avx512bw" not in _cpu_flags():
-        reason = "compressed bf16 weights decode with AVX-512BW byte shuffles; this CPU lacks it"
+    if reason is None and (why := isa.missing("avx512")):
+        reason = (f"bf16 weights in 12 bits decode with AVX-512BW byte shuffles ({why}); "
+                  "the nearest format that runs here is --dtype=bfloat16 without "
+                  "--compress_weights: the same weights in 16 bits")
     return reason
 
 
@@ -225,7 +219,9 @@ def _pick_bf16(record: pathlib.Path, kernels: list[str]) -> str:
     forced = os.environ.get("XLASERVE_CPU_BF16_KERNEL")
     if forced:
         if forced not in kernels:
-            raise ValueError(f"XLASERVE_CPU_BF16_KERNEL={forced!r}: this CPU runs {kernels}")
+            why = isa.missing(_BF16_LEVEL[forced]) if forced in _BF16_LEVEL else None
+            raise ValueError(f"XLASERVE_CPU_BF16_KERNEL={forced!r}"
+                             + (f" {why}" if why else "") + f"; the kernels here: {kernels}")
         return forced
     if len(kernels) == 1:
         return kernels[0]

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import bench_common as bc
+import jax
 import llama_peer
 import numpy as np
 import offline_peers
@@ -48,6 +49,7 @@ import offline_plots as op
 import offline_summary as osum
 from absl import app, flags
 
+import cpu_kernels
 from runtime.config import ModelConfig, ServerArgs
 from runtime.engine import Engine
 
@@ -155,6 +157,25 @@ def _server_args(w: Workload, weights: str | None) -> ServerArgs:
                       checkpoint_cache_dir=FLAGS.checkpoint_cache_dir,
                       compilation_cache_dir=FLAGS.compilation_cache_dir or None)
     return bc.smoke_args(base) if FLAGS.smoke else base
+
+
+def unavailable(weights: str | None) -> str | None:
+    """Why this machine cannot serve a weight format (None: it can): 12-bit bf16 needs
+    AVX-512BW on the CPU (cpu_kernels.isa). Such a format is skipped and the report says
+    so, rather than the whole run stopping."""
+    if weights in COMPRESSED and jax.default_backend() == "cpu":
+        return cpu_kernels.x12_unavailable_reason()
+    return None
+
+
+def _write_skipped(weights: str, reason: str, machine: dict[str, Any]) -> None:
+    """The result file of a skipped format: what was skipped, why, where, by which command
+    (so the report names it, and no older file stands in for this run)."""
+    bc.log(f"skipping {weights}: {reason}")
+    bc.write_json(FLAGS.out_dir, f"bench_offline_{SHORT_DTYPE[weights]}.json",
+                  {"script": "bench_offline", "command": bc.command_line(),
+                   "git_revision": bc.git_revision(), "machine": machine,
+                   "tag": SHORT_DTYPE[weights], "skipped": reason})
 
 
 def _make_engine(args: ServerArgs) -> tuple[Engine, str]:
@@ -525,7 +546,13 @@ def main(argv: list[str]) -> None:
     if not set(FLAGS.hf_dtypes) <= hf_names:
         raise app.UsageError(f"--hf_dtypes={','.join(FLAGS.hf_dtypes)}: transformers runs in "
                              f"{sorted(hf_names)}")
-    for want in [FLAGS.dtype, *FLAGS.also_dtypes]:
+    formats = [FLAGS.dtype, *FLAGS.also_dtypes]
+    skipped = {d: why for d in formats if (why := unavailable(d))}
+    if formats[0] in skipped:
+        raise app.UsageError(f"--dtype={formats[0]}: {skipped[formats[0]]}")
+    for d, why in skipped.items():
+        _write_skipped(d, why, machine)
+    for want in [d for d in formats if d not in skipped]:
         a = _server_args(w, want)
         engine, name = _make_engine(a)
         d = a.quantization or ("bf16x12" if a.compress_weights else str(engine.runner.cfg.dtype))
@@ -574,6 +601,7 @@ def main(argv: list[str]) -> None:
                   "transformers_threads": hf[d].torch.get_num_threads() if d in hf else None,
                   "transformers_dtype": d if d in hf else None,
                   "llama_server": llama.info() if llama else None,
+                  "skipped_formats": skipped,
                   "rounds": [_view(rec, d, cfg, w) for rec in rounds]}
         result["summary"] = osum.summarize(result["rounds"], w, FLAGS.smoke,
                                            result["model"]["weight_bytes"], d,

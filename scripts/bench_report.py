@@ -70,6 +70,9 @@ def _weights_label(model: dict[str, Any]) -> str:
 
 
 def _offline(r: dict[str, Any], results: Path, doc: Path) -> list[str]:
+    if "skipped" in r:  # a format this machine cannot serve (bench_offline.unavailable)
+        return [f"### Offline throughput, {r['tag']}: skipped on this machine", "",
+                f"{r['skipped']}.", "", *_provenance(r)]
     s, w, rounds = r["summary"], r["workload"], r["rounds"]
     llama = list(rounds[0].get("llama_server", {}))
     dtype = r["model"]["dtype"]

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cpu_isa import X12_MISSING
+
 REPO = Path(__file__).resolve().parents[1]
 HAVE_REFERENCE = all(importlib.util.find_spec(m) for m in ("torch", "transformers"))
 HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
@@ -30,6 +32,12 @@ def _run(script: str, out_dir: Path, *extra: str, png: bool = True,
     if HAVE_MATPLOTLIB and png:
         assert (out_dir / name.replace(".json", ".png")).stat().st_size > 0
     return result
+
+
+# What the report says of 12-bit bf16, run or skipped.
+X12_REPORT = ("### Offline throughput, bf16x12: skipped on this machine" if X12_MISSING else
+              "### Offline throughput (tiny-random, bfloat16 weights in 12 bits (lossless), "
+              "4 decode steps per program")
 
 
 def _cpu_kernels_available() -> bool:
@@ -313,15 +321,23 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     assert "c1_vs_llama_q4_1" in int8["summary"]["ratios"]
     assert not [k for k in int8["summary"]["ratios"] if k.startswith("c4_")]
     # ... and bf16 in 12 bits (--compress_weights): the bf16 model in about 3/4 of its
-    # bytes (tables, exception lists), held to bf16's targets, no transformers of its own
+    # bytes (tables, exception lists), held to bf16's targets, no transformers of its own;
+    # where the CPU lacks AVX-512BW, skipped with the reason, and the report says so
     x12 = json.loads((tmp_path / "bench_offline_bf16x12.json").read_text())
-    assert x12["tag"] == "bf16x12" and x12["engine_args"]["compress_weights"]
-    assert (x12["model"]["dtype"], x12["model"]["weights"]) == ("bfloat16", "bf16x12")
-    assert 0.7 < x12["model"]["weight_bytes"] / bf16["model"]["weight_bytes"] < 0.85
-    assert {"single_stream_vs_llama_q4_1", "c32_vs_llama_f32"} & set(x12["summary"]["targets"])
-    assert x12["transformers_dtype"] is None and "c4" not in x12["rounds"][0]["xlaserve"]
-    # --xla_steps: 12-bit bf16 decodes 4 steps a program (--num_scheduler_steps), the rest 1
-    assert x12["engine_args"]["num_scheduler_steps"] == 4
+    assert x12["tag"] == "bf16x12"
+    if X12_MISSING:
+        assert x12["skipped"] == X12_MISSING and "rounds" not in x12
+        assert r["skipped_formats"] == bf16["skipped_formats"] == {"bf16x12": X12_MISSING}
+    else:
+        assert x12["engine_args"]["compress_weights"] and r["skipped_formats"] == {}
+        assert (x12["model"]["dtype"], x12["model"]["weights"]) == ("bfloat16", "bf16x12")
+        assert 0.7 < x12["model"]["weight_bytes"] / bf16["model"]["weight_bytes"] < 0.85
+        assert {"single_stream_vs_llama_q4_1", "c32_vs_llama_f32"} & \
+            set(x12["summary"]["targets"])
+        assert x12["transformers_dtype"] is None and "c4" not in x12["rounds"][0]["xlaserve"]
+        # --xla_steps: 12-bit bf16 decodes 4 steps a program (--num_scheduler_steps)
+        assert x12["engine_args"]["num_scheduler_steps"] == 4
+    # ... the rest one step a program
     assert bf16["engine_args"]["num_scheduler_steps"] == 1
     assert r["engine_args"]["num_scheduler_steps"] == 1
     serving = ["--smoke", f"--out_dir={tmp_path}", f"--xlaserve_cmd={FAKE}",
@@ -351,8 +367,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
     for needle in ("### Offline throughput (tiny-random, float32", "llama-server Q4_1 tok/s",
                    "### Offline throughput (tiny-random, bfloat16", "of the f32 matmul probe",
                    "### Offline throughput (tiny-random, int8 weights, float32 activations",
-                   "### Offline throughput (tiny-random, bfloat16 weights in 12 bits (lossless), "
-                   "4 decode steps per program",
+                   X12_REPORT,
                    "single_stream_vs_llama_q4_1", "### Serving",
                    "Poisson arrivals", "### Long prompts during decode", "| a |",
                    "### llama-server serves the same model", "| bf16 | bfloat16 |", "5/5",

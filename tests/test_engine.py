@@ -19,6 +19,7 @@ from runtime.engine import Engine
 from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
+from tests.cpu_isa import needs_x12
 from tests.model_utils import TINY
 
 CFG = dataclasses.replace(TINY, max_position_embeddings=256)
@@ -30,7 +31,8 @@ NEAR_TIE = 1e-3  # greedy steps whose top-2 logprob gap is smaller may legitimat
                                         ("xla", "xla", "float32", None),
                                         ("packed", "cpu", "bfloat16", None),
                                         ("packed", "cpu", "float32", "int8"),
-                                        ("packed", "cpu", "bfloat16", "x12")],
+                                        pytest.param(("packed", "cpu", "bfloat16", "x12"),
+                                                     marks=needs_x12)],
                 ids=["cpu_kernels", "xla", "cpu_kernels_bf16", "cpu_kernels_int8",
                      "cpu_kernels_bf16_x12"])
 def runner(request) -> ModelRunner:

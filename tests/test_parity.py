@@ -16,6 +16,7 @@ from runtime import checkpoint
 from runtime.config import ServerArgs
 from runtime.engine import Engine
 from runtime.request import SamplingParams
+from tests.cpu_isa import needs_x12
 from tests.model_utils import all_position_logits
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -177,7 +178,8 @@ def test_smollm2_bf16_teacher_forced_top1_matches_transformers_bf16(smollm2_bf16
     assert err_f32 < 0.5
 
 
-@pytest.mark.parametrize("compress", [False, True], ids=["bf16", "bf16_x12"])
+@pytest.mark.parametrize("compress", [False, pytest.param(True, marks=needs_x12)],
+                         ids=["bf16", "bf16_x12"])
 def test_smollm2_bf16_greedy_8_concurrent_match_transformers_bf16(smollm2_bf16,
                                                                   reference_bf16, compress):
     """bf16 weights and pool: 32 greedy tokens of 8 concurrent requests equal
@@ -187,6 +189,7 @@ def test_smollm2_bf16_greedy_8_concurrent_match_transformers_bf16(smollm2_bf16,
                            compress_weights=compress)
 
 
+@needs_x12
 @pytest.mark.parametrize("p", [0, 1])
 def test_smollm2_bf16_in_12_bits_is_bf16(smollm2_bf16, reference_bf16, p):
     """--compress_weights holds the same bf16 weights: teacher-forced logits within f32
