@@ -567,8 +567,8 @@ def back_with_huge_pages(tree: object, min_bytes: int = 4 << 20) -> int:
 
     Why: a decode step streams every weight once, and with 4 KiB pages each call's
     stream misses the TLB every 4 KiB and the hardware prefetchers stop at every page
-    boundary. A chain of 60 [576, 3072] bf16 matmuls at one row read 13% faster on huge
-    pages (92.1 -> 80.5 us a call, AMD EPYC Zen 4; docs/benchmarks.md). The machines here
+    boundary. A chain of 60 [576, 3072] bf16 matmuls at one row reads 13% faster on huge
+    pages (80.5 against 92.1 us a call, AMD EPYC Zen 4; docs/benchmarks.md). The machines here
     leave transparent huge pages to madvise, so nothing gets them unasked."""
     libc = _libc()
     if libc is None:
