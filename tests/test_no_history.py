@@ -18,6 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 FORBIDDEN = re.compile(r"session [0-9]+|session[0-9]+|sessions? [0-9]+|issue #?[0-9]+",
                        re.IGNORECASE)
+# The same, wrapped: "(session\n    15)" in a comment or docstring.
+WRAPPED = re.compile(r"\b(sessions?|issues?)[ \t]*#?\n[\s#/*]*[0-9]+", re.IGNORECASE)
 
 
 def _tracked_files() -> list[str]:
@@ -48,6 +50,8 @@ def test_pattern_catches_what_it_must() -> None:
     for bad in ("session 12", "Session 8's Xeon", "sessions 26-27", "session28", "issue 15",
                 "issue #5", "bench_offline_session25_bf16.json"):
         assert FORBIDDEN.search(bad), bad
+    assert WRAPPED.search("on a Xeon with AMX (session\n    15) the kernel")
+    assert WRAPPED.search("// docs/benchmarks.md, issue\n// 17")
     for ok in ("per test session", "one tiny runner per session", "the issue's scenario",
                "sessions share a runner", "an issue with the schema"):
         assert not FORBIDDEN.search(ok), ok
@@ -64,5 +68,7 @@ def test_no_session_or_issue_history_in_tracked_files() -> None:
         for n, line in enumerate(text.splitlines(), 1):
             if m := FORBIDDEN.search(line):
                 found.append(f"{rel}:{n}: {m.group(0)!r} in {line.strip()[:120]!r}")
+        for m in WRAPPED.finditer(text):
+            found.append(f"{rel}:{text.count(chr(10), 0, m.start()) + 1}: {m.group(0)!r}")
     assert not found, ("history by session / issue number (say why the code is as it is; "
                        "git log keeps the history):\n" + "\n".join(found[:50]))
