@@ -53,22 +53,20 @@ OUT ?= gpu_suite_out
 gpu-check:
 	$(PYTHON) scripts/gpu_suite.py --out_dir=$(OUT)
 
-# CPU-sized (session 21: 17 min 4 s with int8 added at every point, before the cuts on
-# the command line below; 14 min 49 s in session 18 without int8): offline throughput of
-# xlaserve f32 and bf16 at 1 / 8 / 32 / 64 concurrent and weight-only int8 at 1 / 8 / 32
-# (its 64-way point took 41 s below f32's rate: int8's FMAs widen every weight, so it
-# gains nothing once compute-bound), the 32-way point being the 32-request run; bf16 in
-# 12 bits (--compress_weights) likewise at 1 / 8 / 32;
+# CPU-sized, ~10 minutes on 2 vCPUs: offline throughput of xlaserve f32 and bf16 at
+# 1 / 8 / 32 / 64 concurrent and weight-only int8 at 1 / 8 / 32 (int8's FMAs widen every
+# weight, so it gains nothing at 64 once compute-bound), the 32-way point being the
+# 32-request run; bf16 in 12 bits (--compress_weights) likewise at 1 / 8 / 32, with 4
+# decode steps per program (--xla_steps);
 # llama-server F32 at 8 / 32 / 64 (its one-stream rate is the single stream's), BF16 (the
 # same weights in bf16: bf16's like-for-like peer) at 32, and Q4_1 at 1 (the single stream
-# it is compared on; it falls behind its own F32 from 8 streams on: sessions 9 and 14-18);
+# it is compared on; it falls behind its own F32 from 8 streams on);
 # the single streams of all seven interleaved, 3 runs each
-# (bench_offline's --single_repeats default); transformers batched at 32 in f32 (issue
-# 15's goal; bf16's run, ~50 s, is in no goal); the Poisson sweep with llama-server F32
-# side by side (Q4_1 is in the offline run); the long-prompt frontier over xlaserve's
+# (bench_offline's --single_repeats default); transformers batched at 32 in f32 (the
+# goal it is held to; a bf16 run, ~50 s, would be in no goal); the Poisson sweep with
+# llama-server F32 side by side (Q4_1 is in the offline run); the long-prompt frontier over xlaserve's
 # three chunked / multiplexed prefill configs; then docs/benchmarks.md's generated
-# section from the JSON. With the cuts: 14 min 58 s (session 21's Xeon, at 401a846, before
-# the BF16 peer); with it, 9 min 17 s on session 23's AMD EPYC Zen 4 (at 971d017).
+# section from the JSON.
 # llama-server joins when `make peers` has built it (a note says so otherwise); BENCH_PEERS
 # is expanded late because LLAMA_SERVER is defined below.
 BENCH_OUT := docs/results

@@ -213,8 +213,8 @@ def _pick_bf16(record: pathlib.Path, kernels: list[str]) -> str:
     It depends on the CPU: on an Intel Xeon (family 6 model 207) vdpbf16ps has half an
     FMA's issue rate and twice its latency, and widening measured faster (K=576, N=3072:
     M=1 804 vs 1046 us, M=32 1353 vs 1926); on an AMD EPYC (Zen 4) the dot kernel measured
-    1.0-1.46x faster at one row and 1.7-1.8x at 32; on an Intel Xeon with AMX (session
-    15) the AMX kernel was level with both at one row and 1.8-2.0x widening's speed at 32
+    1.0-1.46x faster at one row and 1.7-1.8x at 32; on an Intel Xeon with AMX the AMX
+    kernel is level with both at one row and 1.8-2.0x widening's speed at 32
     (docs/benchmarks.md)."""
     forced = os.environ.get("XLASERVE_CPU_BF16_KERNEL")
     if forced:
@@ -563,8 +563,8 @@ def back_with_huge_pages(tree: object, min_bytes: int = 4 << 20) -> int:
 
     Why: a decode step streams every weight once, and with 4 KiB pages each call's
     stream misses the TLB every 4 KiB and the hardware prefetchers stop at every page
-    boundary. A chain of 60 [576, 3072] bf16 matmuls at one row read 13% faster on huge
-    pages (92.1 -> 80.5 us a call, AMD EPYC Zen 4; docs/benchmarks.md). The machines here
+    boundary. A chain of 60 [576, 3072] bf16 matmuls at one row reads 13% faster on huge
+    pages (80.5 against 92.1 us a call, AMD EPYC Zen 4; docs/benchmarks.md). The machines here
     leave transparent huge pages to madvise, so nothing gets them unasked."""
     libc = _libc()
     if libc is None:

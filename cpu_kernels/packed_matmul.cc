@@ -295,9 +295,9 @@ struct Prefetch {
 // MR x kVecs accumulators and a panel row (AVX-512's 32 zmm: 6 x 4 + 4), else fewer, so
 // that AVX2's 16 ymm registers hold a 6-row tile's 12 accumulators, its 2 weight vectors
 // and a broadcast; a row tile then passes over its panel once per group of columns
-// (from L2 after the first). Whole-panel tiles of 6 rows, as 16-lane pairs, spilled on
-// AVX2 and were 1.6-3.5x slower at M=32 than these on a Zen 3
-// (scripts/bench_cpu_matmul.py; docs/benchmarks.md, session 14).
+// (from L2 after the first). Whole-panel tiles of 6 rows, as 16-lane pairs, spill on
+// AVX2 and are 1.6-3.5x slower at M=32 than these on a Zen 3
+// (scripts/bench_cpu_matmul.py --rows=1,32; docs/benchmarks.md, CPU kernels).
 template <int MR>
 constexpr int Groups() {
   if constexpr (vn::kLanes == 16 || MR == 1) {
@@ -319,11 +319,11 @@ inline void TileHint(const Step& step, const typename Step::X* x, int64_t ldx,
   const int64_t pf_rows = pf.next != nullptr ? pf.end - pf.begin : 0;
   int64_t pf_row = pf.begin, pf_acc = 0;  // fixed point: pf_rows rows per `steps` steps
   // Past the last panel this touches memory beyond the weights: prefetches never fault.
-  // Non-temporal where read once: the weights that went into L3 pushed out the host
-  // thread's working set, whose Python then ran several times slower beside the kernels
-  // (one SmolLM2 12-bit decode row: 0.88 -> 0.75 ms of host CPU a step, ~8% more
+  // Non-temporal where read once: weights fetched into L3 push out the host thread's
+  // working set, whose Python then runs several times slower beside the kernels (one
+  // SmolLM2 12-bit decode row: 0.75 ms of host CPU a step against 0.88 with T1, ~8% more
   // single-stream tokens a second). Panels that later tiles reread are fetched T1:
-  // non-temporal there made 8-row decode steps 1.1-1.25x slower (f32, bf16, 12-bit).
+  // non-temporal there makes 8-row decode steps 1.1-1.25x slower (f32, bf16, 12-bit).
   const char* ahead = reinterpret_cast<const char*>(panel) + pf.stream;
   for (int64_t k = 0; k < steps; ++k) {
     if (pf.stream > 0) {
@@ -394,12 +394,12 @@ constexpr int64_t kRowByRow = 8;
 //
 // With more than one tile the first also streams its own panel ahead of itself
 // (kStreamAheadTiles): the later tiles' prefetch of `next` covers the panel only when
-// they run long enough, and at 7-14 rows (a 6-row tile and a short one) they ran a
-// fraction of the panel's memory time, so the next unit's first tile stalled on its
+// they run long enough, and at 7-14 rows (a 6-row tile and a short one) they run a
+// fraction of the panel's memory time, so the next unit's first tile would stall on its
 // loads. Interleaved A/B in one process (AMD EPYC Zen 4, 2 vCPU; SmolLM2 shapes, 30
 // distinct weights a chain), streaming 4 KiB ahead against none: f32 one call at 7-14
 // rows 0.73-0.96x the time, bf16 (vdpbf16ps) 0.77-0.99x; the 8-row f32 decode step
-// 40.1 -> 30.6 ms, 12 rows 0.93x; 1-6 and 16-32 rows unchanged (0.95-1.04x). How far
+// 30.6 against 40.1 ms, 12 rows 0.93x; 1-6 and 16-32 rows level (0.95-1.04x). How far
 // ahead: kStreamAheadTiles.
 //
 // `next_rows`: how many kRowBytes rows of `next` to prefetch (its size; `steps` where it
@@ -438,8 +438,8 @@ void Unit(const Step& step, const typename Step::X* x, const typename Step::T* p
       pf.once = true;
     } else if (next != nullptr && tiles == 1) {
       // 2-6 rows: memory-bound, and the hardware prefetcher alone falls behind (30 layers
-      // + head, A B A B: M=2 29 -> 25 ms, M=4 33 -> 27 ms). One tile reads the next panel
-      // in one pass where a tile spans the panel (Groups).
+      // + head, A B A B: M=2 25 against 29 ms without, M=4 27 against 33 ms). One tile
+      // reads the next panel in one pass where a tile spans the panel (Groups).
       pf = {next, 0, next_rows, 0, Groups<kMR>() == kVecs};
     }
     switch (std::min(kMR, m1 - m)) {
@@ -822,8 +822,8 @@ auto X12Binding() {
 // bf16 on AMX (the tile matrix unit of Intel Xeons from Sapphire Rapids on): one
 // tdpbf16ps multiplies a tile of x (16 rows x 16 k pairs) by one of the weights (16 k
 // pairs x 16 columns, pairs interleaved) into 16 x 16 f32 accumulators, 8192
-// multiply-adds an instruction (a probe on session 15's Xeon: 1.7-2.2 TFLOP/s a core;
-// there the AVX-512 kernels reached 0.1-0.2 TFLOP/s on two cores at 32-128 rows). The
+// multiply-adds an instruction (a probe on a Sapphire Rapids Xeon: 1.7-2.2 TFLOP/s a core,
+// where the AVX-512 kernels reach 0.1-0.2 TFLOP/s on two cores at 32-128 rows). The
 // panels are already its weight layout: a weight tile is 64 bytes of each of 16
 // consecutive 256-byte panel rows, one strided load.
 //
@@ -861,7 +861,7 @@ void Configure() {
 
 // How far ahead of itself the first tile of a unit prefetches the panel it streams in
 // (and then the next panel, which follows it in memory), into L1: two steps. One row at
-// a time over 900 panels of [576, 64], two threads (a probe on session 15's Xeon):
+// a time over 900 panels of [576, 64], two threads (a probe on a Xeon with AMX):
 // 13.0-16.9 GB/s at 8-12 KiB into L1, 8.4-15.8 at 8 KiB into L2, 5.2-5.3 without
 // (vdpbf16ps' one-row stream: 16.1-19.9).
 constexpr int64_t kAhead = 2 * kBlock * 2;

@@ -87,7 +87,7 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_sca
         mask = ((kv_pos < q_pos) & _in_window(kv_pos, q_pos, sliding_window))[None, :, None]
         # Scores and p @ v as multiply-reduce, not einsum: XLA CPU runs an [Hkv x B]-
         # batched dot of G-row matrices slowly, a fused multiply-reduce well (B=32 at
-        # 200 context, 30 layers: 126 -> 72 ms; a decode step 226 -> 165-181 ms).
+        # 200 context, 30 layers: 72 against 126 ms; a decode step 165-181 against 226).
         raw = (qg[:, :, :, None].astype(jnp.float32) * k[:, :, None].astype(jnp.float32)
                ).sum(-1) * sm_scale  # [Hkv, B, G, bp * S]
         raw = raw if soft_cap is None else soft_cap * jnp.tanh(raw / soft_cap)
@@ -115,10 +115,10 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
     blocks of _EXTEND_BLOCK_TOKENS, and block j scores only the key blocks from the one
     where its first token's row starts up to itself (a dynamic trip count), with an
     online softmax across prefix and blocks: 4 rows x 128 tokens score 1/4 of the
-    T_e x T_e pairs. A SmolLM2 forward (A B A B): 8 rows x 256 tokens 5.7-5.9 -> 2.4-2.6
-    s, 4 x 128 0.66-0.68 -> 0.56-0.63 s. One 512-token row gains nothing (equal within
-    noise over two A/Bs): the per-block ops are too small for XLA CPU to split over its
-    threads, which eats the causal saving."""
+    T_e x T_e pairs. A SmolLM2 forward (A B A B against one pass over all pairs): 8 rows x
+    256 tokens 2.4-2.6 s against 5.7-5.9 s, 4 x 128 0.56-0.63 against 0.66-0.68 s. One
+    512-token row gains nothing (equal within noise over two A/Bs): the per-block ops are
+    too small for XLA CPU to split over its threads, which eats the causal saving."""
     t, hq, d = q.shape
     b = page_table.shape[0]
     hkv = k_new.shape[1]

@@ -122,9 +122,9 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
                                        kv_sh)
         if runner_cfg.attention_backend == "cpu":
             # The CPU attention kernels read each row's pages scattered over the pool: in 2
-            # MiB pages, decode steps took 0.92-0.96x the time at 32 rows x 1,024 cached
-            # tokens and 8 x 4,096, unchanged at 192 tokens or one row (f32, AMD EPYC Zen 4;
-            # docs/benchmarks.md, session 23). Every executable donates the pool, so it stays
+            # MiB pages, decode steps take 0.92-0.96x the time at 32 rows x 1,024 cached
+            # tokens and 8 x 4,096, the same at 192 tokens or one row (f32, AMD EPYC Zen 4;
+            # docs/benchmarks.md, CPU kernels). Every executable donates the pool, so it stays
             # in the memory marked here (tests/test_engine.py checks).
             huge = cpu_kernels.zeros_in_huge_pages(self.kv)
             logger.info("KV pool in 2 MiB pages as it is first touched: %d MiB", huge >> 20)

@@ -28,8 +28,9 @@ become once the prompts prefilling and the waiting ones with a free slot join, t
 runs first, whole; but the streams never wait more than --multiplex_max_stall_ms. Under
 overload the batch is full and a prompt mostly joins it alone, so it is multiplexed; so
 are long prompts joining a running batch that is already most of the batch. Off by
-default (fill fraction 0): measured, it fixed a burst but raised the overload ITL p99
-2.5x, since a ramp or a batch turning over looks like a burst (docs/multiplexing.md).
+default (fill fraction 0): it keeps a burst's throughput but puts the overload ITL p99 at
+the stall bound, since a ramp or a batch turning over looks like a burst
+(docs/multiplexing.md).
 
 Two ways to run an iteration: two calls (a DECODE step, then an interval: no executables
 beyond the split-prefill set) or, with --multiplex_fused, one executable in which the

@@ -193,7 +193,7 @@ def interleaved_singles(contenders: Sequence[tuple[Any, str, Callable[[], dict[s
     run) with run() one single stream's record (decode_tok_s, ttft_s, e2e_s, ...). Runs
     `repeats` passes over all of them, every other pass in reverse order (A B C, C B A,
     ...), with a read probe between neighbours: this VM's read bandwidth swings up to 2x
-    from one minute to the next (sessions 13-18), so only runs seconds apart compare, and
+    from one minute to the next, so only runs seconds apart compare, and
     a weight-bound run only against the probes just before and after it
     (read_gbps_around; `small`: the smoke-size probe)."""
     runs: dict[Any, list[dict[str, Any]]] = {key: [] for key, _, _ in contenders}

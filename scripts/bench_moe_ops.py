@@ -14,7 +14,7 @@ the previous stage's outputs, so its time is that stage alone:
 On one CPU the EP=N "devices" are threads of one process sharing 2 cores: the exchange is
 a memory copy and every rank competes for the same cores, so EP=N here measures the
 overhead of the dispatch machinery, not a speed-up. The per-op split is what the two-batch
-overlap cost model takes (issue 14); interconnect times come from published bandwidths.
+overlap cost model takes (docs/tbo.md); interconnect times come from published bandwidths.
 Writes bench_moe_ops.json (and a PNG with the `bench` extra) to --out_dir.
 """
 

@@ -168,9 +168,9 @@ def llama_target(variant: str, parallel: int, ctx_per_slot: int, threads: int,
     built binary, {python}: this interpreter; tests put a fake server there)."""
     import shlex
     if _has_amx() and "--no-repack" not in extra:
-        # llama.cpp's AMX weight buffers (its "repack" path on AMX CPUs) died at start-up
-        # on session 15's Xeon: SIGILL on a tilezero in libggml-cpu during the warm-up run,
-        # for the Q4_1 GGUF; with --no-repack it serves.
+        # llama.cpp's AMX weight buffers (its "repack" path on AMX CPUs) die at start-up
+        # on a Sapphire Rapids Xeon VM: SIGILL on a tilezero in libggml-cpu during the
+        # warm-up run, for the Q4_1 GGUF; with --no-repack it serves.
         extra = f"{extra} --no-repack".strip()
     binary = str(find_llama_server()) if "{llama_server}" in cmd else ""
     model = model_path(variant, checkpoint_cache_dir)

@@ -13,15 +13,15 @@ from offline_plots import rounds_values as _get
 # What the lead compares against (reported, never enforced).
 TARGETS = {"single_stream_vs_hf": 2.5, "throughput_vs_hf_batch_8": 3.0,
            "throughput_vs_hf_batch_32": 1.5, "throughput_frac_compute": 0.5}
-# Issue 15: ahead of llama-server F32 at 8 concurrent, 2x at 32 and 64.
+# f32 against llama-server F32: ahead at 8 concurrent, 2x at 32 and 64.
 LLAMA_TARGETS = {"c8_vs_llama_f32": 1.0, "c32_vs_llama_f32": 2.0, "c64_vs_llama_f32": 2.0}
-# Issue 15 too: single-stream decode at 90% of its memory-bandwidth bound (weights / the
+# Bounds: single-stream decode at 90% of its memory-bandwidth bound (weights / the
 # read bandwidth probed around it), 64-way at 65% of the compute roofline, 4x
 # transformers' batched throughput at 32 concurrent.
 BOUND_TARGETS = {"single_frac_bandwidth": 0.9, "c64_frac_compute": 0.65,
                  "c32_vs_hf_batch_32": 4.0}
-# Issue 17, for bf16 weights: a single stream ahead of llama-server's Q4_1, 32-way at 2.5x
-# llama-server F32 (replacing issue 15's 2x there). Weight-only int8 (session 19) is held
+# bf16 weights: a single stream ahead of llama-server's Q4_1, 32-way at 2.5x
+# llama-server F32 (instead of f32's 2x there). Weight-only int8 is held
 # to the same single-stream bar: it is the format that answers Q4_1's bytes per token.
 # bf16 in 12 bits (--compress_weights) is the same bf16 model, held to bf16's targets.
 DTYPE_TARGETS = {"bfloat16": {"single_stream_vs_llama_q4_1": 1.0, "c32_vs_llama_f32": 2.5},

@@ -1,4 +1,4 @@
-"""The two-batch-overlap program's compiled schedule (issue 14): the GPU suite's TBO part.
+"""The two-batch-overlap program's compiled schedule (docs/tbo.md): the GPU suite's TBO part.
 
     python scripts/tbo_schedule.py --out=tbo_schedule.json
 

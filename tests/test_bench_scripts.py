@@ -103,7 +103,7 @@ def test_bench_offline_smoke(tmp_path: Path) -> None:
     w = r["workload"]
     assert x["throughput"]["output_tokens"] == w["num_prompts"] * w["output_len"]
     assert x["single"]["new_tokens"] == w["single_new_tokens"]
-    # The smoke run has no 32- or 64-way point, so of issue 15's bound goals only the
+    # The smoke run has no 32- or 64-way point, so of the f32 bound goals only the
     # single stream's share of its bandwidth bound applies; it runs transformers at batch
     # 2 and 4, which have no target (8 and 32 do).
     assert set(s["targets"]) == {"single_stream_vs_hf", "throughput_frac_compute",
@@ -135,9 +135,9 @@ def test_bench_offline_smoke(tmp_path: Path) -> None:
 
 
 def test_bf16_runs_carry_issue_17s_targets() -> None:
-    """A bf16 run with both llama-server files is held to issue 17's goals: its single
-    stream against Q4_1's (1x) and 32-way against F32 at 2.5x instead of issue 15's 2x;
-    an f32 run of the same numbers keeps issue 15's."""
+    """A bf16 run with both llama-server files is held to bf16's goals: its single
+    stream against Q4_1's (1x) and 32-way against F32 at 2.5x instead of f32's 2x;
+    an f32 run of the same numbers keeps f32's."""
     sys.path.insert(0, str(REPO / "scripts"))
     import offline_summary
 

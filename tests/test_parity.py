@@ -199,7 +199,7 @@ def test_smollm2_bf16_in_12_bits_is_bf16(smollm2_bf16, reference_bf16, p):
 
     That noise is large in this model: each matmul differs by ~1e-6 relative, yet the two
     bf16 kernels (widening and vdpbf16ps, the same products summed in another order) give
-    logits up to 0.33 apart on prompt 0 (f32 pool; measured in two processes, session 25),
+    logits up to 0.33 apart on prompt 0 (f32 pool; measured in two processes),
     and 12-bit against plain 0.30-0.50. A wrong weight moves them by whole units."""
     cfg, params = smollm2_bf16
     plain, x12 = (_teacher_forced(llama.pack_for_cpu(params, compress=c), cfg,
