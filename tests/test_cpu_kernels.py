@@ -161,32 +161,32 @@ def test_the_faster_bf16_kernel_serves_and_is_recorded(monkeypatch, tmp_path):
     """The choice: each kernel's time relative to the best at each row count, summed;
     recorded beside the library, so a later process reads it instead of measuring;
     $XLASERVE_CPU_BF16_KERNEL overrides, naming a kernel this CPU has."""
-    monkeypatch.setattr(cpu_kernels, "_bf16_choice", cpu_kernels.bf16_kernel())
+    monkeypatch.setattr(cpu_kernels.build, "_bf16_choice", cpu_kernels.bf16_kernel())
     monkeypatch.delenv("XLASERVE_CPU_BF16_KERNEL", raising=False)
     record = tmp_path / "bf16_kernel.json"
     # widen: 1.0 + 2.0 = 3.0; dot: 1.2 + 1.0 = 2.2 (slower alone, much faster at 32 rows)
-    monkeypatch.setattr(cpu_kernels, "_time_bf16", lambda kernels: {
+    monkeypatch.setattr(cpu_kernels.build, "_time_bf16", lambda kernels: {
         "widen": {1: 1e-3, 32: 2e-3}, "dot": {1: 1.2e-3, 32: 1e-3}})
-    assert cpu_kernels._choose_bf16(record, ["widen", "dot"]) == "dot"
+    assert cpu_kernels.build._choose_bf16(record, ["widen", "dot"]) == "dot"
     assert cpu_kernels.bf16_kernel() == "dot"
     assert json.loads(record.read_text())["kernel"] == "dot"
 
     def measured_again(kernels):
         raise AssertionError("measured again with a record")
-    monkeypatch.setattr(cpu_kernels, "_time_bf16", measured_again)
-    assert cpu_kernels._choose_bf16(record, ["widen", "dot"]) == "dot"
-    assert cpu_kernels._choose_bf16(tmp_path / "other.json", ["widen"]) == "widen"
+    monkeypatch.setattr(cpu_kernels.build, "_time_bf16", measured_again)
+    assert cpu_kernels.build._choose_bf16(record, ["widen", "dot"]) == "dot"
+    assert cpu_kernels.build._choose_bf16(tmp_path / "other.json", ["widen"]) == "widen"
     monkeypatch.setenv("XLASERVE_CPU_BF16_KERNEL", "widen")
-    assert cpu_kernels._choose_bf16(record, ["widen", "dot"]) == "widen"
+    assert cpu_kernels.build._choose_bf16(record, ["widen", "dot"]) == "widen"
     monkeypatch.setenv("XLASERVE_CPU_BF16_KERNEL", "dot")
-    with pytest.raises(ValueError, match="this CPU runs"):
-        cpu_kernels._choose_bf16(record, ["widen"])
+    with pytest.raises(ValueError, match=r"the kernels here: \['widen'\]"):
+        cpu_kernels.build._choose_bf16(record, ["widen"])
 
 
 def test_the_bf16_kernels_are_measured_from_inside_a_trace(monkeypatch, tmp_path):
     """A process's first load() may come from a jit trace (its first packed_matmul): the
     measurement then still runs real arrays, and the choice is recorded."""
-    monkeypatch.setattr(cpu_kernels, "_bf16_choice", cpu_kernels.bf16_kernel())
+    monkeypatch.setattr(cpu_kernels.build, "_bf16_choice", cpu_kernels.bf16_kernel())
     monkeypatch.delenv("XLASERVE_CPU_BF16_KERNEL", raising=False)
     record = tmp_path / "bf16_kernel.json"
     kernels = list(cpu_kernels.bf16_targets())
@@ -195,7 +195,7 @@ def test_the_bf16_kernels_are_measured_from_inside_a_trace(monkeypatch, tmp_path
 
     @jax.jit
     def traced(x):
-        cpu_kernels._choose_bf16(record, kernels)
+        cpu_kernels.build._choose_bf16(record, kernels)
         return x + 1
 
     assert int(traced(jnp.int32(1))) == 2
@@ -211,8 +211,8 @@ def test_amx_is_offered_only_where_the_process_may_use_it():
         def __init__(self, ready: int) -> None:
             self.XlaserveAmxReady = lambda: ready
 
-    assert cpu_kernels._bf16_kernels(Lib(1)) == ["widen", "amx"]
-    assert cpu_kernels._bf16_kernels(Lib(0)) == ["widen"]
+    assert cpu_kernels.build._bf16_kernels(Lib(1)) == ["widen", "amx"]
+    assert cpu_kernels.build._bf16_kernels(Lib(0)) == ["widen"]
     if isa.has("amx"):  # built with AMX here: it must be offered
         assert "amx" in cpu_kernels.bf16_targets()
 
