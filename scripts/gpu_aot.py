@@ -11,8 +11,8 @@ Per program (one JSON record each, and a table on stdout):
   perfect_bytes  weights read once (the embedding's gathered rows only) + the KV read by
                  its rows at --context tokens each + the KV it writes + its inputs and outputs
   ratio          bytes / perfect_bytes
-  weight_copies  data-movement kernels per run whose output holds an array at least the
-                 size of the smallest layer weight (a layer's weight copied before its gemm)
+  weight_copies  data-movement kernels per run whose output holds an array shaped like a
+                 layer's weight (copied before its gemm, or a weight-sized product)
   temp_bytes     the executable's temporary buffers (memory_analysis)
   predicted_ms   bytes / the target's memory bandwidth (a memory-bound step's time)
 Nothing is autotuned without a device (gemm tilings are XLA's heuristics); the fusion and
@@ -119,12 +119,11 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str,
     pool = math.prod(kv.shape) * kv.dtype.itemsize
     kv_item = jnp.dtype(runner.cfg.kv_dtype).itemsize
     read = (rows or 0) * context * cfg.kv_size * kv_item if s and s.num_pages_per_seq else 0
-    smallest = min(math.prod(a.shape[1:]) * a.dtype.itemsize
-                   for a in jax.tree.leaves(runner.params) if a.ndim >= 3) if "layers" in \
-        runner.params else min(math.prod(a.shape) * a.dtype.itemsize
-                               for lp in runner.params["layer_list"] for a in jax.tree.leaves(lp)
-                               if a.ndim >= 2)
-    traffic = hlo_traffic.TrafficModel(text, pool, read, smallest).run()
+    layer_tree = runner.params.get("layers") or runner.params["layer_list"][0]
+    shapes = {a.shape[1:] if "layers" in runner.params else a.shape
+              for a in jax.tree.leaves(layer_tree)}
+    weight_shapes = [sh for sh in shapes if len([d for d in sh if d > 1]) >= 2]
+    traffic = hlo_traffic.TrafficModel(text, pool, read, weight_shapes).run()
     perfect = perfect_bytes(runner, name, context)
     mem = compiled.memory_analysis()
     return dict(program=name, target=tgt.name, model=FLAGS.model, layers=layers, rows=rows,

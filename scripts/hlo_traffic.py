@@ -12,9 +12,10 @@ branch of a conditional).
 - A Pallas kernel (Mosaic GPU, Triton) reads its KV-pool operands through a page table
   the HLO cannot see: each such operand counts as `kv_read_per_call` bytes, the caller's
   model of one layer's reads of K or V; its other operands and outputs count whole.
-- A copy is any data-movement kernel (copy, dynamic-slice, or a fusion with no dot and no
-  in-place root) whose output holds an array of at least `copy_threshold` bytes: with the
-  threshold at the smallest layer weight, a weight copied before its gemm is caught.
+- A weight copy is any data-movement kernel (copy, dynamic-slice, or a fusion with no dot
+  and no in-place root) whose output holds an array shaped like one layer's weight
+  (`weight_shapes`, compared without unit dimensions and in any dimension order): a
+  layer's slice copied before its gemm, or a weight-sized product written to memory.
 Pure text, no jax: tests can run it on any HLO.
 """
 
@@ -23,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2,
                "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8,
@@ -133,6 +134,10 @@ def parse(text: str) -> tuple[dict[str, Computation], str]:
     return comps, entry
 
 
+def _norm(dims: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(sorted(d for d in dims if d != 1))
+
+
 def _called(attrs: str, key: str) -> list[str]:
     m = re.search(key + r"=(\{[^}]*\}|%[\w.\-]+)", attrs)
     return re.findall(r"%([\w.\-]+)", m.group(1)) if m else []
@@ -163,10 +168,10 @@ class TrafficModel:
     """Walks a parsed module from its entry; see the module docstring for the costs."""
 
     def __init__(self, text: str, kv_pool_bytes: int = 0, kv_read_per_call: float = 0.0,
-                 copy_threshold: int = 1 << 62) -> None:
+                 weight_shapes: Iterable[tuple[int, ...]] = ()) -> None:
         self.comps, self.entry = parse(text)
         self.kv_pool_bytes, self.kv_read = kv_pool_bytes, kv_read_per_call
-        self.threshold = copy_threshold
+        self.weight_shapes = {_norm(s) for s in weight_shapes}
 
     def run(self) -> Traffic:
         t = Traffic()
@@ -250,9 +255,7 @@ class TrafficModel:
             self._add(t, ins.op, mult * (sum(ins_bytes) + out), ins.name)
 
     def _maybe_copy(self, ins: Instr, mult: float, t: Traffic) -> None:
-        big = [a for a in arrays(ins.shape)
-               if DTYPE_BYTES[a[0]] * math.prod(a[1]) >= self.threshold]
-        if big:
+        if any(_norm(dims) in self.weight_shapes for _, dims in arrays(ins.shape)):
             t.copies.append(Copy(ins.name, ins.shape, nbytes(ins.shape), mult))
 
     def _has_compute(self, comp: Computation) -> bool:
