@@ -98,8 +98,8 @@ def perfect_bytes(runner, name: str, context: int) -> float | None:
     return weights + kv_read + tokens * per_token + io
 
 
-def analyse(runner, name: str, compiled, tgt, context: int, layers: str,
-            compile_s: float) -> dict:
+def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: str,
+            compile_s: float, hlo_dir: str | None = None) -> dict:
     import jax
     import jax.numpy as jnp
 
@@ -107,9 +107,9 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str,
 
     cfg = runner.model_cfg
     text = re.sub(r", metadata=\{[^{}]*\}", "", compiled.as_text())
-    if FLAGS.hlo_dir:
-        os.makedirs(FLAGS.hlo_dir, exist_ok=True)
-        with open(os.path.join(FLAGS.hlo_dir, f"{tgt.name}.{layers}.{name.replace('/', '.')}"
+    if hlo_dir:
+        os.makedirs(hlo_dir, exist_ok=True)
+        with open(os.path.join(hlo_dir, f"{tgt.name}.{layers}.{name.replace('/', '.')}"
                                ".hlo.txt"), "w") as f:
             f.write(text)
     key = {key_name(k): k for k in runner.step_keys()}.get(name)
@@ -126,7 +126,7 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str,
     traffic = hlo_traffic.TrafficModel(text, pool, read, weight_shapes).run()
     perfect = perfect_bytes(runner, name, context)
     mem = compiled.memory_analysis()
-    return dict(program=name, target=tgt.name, model=FLAGS.model, layers=layers, rows=rows,
+    return dict(program=name, target=tgt.name, model=model, layers=layers, rows=rows,
                 tokens=(s.num_extend_tokens + s.num_decode_seqs) if s else None,
                 context=context, bytes=traffic.bytes, perfect_bytes=perfect,
                 ratio=traffic.bytes / perfect if perfect else None,
@@ -139,7 +139,7 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str,
 
 
 def run(target: str, model: str, layers_list: list[str], rows: list[int], programs: str,
-        context: int, kv_tokens: int, log=print) -> list[dict]:
+        context: int, kv_tokens: int, log=print, hlo_dir: str | None = None) -> list[dict]:
     """Compile and analyse the selected programs, one compilation at a time."""
     tgt = gpu_programs.target(target)
     mesh = gpu_programs.compile_only_mesh(tgt)
@@ -152,8 +152,8 @@ def run(target: str, model: str, layers_list: list[str], rows: list[int], progra
                     continue
                 t0 = time.perf_counter()
                 compiled = gpu_programs.compile_lowering(lower, mesh)
-                rec = analyse(runner, name, compiled, tgt, context, layers,
-                              time.perf_counter() - t0)
+                rec = analyse(runner, name, compiled, tgt, context, layers, model,
+                              time.perf_counter() - t0, hlo_dir)
                 rec["per_layer_weights"] = runner.cfg.per_layer_weights
                 records.append(rec)
                 log(_row(rec))
@@ -174,7 +174,7 @@ def main(argv: list[str]) -> None:
     if reason := gpu_programs.gpu_plugin_missing():
         sys.exit(reason)
     records = run(FLAGS.target, FLAGS.model, FLAGS.layers, [int(r) for r in FLAGS.rows],
-                  FLAGS.programs, FLAGS.context, FLAGS.kv_tokens)
+                  FLAGS.programs, FLAGS.context, FLAGS.kv_tokens, hlo_dir=FLAGS.hlo_dir)
     if FLAGS.json:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
         with open(FLAGS.json, "w") as f:
