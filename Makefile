@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 CKPT_DIR := $(HOME)/.cache/xlaserve/checkpoints
 CKPT := $(CKPT_DIR)/smollm2-135m-instruct-float32/checkpoint_meta.json
 
-.PHONY: setup serve test test-slow test-gpu gpu-check lint bench peers clean
+.PHONY: setup serve test test-slow test-gpu gpu-check gpu-aot lint bench peers clean
 
 setup: $(STAMP) $(CKPT)
 
@@ -52,6 +52,25 @@ test-gpu: setup
 OUT ?= gpu_suite_out
 gpu-check:
 	$(PYTHON) scripts/gpu_suite.py --out_dir=$(OUT)
+
+# The engine's GPU programs compiled for an H100 and an H200 on this machine, no GPU needed
+# (scripts/gpu_aot.py, docs/gpu.md): the compile checks (tests/test_gpu_aot.py), then DECODE
+# at 1 / 32 / 128 rows, Llama-3-8B shapes, both layer layouts, as JSON under GPU_AOT_OUT.
+# jax's CUDA plugin and its nvidia wheels (~4.4 GB of the venv's 5.9 GB) go into a venv of
+# their own, GPU_VENV, so the CPU venv stays small.
+GPU_VENV ?= .venv-cuda
+GPU_STAMP := $(GPU_VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+GPU_AOT_OUT ?= gpu_aot_out
+$(GPU_STAMP): pyproject.toml
+	test -x $(GPU_VENV)/bin/python || $(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_VENV)/bin/python -m pip install -q -e '.[cuda12,dev]'
+	rm -f $(GPU_VENV)/.installed-* && touch $@
+
+gpu-aot: $(GPU_STAMP)
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q -rsx tests/test_gpu_aot.py
+	for t in h100 h200; do JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/gpu_aot.py \
+		--target=$$t --layers=stacked,per_layer --rows=1,32,128 \
+		--json=$(GPU_AOT_OUT)/$$t.json || exit 1; done
 
 # CPU-sized, ~10 minutes on 2 vCPUs: offline throughput of xlaserve f32 and bf16 at
 # 1 / 8 / 32 / 64 concurrent and weight-only int8 at 1 / 8 / 32 (int8's FMAs widen every
@@ -112,4 +131,4 @@ $(LLAMA_SERVER):
 	$@ --version
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(GPU_VENV) .pytest_cache .ruff_cache

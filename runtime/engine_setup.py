@@ -87,14 +87,16 @@ def _check_compress_weights(args: ServerArgs) -> bool:
     return args.compress_weights
 
 
-def default_per_layer_weights(args: ServerArgs, cpu_matmul: str) -> bool:
+def default_per_layer_weights(args: ServerArgs, cpu_matmul: str,
+                              gpu: bool | None = None) -> bool:
     """Per-layer weight buffers behind a lax.switch where XLA's dot runs on a CPU (it
     copies a dynamic slice of the stacked weights before every dot); elsewhere the
     stacked tree: on a GPU, under two-batch overlap (models/moe_overlap.py), and for the
     packed CPU matmul, which reads the traced layer's panels in place (1.05x a one-row
     decode step and 1.02-1.05x an 8- or 32-row one over the switch, interleaved A/B in
-    docs/benchmarks.md)."""
-    return not (on_gpu() or args.enable_two_batch_overlap or cpu_matmul == "packed")
+    docs/benchmarks.md). `gpu`: the answer for a GPU backend (None: this process's)."""
+    gpu = on_gpu() if gpu is None else gpu
+    return not (gpu or args.enable_two_batch_overlap or cpu_matmul == "packed")
 
 
 def default_attention_backend(args: ServerArgs) -> str:

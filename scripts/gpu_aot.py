@@ -1,0 +1,185 @@
+"""Compile the engine's GPU programs for an H100 or H200 on this machine (no GPU needed)
+and report, per program, what its optimized HLO moves through device memory against what
+a perfect program must move. Predictions from the compiled programs, not timings.
+
+    JAX_PLATFORMS=cpu python scripts/gpu_aot.py --target=h100 --json=out/h100.json
+    make gpu-aot        # DECODE at 1 / 32 / 128 rows, Llama-3-8B shapes, H100 and H200
+
+Per program (one JSON record each, and a table on stdout):
+  bytes          bytes its kernels read and write (scripts/hlo_traffic.py: loop trip counts
+                 multiplied in, Pallas attention at the modelled KV read)
+  perfect_bytes  weights read once (the embedding's gathered rows only) + the KV read by
+                 its rows at --context tokens each + the KV it writes + its inputs and outputs
+  ratio          bytes / perfect_bytes
+  weight_copies  data-movement kernels per run whose output holds an array shaped like a
+                 layer's weight (copied before its gemm, or a weight-sized product)
+  temp_bytes     the executable's temporary buffers (memory_analysis)
+  predicted_ms   bytes / the target's memory bandwidth (a memory-bound step's time)
+Nothing is autotuned without a device (gemm tilings are XLA's heuristics); the fusion and
+copy structure is decided before autotuning, so it is what the device would run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import gpu_programs  # noqa: E402
+import hlo_traffic  # noqa: E402
+from absl import app, flags  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("target", "h100", sorted(gpu_programs.TARGETS), "GPU to compile for")
+flags.DEFINE_string("json", None, "write one JSON record per program here")
+flags.DEFINE_enum("model", "8b", ["8b"], "model shape (scripts/gpu_shapes.py)")
+flags.DEFINE_list("rows", ["1", "32", "128"], "decode buckets (rows) of the plan")
+flags.DEFINE_string("programs", r"^decode/", "regex over program names to compile")
+flags.DEFINE_list("layers", ["default"], "layer weight layouts to compile: default (the "
+                  "runtime's GPU default), stacked (lax.scan over [L, ...] slices), "
+                  "per_layer (one buffer per layer behind a lax.switch)")
+flags.DEFINE_integer("context", 512, "earlier context per row, in tokens (the KV read)")
+flags.DEFINE_integer("kv_tokens", 131072, "KV pool size in tokens")
+flags.DEFINE_string("hlo_dir", None, "write each optimized HLO here")
+
+
+def model_config(name: str):
+    import gpu_shapes
+
+    return {"8b": gpu_shapes.LLAMA3_8B}[name]
+
+
+def build_runner(model_cfg, layers: str, rows: list[int], kv_tokens: int):
+    """The runner a GPU engine would build for these shapes (weights abstract)."""
+    from runtime import engine_setup
+    from runtime.config import CacheConfig, ServerArgs
+
+    per_layer = {"default": None, "stacked": False, "per_layer": True}[layers]
+    args = ServerArgs(dtype="bfloat16", attention_backend="pallas", cpu_matmul="xla",
+                      max_running_requests=max(rows), decode_buckets=tuple(rows),
+                      kv_len_buckets=(model_cfg.max_position_embeddings,),
+                      per_layer_weights=per_layer)
+    rcfg = engine_setup.runner_config(args, model_cfg)
+    if per_layer is None:  # as on a GPU (this process's backend is the CPU)
+        import dataclasses
+
+        rcfg = dataclasses.replace(rcfg, per_layer_weights=engine_setup.default_per_layer_weights(
+            args, rcfg.cpu_matmul, gpu=True))
+    cache = CacheConfig(page_size=args.page_size, num_pages=kv_tokens // args.page_size + 1)
+    return gpu_programs.abstract_runner(model_cfg, cache, rcfg, max(rows))
+
+
+def perfect_bytes(runner, name: str, context: int) -> float | None:
+    """What a perfect forward step `name` must move; None for programs it does not model."""
+    import jax
+    import jax.numpy as jnp
+
+    from runtime.bucket_plan import key_name
+    from runtime.kv_pool import kv_bytes_per_token
+
+    keys = {key_name(k): k for k in runner.step_keys()}
+    if name not in keys:
+        return None
+    s, cfg = keys[name].shape, runner.model_cfg
+    tokens, rows = s.num_extend_tokens + s.num_decode_seqs, s.num_extend_seqs + s.num_decode_seqs
+    size = jnp.dtype(runner.cfg.dtype).itemsize
+    weights = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(runner.params))
+    if "lm_head" in runner.params:  # untied: the lookup reads only the step's rows
+        weights += (tokens - cfg.vocab_size) * cfg.hidden_size * size
+    per_token = kv_bytes_per_token(cfg, jnp.dtype(runner.cfg.kv_dtype))
+    kv_read = rows * context * per_token if s.num_pages_per_seq else 0
+    io = 4 * (runner._flat_input(s).shape[0] + runner.max_running + 1) + 4 * rows * cfg.vocab_size
+    return weights + kv_read + tokens * per_token + io
+
+
+def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: str,
+            compile_s: float, hlo_dir: str | None = None) -> dict:
+    import jax
+    import jax.numpy as jnp
+
+    from runtime.bucket_plan import key_name
+
+    cfg = runner.model_cfg
+    text = re.sub(r", metadata=\{[^{}]*\}", "", compiled.as_text())
+    if hlo_dir:
+        os.makedirs(hlo_dir, exist_ok=True)
+        with open(os.path.join(hlo_dir, f"{tgt.name}.{layers}.{name.replace('/', '.')}"
+                               ".hlo.txt"), "w") as f:
+            f.write(text)
+    key = {key_name(k): k for k in runner.step_keys()}.get(name)
+    s = key.shape if key else None
+    rows = (s.num_extend_seqs + s.num_decode_seqs) if s else None
+    kv = runner.kv.k
+    pool = math.prod(kv.shape) * kv.dtype.itemsize
+    kv_item = jnp.dtype(runner.cfg.kv_dtype).itemsize
+    read = (rows or 0) * context * cfg.kv_size * kv_item if s and s.num_pages_per_seq else 0
+    layer_tree = runner.params.get("layers") or runner.params["layer_list"][0]
+    shapes = {a.shape[1:] if "layers" in runner.params else a.shape
+              for a in jax.tree.leaves(layer_tree)}
+    weight_shapes = [sh for sh in shapes if len([d for d in sh if d > 1]) >= 2]
+    traffic = hlo_traffic.TrafficModel(text, pool, read, weight_shapes).run()
+    perfect = perfect_bytes(runner, name, context)
+    mem = compiled.memory_analysis()
+    return dict(program=name, target=tgt.name, model=model, layers=layers, rows=rows,
+                tokens=(s.num_extend_tokens + s.num_decode_seqs) if s else None,
+                context=context, bytes=traffic.bytes, perfect_bytes=perfect,
+                ratio=traffic.bytes / perfect if perfect else None,
+                weight_copies=sum(c.count for c in traffic.copies),
+                weight_copy_bytes=traffic.copy_bytes, temp_bytes=mem.temp_size_in_bytes,
+                predicted_ms=1e3 * traffic.bytes / tgt.bandwidth,
+                perfect_ms=1e3 * perfect / tgt.bandwidth if perfect else None,
+                unknown_trip_loops=traffic.unknown_trip_loops, compile_s=compile_s,
+                kernels={k: v for k, v in sorted(traffic.kernels.items(), key=lambda kv: -kv[1])})
+
+
+def run(target: str, model: str, layers_list: list[str], rows: list[int], programs: str,
+        context: int, kv_tokens: int, log=print, hlo_dir: str | None = None) -> list[dict]:
+    """Compile and analyse the selected programs, one compilation at a time."""
+    tgt = gpu_programs.target(target)
+    mesh = gpu_programs.compile_only_mesh(tgt)
+    records = []
+    for layers in layers_list:
+        runner = build_runner(model_config(model), layers, rows, kv_tokens)
+        with gpu_programs.compiled_pallas():
+            for name, lower in runner._lowerings():
+                if not re.search(programs, name):
+                    continue
+                t0 = time.perf_counter()
+                compiled = gpu_programs.compile_lowering(lower, mesh)
+                rec = analyse(runner, name, compiled, tgt, context, layers, model,
+                              time.perf_counter() - t0, hlo_dir)
+                rec["per_layer_weights"] = runner.cfg.per_layer_weights
+                records.append(rec)
+                log(_row(rec))
+    return records
+
+
+def _row(r: dict) -> str:
+    ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
+    perfect = f"{r['perfect_bytes'] / 1e9:.2f}" if r["perfect_bytes"] else "-"
+    return (f"{r['target']:5s} {r['layers']:9s} {r['program']:34s} rows={r['rows']!s:4s} "
+            f"{r['bytes'] / 1e9:7.2f} GB / {perfect:>6s} GB = {ratio:>6s}  copies="
+            f"{r['weight_copies']:4.0f}  temp={r['temp_bytes'] / 2**20:7.1f} MiB  "
+            f"{r['predicted_ms']:6.2f} ms  compile {r['compile_s']:.1f} s")
+
+
+def main(argv: list[str]) -> None:
+    del argv
+    if reason := gpu_programs.gpu_plugin_missing():
+        sys.exit(reason)
+    records = run(FLAGS.target, FLAGS.model, FLAGS.layers, [int(r) for r in FLAGS.rows],
+                  FLAGS.programs, FLAGS.context, FLAGS.kv_tokens, hlo_dir=FLAGS.hlo_dir)
+    if FLAGS.json:
+        os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
+        with open(FLAGS.json, "w") as f:
+            json.dump(records, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,133 @@
+"""The engine's own GPU programs, compiled for an H100 / H200 on a machine without one.
+
+XLA's GPU compiler runs here when it is given the target's description (a
+GpuTargetConfigProto: scripts/gpu_targets/): `compile_only_mesh` is a mesh of such
+compile-only devices. `abstract_runner` builds a real ModelRunner whose weights, KV pool
+and slot state are shapes only (jax.eval_shape: an 8B model costs no memory), so the
+programs compiled are the runner's own (`ModelRunner._lowerings`), placed on that mesh.
+No absl flags here: scripts/gpu_aot.py is the command line, tests/test_gpu_aot.py the check.
+
+Needs jax's CUDA plugin (`pip install -e '.[cuda12]'`, see `gpu_plugin_missing`) and
+JAX_PLATFORMS=cpu set before jax is imported: the plugin then registers its compiler
+without initialising CUDA (with no GPU, its start-up check fails with error 303).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import sys
+from collections.abc import Callable, Iterator
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
+# GpuTargetConfigProto text per target, trimmed from openxla/xla's
+# xla/backends/gpu/target_config/specs/ to the fields jaxlib 0.10's proto has.
+TARGETS = {"h100": "h100_sxm.txtpb", "h200": "h200.txtpb"}
+
+
+def gpu_plugin_missing() -> str | None:
+    """Why GPU programs cannot be compiled in this process (None: they can)."""
+    if "jax" not in sys.modules and os.environ.get("JAX_PLATFORMS") is None:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    try:
+        import jax_plugins.xla_cuda12  # noqa: F401
+    except ImportError:
+        return ("jax's CUDA plugin is not installed (jax_plugins.xla_cuda12); install it "
+                "with `pip install -e '.[cuda12]'` (see `make gpu-aot`)")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    name: str
+    spec: str  # GpuTargetConfigProto text
+    bandwidth: float  # bytes / s (the spec's memory_bandwidth)
+    memory: int  # bytes of device memory
+
+
+def target(name: str) -> Target:
+    with open(os.path.join(TARGET_DIR, TARGETS[name])) as f:
+        spec = f.read()
+    field = dict(line.strip().split(": ", 1) for line in spec.splitlines() if ": " in line)
+    return Target(name, spec, float(field["memory_bandwidth"]),
+                  int(field["device_memory_size"]))
+
+
+def compile_only_mesh(tgt: Target, shape: tuple[int, ...] = (1,),
+                      axes: tuple[str, ...] = ("x",)) -> Any:
+    """A mesh of compile-only GPUs of `tgt` ("1x1x8": eight on one host)."""
+    from jax.experimental import topologies
+
+    n = 1
+    for s in shape:
+        n *= s
+    topo = topologies.get_topology_desc(platform="cuda", topology=f"1x1x{n}",
+                                        target_config=tgt.spec)
+    return topologies.make_mesh(topo, shape, axes)
+
+
+@contextlib.contextmanager
+def compiled_pallas() -> Iterator[None]:
+    """The "pallas" attention backend as on a GPU: compiled kernels, not the interpreter
+    that a CPU default backend picks (pallas_kernels._interpret)."""
+    import pallas_kernels
+    from models import layers
+    from pallas_kernels.ragged_paged_attention import paged_attention
+
+    def get(backend: str) -> Callable:
+        if backend == "pallas":
+            return functools.partial(paged_attention, interpret=False)
+        return pallas_kernels.get_paged_attention_fn(backend)
+
+    saved = layers.get_paged_attention_fn
+    layers.get_paged_attention_fn = get
+    try:
+        yield
+    finally:
+        layers.get_paged_attention_fn = saved
+
+
+def abstract_runner(model_cfg: Any, cache_cfg: Any, runner_cfg: Any, max_running: int,
+                    mesh: Any = None) -> Any:
+    """A ModelRunner over random weights that are never materialised: the constructor runs
+    under jax.eval_shape, then its weights, pool and slot state are set to their shapes."""
+    import jax
+    import jax.numpy as jnp
+
+    from models.registry import model_module
+    from runtime.model_runner import ModelRunner
+
+    box: dict[str, Any] = {}
+
+    def build() -> tuple:
+        params = model_module(model_cfg).init_params(model_cfg, jax.random.key(0),
+                                                     jnp.dtype(runner_cfg.dtype))
+        box["runner"] = r = ModelRunner(model_cfg, params, cache_cfg, runner_cfg,
+                                        max_running, mesh=mesh)
+        return r.params, r.kv, r.state
+
+    shapes = jax.eval_shape(build)
+    runner = box["runner"]
+    runner.params, runner.kv, runner.state = shapes
+    return runner
+
+
+def placed(args: Any, mesh: Any) -> Any:
+    """`args` (arrays' shapes) as replicated ShapeDtypeStructs on `mesh`."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), args)
+
+
+def compile_lowering(lower: functools.partial, mesh: Any,
+                     options: dict[str, Any] | None = None) -> Any:
+    """A runner lowering (partial(jitted.lower, *args)) compiled for the mesh's GPUs."""
+    jitted = lower.func.__self__
+    return jitted.trace(*placed(lower.args, mesh)).lower().compile(compiler_options=options)
