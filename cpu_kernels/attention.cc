@@ -18,7 +18,7 @@
 //   scores are 16-lane FMAs with no sum across lanes and the block serves every query of
 //   the item; its values are widened once and each query adds p @ V. Against the
 //   per-key kernel on prefill: 1.5-2.0x at 512 and 2,048 tokens, f32 and bf16 pages
-//   (scripts/bench_cpu_attention.py; 2,048 tokens f32: 1,122-1,172 against 2,034 ms for
+//   (scripts/bench/bench_cpu_attention.py; 2,048 tokens f32: 1,122-1,172 against 2,034 ms for
 //   30 layers); with the per-key kernel attention is 2/3 of a 2,048-token bf16 forward.
 //
 // Determinism: items are independent, so a row's result does not depend on its batch.
@@ -213,7 +213,7 @@ void AttendKeys(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& k
 // the current token's V row go to L2, and the value pass then reads V from L2. That
 // takes 32 rows x 192 keys x 30 layers on scattered pages to 11.2-14.5 ms in f32 and
 // 6.7-8.0 ms in bf16, against 15.6-17.2 and 8.9-9.7 ms when only the next page is
-// prefetched (scripts/bench_cpu_attention.py, A B A B; docs/results/bench_cpu_attention.json).
+// prefetched (scripts/bench/bench_cpu_attention.py, A B A B; docs/results/bench_cpu_attention.json).
 template <typename T, typename F>
 void WalkPages(const Shapes& s, const T* k_pool, const T* v_pool,
                const int32_t* table_row, int64_t h, int64_t first, int64_t end, bool values,

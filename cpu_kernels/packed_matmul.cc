@@ -297,7 +297,7 @@ struct Prefetch {
 // and a broadcast; a row tile then passes over its panel once per group of columns
 // (from L2 after the first). Whole-panel tiles of 6 rows, as 16-lane pairs, spill on
 // AVX2 and are 1.6-3.5x slower at M=32 than these on a Zen 3
-// (scripts/bench_cpu_matmul.py --rows=1,32; docs/benchmarks.md, CPU kernels).
+// (scripts/bench/bench_cpu_matmul.py --rows=1,32; docs/benchmarks.md, CPU kernels).
 template <int MR>
 constexpr int Groups() {
   if constexpr (vn::kLanes == 16 || MR == 1) {

@@ -231,7 +231,7 @@ def paged_attention(
     """The Pallas kernel version of `paged_attention_ref` -> [T, Hq, Dh].
 
     interpret: None picks interpret mode on a CPU backend and compiled kernels otherwise.
-    Tuning knobs (tests and scripts/bench_kernels.py; None = default): impl "mosaic" /
+    Tuning knobs (tests and scripts/bench/bench_kernels.py; None = default): impl "mosaic" /
     "triton" (by dtype), block_kv tokens per KV step, num_slots KV blocks in flight and
     num_splits programs per tile along the KV axis (Mosaic).
     """

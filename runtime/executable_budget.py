@@ -73,7 +73,7 @@ def max_map_count() -> int:
 
 def _memory_mb() -> tuple[float, float]:
     """(this process's resident MB, the machine's available MB). psutil where it is
-    installed; else Linux's /proc (a bare GPU machine, scripts/gpu_suite.py)."""
+    installed; else Linux's /proc (a bare GPU machine, scripts/bench/gpu_suite.py)."""
     try:
         import psutil
     except ImportError:

@@ -21,10 +21,3 @@ class ForwardMode(enum.Enum):
     IDLE = "idle"
     SPLIT_PREFILL = "split_prefill"
 
-    @property
-    def has_extend(self) -> bool:
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.SPLIT_PREFILL)
-
-    @property
-    def has_decode(self) -> bool:
-        return self in (ForwardMode.DECODE, ForwardMode.MIXED)

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 # llguidance is imported where a constraint is compiled or its mask filled, not here: the
 # engine then runs unconstrained requests where it is not installed (the bare GPU machine
-# of scripts/gpu_suite.py).
+# of scripts/bench/gpu_suite.py).
 
 GrammarKind = Literal["json_schema", "regex", "ebnf"]
 # Compact JSON with json.dumps' separators: with flexible whitespace a small model can emit

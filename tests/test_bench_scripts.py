@@ -23,8 +23,8 @@ HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
 
 def _run(script: str, out_dir: Path, *extra: str, png: bool = True,
          stem: str | None = None) -> dict:
-    cmd = [sys.executable, str(REPO / "scripts" / script), "--smoke", f"--out_dir={out_dir}",
-           "--compilation_cache_dir=", *extra]
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / script), "--smoke",
+           f"--out_dir={out_dir}", "--compilation_cache_dir=", *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     name = (stem or script.removesuffix(".py")) + ".json"
@@ -138,7 +138,7 @@ def test_bf16_runs_carry_issue_17s_targets() -> None:
     """A bf16 run with both llama-server files is held to bf16's goals: its single
     stream against Q4_1's (1x) and 32-way against F32 at 2.5x instead of f32's 2x;
     an f32 run of the same numbers keeps f32's."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
     import offline_summary
 
     def point(tok_s: float) -> dict:
@@ -169,7 +169,7 @@ def test_bf16_runs_carry_issue_17s_targets() -> None:
 def test_c64_goal_is_against_the_runs_best_probe() -> None:
     """A round whose probe ran in a slow spell (100 GFLOP/s against the run's 200) must not
     flatter its 64-way fraction: each round's GFLOP/s go against the best probe."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
     import offline_summary
 
     rounds = [{"roofline": {"matmul_gflops": g}, "xlaserve": {"c64": {"frac_compute": f}}}
@@ -209,7 +209,7 @@ def test_bench_dtypes_smoke(tmp_path: Path) -> None:
 def test_single_stream_goal_is_against_the_probes_around_it() -> None:
     """The single stream's share of its bandwidth bound uses the higher of the read probes
     taken just before and after it in its round, not a probe from another minute."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
     import offline_summary
 
     # weight_bytes 1e9: tok/s x 1 GB = GB/s read
@@ -247,8 +247,8 @@ def test_bench_kernels_kv_write_smoke(tmp_path: Path) -> None:
     correctness, decode and prefill sections run in test_gpu_suite.py, at the same smoke
     size, as the GPU suite's kernels and attention sections."""
     out = tmp_path / "bench_kernels.json"
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_kernels.py"), "--smoke", "--nosweep",
-           "--models=smollm2", "--sections=kv_write", f"--out={out}"]
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_kernels.py"), "--smoke",
+           "--nosweep", "--models=smollm2", "--sections=kv_write", f"--out={out}"]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -263,7 +263,7 @@ HAND_WRITTEN = "# Benchmarks\n\nHand-written analysis that must survive.\n"
 
 
 def _script(name: str, *flags: str) -> None:
-    cmd = [sys.executable, str(REPO / "scripts" / name), *flags]
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / name), *flags]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
 
@@ -386,7 +386,7 @@ def test_make_bench_pipeline(tmp_path: Path) -> None:
 def test_llama_concurrency_specs() -> None:
     """--llama_concurrency: a point outside --concurrency, an unknown variant or a bad
     list is an error that names the flag; a good spec keeps --concurrency's order."""
-    sys.path.insert(0, str(REPO / "scripts"))
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
     import offline_peers
 
     variants, conc = ["q4_1", "f32"], (1, 8, 32)
@@ -410,7 +410,7 @@ def test_llama_concurrency_specs() -> None:
 def test_bench_offline_rejects_bad_flags(tmp_path: Path, flag: str) -> None:
     """A bad sweep spec, a transformers format it has not, or an unknown weight format is a
     usage error naming the flag at once, before anything is written."""
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_offline.py"), "--smoke",
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_offline.py"), "--smoke",
            f"--out_dir={tmp_path}", "--reference=off", flag]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0 and flag.split("=")[0] in proc.stderr, proc.stderr[-2000:]
@@ -418,7 +418,7 @@ def test_bench_offline_rejects_bad_flags(tmp_path: Path, flag: str) -> None:
 
 
 def test_bench_offline_missing_llama_server_says_make_peers(tmp_path: Path) -> None:
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_offline.py"), "--smoke",
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_offline.py"), "--smoke",
            f"--out_dir={tmp_path}", "--compilation_cache_dir=", "--reference=off",
            "--llama_server=on"]
     env = {**os.environ, "HOME": str(tmp_path)}  # no ~/.cache/xlaserve/peers there
@@ -453,7 +453,7 @@ def test_bench_cpu_matmul_torch_peer(tmp_path: Path) -> None:
     (the `reference` extra); without it, asking for it is a usage error naming the extra."""
     flags = ["--ops=gate_up", "--rows=4", "--contenders=bf16,torch_f32,torch_bf16"]
     if importlib.util.find_spec("torch") is None:
-        cmd = [sys.executable, str(REPO / "scripts" / "bench_cpu_matmul.py"), "--smoke",
+        cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_cpu_matmul.py"), "--smoke",
                f"--out_dir={tmp_path}", *flags]
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
         assert proc.returncode != 0 and ".[reference]" in proc.stderr
@@ -482,7 +482,7 @@ def test_bench_cpu_attention_smoke(tmp_path: Path) -> None:
 
 
 def test_bench_multi_step_smoke(tmp_path: Path) -> None:
-    """scripts/bench_multi_step.py at a tiny size: an engine per --steps value, alternating
+    """scripts/bench/bench_multi_step.py at a tiny size: an engine per --steps value, alternating
     rounds, the same greedy tokens on each, ratios against the first."""
     r = _run("bench_multi_step.py", tmp_path, "--steps=1,4", "--rounds=2", png=False)
     assert r["steps"] == [1, 4] and len(r["rounds"]) == 2 and r["concurrency"] == 4

@@ -1,4 +1,4 @@
-"""scripts/bench_serving.py and its helpers: the load generator runs end to end (as a user
+"""scripts/bench/bench_serving.py and its helpers: the load generator runs end to end (as a user
 runs it, in a subprocess) against tests/fake_openai_server.py, which stands in for both
 xlaserve and llama-server with a known timing (a prefill freezes decoding for
 prefill_us_per_token per token), so what the scenarios report can be checked; the
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "scripts"))
+sys.path.insert(0, str(REPO / "scripts" / "bench"))
 
 import serving_metrics as sm  # noqa: E402
 import serving_workloads as wl  # noqa: E402
@@ -27,7 +27,7 @@ ALL = "concurrent,poisson,shared_prefix,long_during_decode"
 
 
 def _bench(out_dir: Path, *flags: str, ok: bool = True) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, str(REPO / "scripts" / "bench_serving.py"), "--smoke",
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / "bench_serving.py"), "--smoke",
            f"--out_dir={out_dir}", "--health_timeout_s=60", "--request_timeout_s=60", *flags]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=240)
     if ok:

@@ -105,9 +105,9 @@ def test_documented_flag_combinations_start_and_agree(tmp_path):
     """SmolLM2 at full size: every documented combination starts within the budget, the
     default leaves 75% of the mapping limit free, and all give the same greedy tokens.
     Through the user's persistent compilation cache: cold compiles of all three took over
-    50 minutes on a shared 2-core box (cold figures: scripts/startup_report.py, cache off)."""
+    50 minutes on a shared 2-core box (cold figures: scripts/bench/startup_report.py, cache off)."""
     out = tmp_path / "startup.json"
-    proc = subprocess.run([sys.executable, "scripts/startup_report.py", f"--out={out}",
+    proc = subprocess.run([sys.executable, "scripts/bench/startup_report.py", f"--out={out}",
                            "--combos=default,mixed,multiplexing", "--generate=4",
                            f"--compilation_cache_dir={ServerArgs().compilation_cache_dir}"],
                           capture_output=True, text=True, timeout=3600)

@@ -1,9 +1,9 @@
-"""The engine's GPU programs compiled for an H100 / H200 from this CPU (scripts/gpu_aot.py):
+"""The engine's GPU programs compiled for an H100 / H200 from this CPU (scripts/bench/gpu_aot.py):
 what their optimized HLO moves against a perfect program, and no weight-sized copies.
 
 The compile tests need jax's CUDA plugin (`pip install -e '.[cuda12]'`; `make gpu-aot`
 installs it into its own venv and runs them there); without it they skip and say so. The
-byte accounting (scripts/hlo_traffic.py) is checked on hand-written HLO everywhere.
+byte accounting (scripts/bench/hlo_traffic.py) is checked on hand-written HLO everywhere.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 import gpu_programs  # noqa: E402
 import hlo_traffic  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The GPU suite's Llama-3-8B engine programs lower for CUDA from this CPU (abstract
-shapes only: no 16 GB of weights here; the shape: scripts/gpu_shapes.py). What
-scripts/bench_engine.py compiles on the GPU:
+shapes only: no 16 GB of weights here; the shape: scripts/bench/gpu_shapes.py). What
+scripts/bench/bench_engine.py compiles on the GPU:
 the forward of its DECODE and EXTEND buckets, a split-prefill layer interval and a fused
 decode + interval program, all with the compiled Pallas kernels (Mosaic GPU in bf16).
 Lowering is where Mosaic GPU and Triton reject what they cannot express, so a kernel or
@@ -27,7 +27,7 @@ from runtime.fused_step import FusedExecutables
 from runtime.kv_pool import init_kv_pool
 from runtime.split_prefill import SplitExecutables
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 import gpu_shapes  # noqa: E402
 
 CFG = gpu_shapes.LLAMA3_8B

@@ -1,4 +1,4 @@
-"""The GPU suite (scripts/gpu_suite.py, `make gpu-check`) at --smoke size on this CPU, so
+"""The GPU suite (scripts/bench/gpu_suite.py, `make gpu-check`) at --smoke size on this CPU, so
 it cannot rot before a GPU runs it. The GPU machine's Python has jax, flax, orbax, chex,
 absl, numpy, pytest, transformers and torch only: a sitecustomize on PYTHONPATH makes
 every other package the runtime could import fail in the suite and all its sections'
@@ -44,7 +44,7 @@ def _bare_env(tmp: Path) -> dict[str, str]:
 
 def _suite(tmp: Path, *args: str, timeout: int = 1900) -> tuple[dict[str, Any], str]:
     out = tmp / "out"
-    proc = subprocess.run([sys.executable, "scripts/gpu_suite.py", "--smoke",
+    proc = subprocess.run([sys.executable, "scripts/bench/gpu_suite.py", "--smoke",
                            f"--out_dir={out}", *args], cwd=REPO, env=_bare_env(tmp),
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

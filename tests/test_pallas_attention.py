@@ -305,7 +305,7 @@ def test_llama8b_heads_lower_for_cuda(page_size):
 @pytest.mark.parametrize("bucket,splits", [((0, 0, 8, 2048), 4), ((0, 0, 64, 2048), 1),
                                            ((4096, 2, 0, 128), None)])
 def test_gpu_suite_attention_shapes_lower_for_cuda(bucket, splits):
-    """The GPU suite's attention section (scripts/bench_kernels.py as gpu_suite.py runs
+    """The GPU suite's attention section (scripts/bench/bench_kernels.py as gpu_suite.py runs
     it): Llama-8B heads, decode at 32k context in batches of 8 (with the KV splits an
     H200's default picks: 2 x 132 SMs / 64 programs) and 64, and a 2 x 2048 prefill."""
     cfg = dataclasses.replace(SMOLLM2, **LLAMA8B_HEADS)

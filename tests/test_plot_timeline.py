@@ -1,4 +1,4 @@
-"""scripts/plot_timeline.py: the lanes it reads from a trace file, and the PNG it writes."""
+"""scripts/bench/plot_timeline.py: the lanes it reads from a trace file, and the PNG it writes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from runtime.perfetto import write_chrome_trace
 from tests.trace_utils import make_record
 
 REPO = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("plot_timeline", REPO / "scripts" /
+_spec = importlib.util.spec_from_file_location("plot_timeline", REPO / "scripts" / "bench" /
                                                "plot_timeline.py")
 plot_timeline = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(plot_timeline)
@@ -54,7 +54,7 @@ def test_lanes_in_order_and_clipped(tmp_path):
 
 def test_plot_writes_a_png(tmp_path):
     path = _trace_file(tmp_path)
-    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "plot_timeline.py"),
+    proc = subprocess.run([sys.executable, str(REPO / "scripts" / "bench" / "plot_timeline.py"),
                            f"--trace={path}"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     png = path.with_suffix(".png").read_bytes()
@@ -62,8 +62,8 @@ def test_plot_writes_a_png(tmp_path):
 
 
 def _smoke(script: str, tmp_path: Path, *extra: str) -> None:
-    cmd = [sys.executable, str(REPO / "scripts" / script), "--smoke", f"--out_dir={tmp_path}",
-           *extra]
+    cmd = [sys.executable, str(REPO / "scripts" / "bench" / script), "--smoke",
+           f"--out_dir={tmp_path}", *extra]
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
 

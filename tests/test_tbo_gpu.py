@@ -3,7 +3,7 @@ hiding scheduler the TBO runner turns on, the compiled layer loop runs each micr
 expert-parallel all-to-all asynchronously (start/done pairs) with the other micro-batch's
 compute scheduled between start and done. That is the overlap, shown in the program; no
 timing on one CPU can show it (runtime/tbo_step.py, models/moe_overlap.py). The program
-and its reading are scripts/tbo_schedule.py's, which the GPU suite runs too."""
+and its reading are scripts/bench/tbo_schedule.py's, which the GPU suite runs too."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 from runtime.sharding import make_mesh
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
 import tbo_schedule  # noqa: E402
 
 pytestmark = pytest.mark.gpu

@@ -1,6 +1,6 @@
 """The two-batch-overlap program's compiled schedule (docs/tbo.md): the GPU suite's TBO part.
 
-    python scripts/tbo_schedule.py --out=tbo_schedule.json
+    python scripts/bench/tbo_schedule.py --out=tbo_schedule.json
 
 tiny-moe's TBO layer loop (models/moe_overlap.py; a 32-row decode batch per micro-batch)
 is compiled for this machine with the TBO executables' compiler options
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 

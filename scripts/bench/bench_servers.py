@@ -1,5 +1,5 @@
 """Servers the serving benchmarks start, measure and stop: xlaserve's scripts/serve.py with
-a flag set, or llama.cpp's llama-server (scripts/llama_peer.py), or one already running.
+a flag set, or llama.cpp's llama-server (scripts/bench/llama_peer.py), or one already running.
 
 A target is launched as a subprocess on a free 127.0.0.1 port with its log in the output
 folder; the benchmark waits for GET /health = 200 (both servers answer 503 while they
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from serving_client import ClientError, check_loopback, wait_healthy
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """How fast a decode step can read its layer weights, by how the layers are laid out: the
 question behind the runtime's per_layer_weights default on a GPU. Writes JSON.
 
-    python scripts/bench_layer_weights.py --out=layers.json            # GPU (8B shapes)
-    .venv/bin/python scripts/bench_layer_weights.py --smoke --out=/tmp/lw.json  # CPU check
+    python scripts/bench/bench_layer_weights.py --out=layers.json            # GPU (8B shapes)
+    .venv/bin/python scripts/bench/bench_layer_weights.py --smoke --out=/tmp/lw.json  # CPU check
 
 The runtime scans one layer body over the stacked weights [L, ...], the layer index
 traced (models/layers.py `_layer_body`), unless per_layer_weights keeps one buffer per

@@ -1,7 +1,7 @@
 """llama.cpp's llama-server as the CPU peer: where `make peers` put it, the GGUF files it
 serves, and how it is started.
 
-    .venv/bin/python scripts/check_llama_peer.py --out_dir=bench_out   # write the GGUFs,
+    .venv/bin/python scripts/bench/check_llama_peer.py --out_dir=bench_out   # write the GGUFs,
         # then compare llama-server's greedy output with xlaserve's on a few chat prompts
 
 Three model files:

@@ -1,7 +1,7 @@
 """Offline throughput of Engine.generate, side by side with transformers in the same run.
 
-    .venv/bin/python scripts/bench_offline.py --out_dir=bench_out      # several minutes
-    .venv/bin/python scripts/bench_offline.py --smoke --out_dir=/tmp/bo # tiny model, seconds
+    .venv/bin/python scripts/bench/bench_offline.py --out_dir=bench_out      # several minutes
+    .venv/bin/python scripts/bench/bench_offline.py --smoke --out_dir=/tmp/bo # tiny model, seconds
 
 Workloads (greedy, EOS ignored, so every request makes exactly the tokens asked for):
   throughput     --num_prompts random-token prompts of --input_len tokens, --output_len

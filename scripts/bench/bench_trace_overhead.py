@@ -1,7 +1,7 @@
 """Offline throughput with the execution trace on and off, side by side in one process.
 
-    .venv/bin/python scripts/bench_trace_overhead.py --out_dir=bench_out
-    .venv/bin/python scripts/bench_trace_overhead.py --smoke --num_prompts=4 --input_len=16 \
+    .venv/bin/python scripts/bench/bench_trace_overhead.py --out_dir=bench_out
+    .venv/bin/python scripts/bench/bench_trace_overhead.py --smoke --num_prompts=4 --input_len=16 \
         --output_len=40 --rounds=40 --out_dir=/tmp/bt   # tiny model: ~1 ms, host-bound steps
 
 Two engines share one ModelRunner (same executables, same weights): one records the trace

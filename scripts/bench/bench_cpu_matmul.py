@@ -1,8 +1,8 @@
 """Per-op time of the CPU packed matmul (cpu_kernels) at one decoder's exact shapes, f32
 and bf16 side by side: the matmuls of a decode step, by shape.
 
-    nice -n 19 .venv/bin/python scripts/bench_cpu_matmul.py --out_dir=bench_out/cpu_matmul
-    nice -n 19 .venv/bin/python scripts/bench_cpu_matmul.py --rows=1,32 --rounds=21
+    nice -n 19 .venv/bin/python scripts/bench/bench_cpu_matmul.py --out_dir=bench_out/cpu_matmul
+    nice -n 19 .venv/bin/python scripts/bench/bench_cpu_matmul.py --rows=1,32 --rounds=21
 
 The shapes are llama.pack_for_cpu's fused calls of SmolLM2-135M by default (--hidden etc.
 for another model): qkv [D, (Hq + 2 Hkv) Dh], wo [Hq Dh, D], gate_up [D, 2 F], down [F, D],

@@ -2,8 +2,8 @@
 mode compiles, what each one cost (compile seconds, memory mappings, resident MB), the
 warm-up time, and the process's mappings and resident memory once warm.
 
-    .venv/bin/python scripts/startup_report.py --out=/tmp/startup.json
-    .venv/bin/python scripts/startup_report.py --combos=default,mixed --generate=8
+    .venv/bin/python scripts/bench/startup_report.py --out=/tmp/startup.json
+    .venv/bin/python scripts/bench/startup_report.py --combos=default,mixed --generate=8
 
 Every combination starts in a fresh subprocess (a process's mappings are what the limit
 counts, so combinations must not share one). --generate runs greedy prompts through each

@@ -1,10 +1,10 @@
 """Latency of one forward per mode and bucket: ModelRunner.launch(batch).result().
 
-    .venv/bin/python scripts/bench_one_batch.py --out_dir=bench_out
-    .venv/bin/python scripts/bench_one_batch.py --tiny --out_dir=/tmp/b1   # seconds
-    .venv/bin/python scripts/bench_one_batch.py --variants=packed+cpu,xla+xla  # side by side
+    .venv/bin/python scripts/bench/bench_one_batch.py --out_dir=bench_out
+    .venv/bin/python scripts/bench/bench_one_batch.py --tiny --out_dir=/tmp/b1   # seconds
+    .venv/bin/python scripts/bench/bench_one_batch.py --variants=packed+cpu,xla+xla  # side by side
     XLA_FLAGS=--xla_force_host_platform_device_count=4 \
-      .venv/bin/python scripts/bench_one_batch.py --model=tiny-moe --ep=4  # on a mesh
+      .venv/bin/python scripts/bench/bench_one_batch.py --model=tiny-moe --ep=4  # on a mesh
 
 Each point is a synthetic batch (fake requests with their own pages; the KV pool holds
 zeros, which costs the same as real K/V) timed over --iters calls after --warmup calls:
@@ -14,7 +14,7 @@ zeros, which costs the same as real K/V) timed over --iters calls after --warmup
 The buckets are the server's (runtime.engine_setup.runner_config), so each point runs
 the executable a server would run for that batch; --decode_buckets / --extend_buckets
 pad the points into given buckets instead (what padding costs:
-    .venv/bin/python scripts/bench_one_batch.py --decode_batches=16,17,32 \
+    .venv/bin/python scripts/bench/bench_one_batch.py --decode_batches=16,17,32 \
       --decode_buckets=16,32 --extend_tokens=300,512 --extend_buckets=512).
 The machine's roofline is measured in the same run, and every point reports the
 fraction of the compute bound (useful FLOPs / f32 matmul peak) and of the memory bound
@@ -24,11 +24,11 @@ per pair and times each point on them back to back; the table gives each one's s
 over the last pair.
 --model takes anything ServerArgs.model does (a preset such as tiny-moe too); --tp / --ep
 put the runner on a mesh (on a CPU host the devices are XLA_FLAGS' fakes). The MoE layer's
-per-op split (dispatch, exchange, experts, combine) is scripts/bench_moe_ops.py.
+per-op split (dispatch, exchange, experts, combine) is scripts/bench/bench_moe_ops.py.
 A variant may end in `+tbo`: two-batch overlap on, at every point (tbo_min_tokens 1, so
 the crossover shows), e.g. on the 4 fake devices of one CPU:
     XLA_FLAGS=--xla_force_host_platform_device_count=4 .venv/bin/python \
-      scripts/bench_one_batch.py --model=tiny-moe --ep=4 --variants=xla+xla+tbo,xla+xla
+      scripts/bench/bench_one_batch.py --model=tiny-moe --ep=4 --variants=xla+xla+tbo,xla+xla
 With any +tbo variant every variant scans the stacked weights (per_layer_weights off),
 so the ratio is TBO's alone. `+switch` / `+stacked` pick the layer loop's weights: per-
 layer buffers behind a lax.switch, or the stacked tree (packed matrices read in place at

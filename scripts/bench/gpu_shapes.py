@@ -1,4 +1,4 @@
-"""The model shape the GPU suite serves with random weights (scripts/bench_engine.py) and
+"""The model shape the GPU suite serves with random weights (scripts/bench/bench_engine.py) and
 whose CUDA lowering tests/test_gpu_lowering.py checks from the CPU. No absl flags here, so
 a test can import it beside other scripts without their flags colliding."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from runtime.config import ModelConfig  # noqa: E402
 
 # Llama-3-8B (Meta-Llama-3-8B config.json): the shape only, weights are random.

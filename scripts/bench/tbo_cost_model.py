@@ -1,6 +1,6 @@
 """Expected two-batch-overlap gain on GPUs, from a per-layer cost model (docs/tbo.md).
 
-    .venv/bin/python scripts/tbo_cost_model.py --out_dir=/tmp/tbo
+    .venv/bin/python scripts/bench/tbo_cost_model.py --out_dir=/tmp/tbo
 
 Per MoE layer and device, with n tokens on the device:
   compute(n) = max(n * flops_per_token / (peak * mfu), weight_bytes / hbm)   matmuls

@@ -4,12 +4,12 @@ SGLang-native streaming server, every streamed chunk's arrival recorded.
     # the ITL / TTFT frontier: xlaserve started with each config in turn (the default
     # configs: plain, chunked at 128 and 512, chunked + mixed, multiplexing), long prompts
     # during decode
-    .venv/bin/python scripts/bench_serving.py --out_dir=bench_out
+    .venv/bin/python scripts/bench/bench_serving.py --out_dir=bench_out
     # the same load against a server already running on this machine
-    .venv/bin/python scripts/bench_serving.py --base_url=http://127.0.0.1:30000 \
+    .venv/bin/python scripts/bench/bench_serving.py --base_url=http://127.0.0.1:30000 \
         --scenarios=poisson,concurrent
     # xlaserve's defaults and llama-server (F32 and Q4_1, `make peers`) side by side
-    .venv/bin/python scripts/bench_serving.py --config=default= --peers=f32,q4_1 \
+    .venv/bin/python scripts/bench/bench_serving.py --config=default= --peers=f32,q4_1 \
         --scenarios=concurrent,poisson
 
 Scenarios (--scenarios, each run on every target in turn):
@@ -27,7 +27,7 @@ Scenarios (--scenarios, each run on every target in turn):
                       the long prompts' TTFT, one point per configuration.
   constrained         --concurrency at once, --constrained_share of them JSON-schema
                       constrained (--backend=generate); schema_ttft: TTFT of a new schema
-                      against a cached one (scripts/serving_structured.py).
+                      against a cached one (scripts/bench/serving_structured.py).
 Requests are greedy with EOS ignored (every request makes the tokens asked for); prompts
 are random token ids (or --prompt_kind=words), generated locally. Only loopback servers
 may be targeted; every loop is bounded by a request count and a timeout. Writes

@@ -2,7 +2,7 @@
 chat prompts (the same token ids, rendered with xlaserve's chat template) from both
 servers, compared token by token.
 
-    .venv/bin/python scripts/check_llama_peer.py --out_dir=bench_out     # ~1 minute
+    .venv/bin/python scripts/bench/check_llama_peer.py --out_dir=bench_out     # ~1 minute
 
 The F32 and BF16 GGUFs are written from xlaserve's own weights with llama.cpp's Q/K row
 order: a wrong permutation garbles attention and the texts part within a token or two.

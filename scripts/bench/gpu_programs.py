@@ -1,11 +1,11 @@
 """The engine's own GPU programs, compiled for an H100 / H200 on a machine without one.
 
 XLA's GPU compiler runs here when it is given the target's description (a
-GpuTargetConfigProto: scripts/gpu_targets/): `compile_only_mesh` is a mesh of such
+GpuTargetConfigProto: scripts/bench/gpu_targets/): `compile_only_mesh` is a mesh of such
 compile-only devices. `abstract_runner` builds a real ModelRunner whose weights, KV pool
 and slot state are shapes only (jax.eval_shape: an 8B model costs no memory), so the
 programs compiled are the runner's own (`ModelRunner._lowerings`), placed on that mesh.
-No absl flags here: scripts/gpu_aot.py is the command line, tests/test_gpu_aot.py the check.
+No absl flags here: scripts/bench/gpu_aot.py is the command line, tests/test_gpu_aot.py the check.
 
 Needs jax's CUDA plugin (`pip install -e '.[cuda12]'`, see `gpu_plugin_missing`) and
 JAX_PLATFORMS=cpu set before jax is imported: the plugin then registers its compiler
@@ -22,7 +22,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 TARGET_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpu_targets")
 # GpuTargetConfigProto text per target, trimmed from openxla/xla's

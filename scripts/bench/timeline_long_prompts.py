@@ -1,8 +1,9 @@
 """The long-prompts-during-decode scenario, traced: a PNG timeline and the trace JSON.
 
-    .venv/bin/python scripts/timeline_long_prompts.py --out_dir=docs/timeline
-    .venv/bin/python scripts/timeline_long_prompts.py --set=enable_mixed_chunk=true --label=mixed
-    .venv/bin/python scripts/timeline_long_prompts.py --smoke --out_dir=/tmp/tl   # tiny model
+    .venv/bin/python scripts/bench/timeline_long_prompts.py --out_dir=docs/timeline
+    .venv/bin/python scripts/bench/timeline_long_prompts.py --set=enable_mixed_chunk=true \
+        --label=mixed
+    .venv/bin/python scripts/bench/timeline_long_prompts.py --smoke --out_dir=/tmp/tl   # tiny model
 
 --num_streams requests decode; once they have run --long_after_steps decode steps,
 --long_prompts prompts of --long_len tokens arrive. The timeline shows what the decode

@@ -1,10 +1,10 @@
 """The engine end to end on random weights at a real model's shape: start-up, output
 throughput at several concurrencies, and inter-token latency while a long prompt
 prefills (plain path, multiplexing with two calls, multiplexing fused). The GPU suite's
-engine section (scripts/gpu_suite.py); no checkpoint, tokenizer or network needed.
+engine section (scripts/bench/gpu_suite.py); no checkpoint, tokenizer or network needed.
 
-    python scripts/bench_engine.py --out=bench_engine.json           # Llama-3-8B, bf16
-    .venv/bin/python scripts/bench_engine.py --smoke --out=/tmp/be.json   # tiny, CPU
+    python scripts/bench/bench_engine.py --out=bench_engine.json           # Llama-3-8B, bf16
+    .venv/bin/python scripts/bench/bench_engine.py --smoke --out=/tmp/be.json   # tiny, CPU
 
 Weights are drawn by one jitted program on the device (16 GB for Llama-3-8B bf16 never
 touch the host). Prompts are token ids. Two runners share those weights, each with the

@@ -1,7 +1,7 @@
 """PNG timeline of a run from its execution-trace Chrome JSON.
 
-    .venv/bin/python scripts/plot_timeline.py --trace=/tmp/tr/execution_trace_123_0000.json
-    .venv/bin/python scripts/plot_timeline.py --trace=run.json --out=run.png --start_ms=200 \\
+    .venv/bin/python scripts/bench/plot_timeline.py --trace=/tmp/tr/execution_trace_123_0000.json
+    .venv/bin/python scripts/bench/plot_timeline.py --trace=run.json --out=run.png --start_ms=200 \\
         --end_ms=900 --max_request_lanes=8
 
 The input is what `--trace_dir`, `POST /stop_profile` or

@@ -1,9 +1,9 @@
 """Multi-step decode side by side: one engine per --steps value (serve.py's
 --num_scheduler_steps), the same weights, run in alternating rounds in one process.
 
-    .venv/bin/python scripts/bench_multi_step.py --out_dir=bench_out \
+    .venv/bin/python scripts/bench/bench_multi_step.py --out_dir=bench_out \
         --dtype=bfloat16 --compress_weights --steps=1,4 --rounds=12
-    .venv/bin/python scripts/bench_multi_step.py --smoke --out_dir=/tmp/ms   # seconds
+    .venv/bin/python scripts/bench/bench_multi_step.py --smoke --out_dir=/tmp/ms   # seconds
 
 Each round runs, on every engine in turn: one greedy stream (decode tok/s: tokens after
 the first over their time, bench_offline's measure) and, with --concurrency > 1, that many

@@ -2,11 +2,11 @@
 
 On the GPU (H200 defaults; no network needed, a few minutes):
 
-    .venv/bin/python scripts/bench_kernels.py --out=bench_kernels.json
+    .venv/bin/python scripts/bench/bench_kernels.py --out=bench_kernels.json
 
 On the CPU, tiny sizes and interpret mode, to check the script end to end:
 
-    .venv/bin/python scripts/bench_kernels.py --smoke --out=/tmp/bench_kernels_smoke.json
+    .venv/bin/python scripts/bench/bench_kernels.py --smoke --out=/tmp/bench_kernels_smoke.json
 
 Sections (--sections picks them), each recorded even when another fails (a failure is
 an entry in "errors"), the JSON rewritten after each one so a run cut short keeps them:
@@ -41,7 +41,7 @@ import numpy as np
 from absl import app, flags
 from jax import lax
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pallas_kernels.ragged_paged_attention import (  # noqa: E402
     paged_attention,

@@ -2,11 +2,11 @@
 and report, per program, what its optimized HLO moves through device memory against what
 a perfect program must move. Predictions from the compiled programs, not timings.
 
-    JAX_PLATFORMS=cpu python scripts/gpu_aot.py --target=h100 --json=out/h100.json
+    JAX_PLATFORMS=cpu python scripts/bench/gpu_aot.py --target=h100 --json=out/h100.json
     make gpu-aot        # DECODE at 1 / 32 / 128 rows, Llama-3-8B shapes, H100 and H200
 
 Per program (one JSON record each, and a table on stdout):
-  bytes          bytes its kernels read and write (scripts/hlo_traffic.py: loop trip counts
+  bytes          bytes its kernels read and write (scripts/bench/hlo_traffic.py: loop trip counts
                  multiplied in, Pallas attention at the modelled KV read)
   perfect_bytes  weights read once (the embedding's gathered rows only) + the KV read by
                  its rows at --context tokens each + the KV it writes + its inputs and outputs
@@ -38,7 +38,7 @@ from absl import app, flags  # noqa: E402
 FLAGS = flags.FLAGS
 flags.DEFINE_enum("target", "h100", sorted(gpu_programs.TARGETS), "GPU to compile for")
 flags.DEFINE_string("json", None, "write one JSON record per program here")
-flags.DEFINE_enum("model", "8b", ["8b"], "model shape (scripts/gpu_shapes.py)")
+flags.DEFINE_enum("model", "8b", ["8b"], "model shape (scripts/bench/gpu_shapes.py)")
 flags.DEFINE_list("rows", ["1", "32", "128"], "decode buckets (rows) of the plan")
 flags.DEFINE_string("programs", r"^decode/", "regex over program names to compile")
 flags.DEFINE_list("layers", ["default"], "layer weight layouts to compile: default (the "

@@ -1,26 +1,26 @@
 """`make gpu-check`: what one NVIDIA GPU can tell about xlaserve, in one command, within
 8 minutes, without network (docs/gpu_suite.md).
 
-    python scripts/gpu_suite.py --out_dir=$OUT          # on the GPU machine, from the repo
-    .venv/bin/python scripts/gpu_suite.py --smoke --out_dir=/tmp/gs   # tiny, on a CPU
+    python scripts/bench/gpu_suite.py --out_dir=$OUT          # on the GPU machine, from the repo
+    .venv/bin/python scripts/bench/gpu_suite.py --smoke --out_dir=/tmp/gs   # tiny, on a CPU
 
 Sections, in this order, each one subprocess of an existing script with its own time
 budget:
-  kernels    scripts/bench_kernels.py --sections=correctness: the Pallas kernels against
+  kernels    scripts/bench/bench_kernels.py --sections=correctness: the Pallas kernels against
              their jnp twin on the device, decode / extend / mixed, bf16 and f32, max error
-  attention  scripts/bench_kernels.py --sections=roofline,decode,prefill: decode attention
+  attention  scripts/bench/bench_kernels.py --sections=roofline,decode,prefill: decode attention
              HBM bandwidth at 8k and 32k context (Llama-8B heads) against 4.8 TB/s and
              jax.nn.dot_product_attention, prefill attention TFLOP/s
-  layers     scripts/bench_layer_weights.py: the layer loop's weight reads at 8B shapes,
+  layers     scripts/bench/bench_layer_weights.py: the layer loop's weight reads at 8B shapes,
              stacked weights dynamically sliced (the GPU default) against one buffer per
              layer behind a lax.switch and an unrolled loop
-  tbo        scripts/tbo_schedule.py: the TBO program's compiled schedule (async all-to-all
+  tbo        scripts/bench/tbo_schedule.py: the TBO program's compiled schedule (async all-to-all
              pairs with the other micro-batch's compute between them; 2+ GPUs)
-  engine     scripts/bench_engine.py: the engine on random Llama-3-8B-shaped bf16 weights:
+  engine     scripts/bench/bench_engine.py: the engine on random Llama-3-8B-shaped bf16 weights:
              start-up, output throughput at 1 / 32 / 128 concurrent, ITL while a long
              prompt prefills (plain, multiplexing two-call and fused), throughput again
              with per-layer weight buffers
-  sweep      scripts/bench_kernels.py --sweep: Mosaic tuning knobs side by side with the
+  sweep      scripts/bench/bench_kernels.py --sweep: Mosaic tuning knobs side by side with the
              defaults on three decode shapes (whatever time the others left)
 Why subprocesses: a hung compile is killed at its budget and the suite goes on; a crash
 (a kernel fault, an out-of-memory) loses that section only; every section gets the
@@ -49,7 +49,7 @@ from typing import Any
 
 from absl import app, flags
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = REPO / "scripts"
 
 FLAGS = flags.FLAGS

@@ -1,8 +1,8 @@
 """Time of the CPU paged attention kernels (cpu_kernels) at one model's head shapes: decode
 rows and prefill (extend) prompts, f32 and bf16 pages.
 
-    nice -n 19 .venv/bin/python scripts/bench_cpu_attention.py --out_dir=bench_out/cpu_attn
-    .venv/bin/python scripts/bench_cpu_attention.py --decode=32:256 --extend=2048 --iters=20
+    nice -n 19 .venv/bin/python scripts/bench/bench_cpu_attention.py --out_dir=bench_out/cpu_attn
+    .venv/bin/python scripts/bench/bench_cpu_attention.py --decode=32:256 --extend=2048 --iters=20
 
 Each timed call is one jitted program that runs the kernel over every layer of the pool in
 turn (a fori_loop, each layer's output the next layer's query), as a forward does: each

@@ -1,7 +1,7 @@
 """Per-op latency of one MoE layer (models/moe.py) at EP=1 and EP=N, side by side.
 
-    .venv/bin/python scripts/bench_moe_ops.py --out_dir=bench_out
-    .venv/bin/python scripts/bench_moe_ops.py --eps=1,4 --tokens=8,64,512 --iters=20
+    .venv/bin/python scripts/bench/bench_moe_ops.py --out_dir=bench_out
+    .venv/bin/python scripts/bench/bench_moe_ops.py --eps=1,4 --tokens=8,64,512 --iters=20
 
 The layer is the tiny-moe preset's layer 0 (or --model: any HF MoE folder), on random
 tokens. Each stage is its own jitted program (under shard_map over `ep` when EP > 1), fed

@@ -12,8 +12,8 @@ A decode token reads every weight once (llama-server: its GGUF's bytes; xlaserve
 weights as the packed path holds them: panels and scales) plus the row's cached K/V, so
 bytes / token x tok/s over the round's measured read bandwidth is the share of the bound.
 
-  .venv/bin/python scripts/bench_dtypes.py --out_dir=bench_out/dtypes
-  .venv/bin/python scripts/bench_dtypes.py --smoke --out_dir=/tmp/bd  # tiny model, no peers
+  .venv/bin/python scripts/bench/bench_dtypes.py --out_dir=bench_out/dtypes
+  .venv/bin/python scripts/bench/bench_dtypes.py --smoke --out_dir=/tmp/bd  # tiny model, no peers
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_common as bc  # noqa: E402
 import offline_peers  # noqa: E402
