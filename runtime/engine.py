@@ -26,7 +26,7 @@ from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
 from runtime.dp_attention import DPScheduler
 from runtime.engine_info import EngineInfo
-from runtime.engine_setup import RunnerSetup, load_model
+from runtime.engine_setup import RunnerSetup, load_model, platform
 from runtime.exec_trace import ExecutionTrace
 from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import LaunchedForward, ModelRunner, PendingStep
@@ -168,6 +168,7 @@ class Engine:
             if args.node_rank != 0:
                 raise ValueError(f"node_rank={args.node_rank}: only rank 0 runs an engine; "
                                  "the other ranks run multihost.run_follower")
+            args.validate(platform(args))  # what this machine cannot run, before loading
             leader = multihost.Leader(args) if args.nnodes > 1 else None
             if model is None:
                 model_cfg, params, tokenizer = load_model(args)

@@ -45,7 +45,7 @@ def default_dtype(args: ServerArgs) -> str:
 
 
 def on_mesh(args: ServerArgs) -> bool:
-    return args.dp * args.tp * args.ep > 1
+    return args.on_mesh
 
 
 def _cpu_kernels_off(args: ServerArgs) -> str | None:
