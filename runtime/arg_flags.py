@@ -59,7 +59,11 @@ def args_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> ServerArgs:
         value, kind = flag_values[f.name].value, _flag_type(hints[f.name])
         optional = isinstance(hints[f.name], types.UnionType)
         if typing.get_origin(kind) is tuple:
-            value = tuple(int(v) for v in value) if value else None
+            try:
+                value = tuple(int(v) for v in value) if value else None
+            except ValueError:
+                raise ValueError(f"--{f.name}={','.join(value)}: expected comma-separated "
+                                 "integers") from None
         elif optional and value == "":
             value = None
         if f.metadata["parse"] is not None:

@@ -38,7 +38,7 @@ def main(argv: list[str]) -> None:
     try:
         args = args_from_flags()
     except ValueError as e:  # a usage error before anything loads, naming the flags
-        raise app.UsageError(str(e)) from e
+        sys.exit(f"{e}\nSee --help for the flags.")
     multihost.initialize(args)  # before anything starts a JAX backend
     if args.node_rank > 0:  # a follower: no HTTP, it replays rank 0's steps
         sys.exit(multihost.run_follower(args))

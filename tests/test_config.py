@@ -45,6 +45,9 @@ def test_flag_values_become_field_values():
     assert args.served_model_name == "m"
     with pytest.raises(flags.IllegalFlagValueError):
         _parse("--attention_backend=cuda")
+    with pytest.raises(ValueError, match="--decode_buckets=1,x: expected comma-separated "
+                                         "integers"):
+        _parse("--decode_buckets=1,x")
 
 
 @pytest.mark.parametrize(("kw", "message"), [
