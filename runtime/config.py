@@ -10,6 +10,14 @@ import dataclasses
 import json
 from typing import Any
 
+from runtime.server_args import ServerArgs
+
+__all__ = ["CacheConfig", "ModelConfig", "RopeScaling", "RunnerConfig", "SchedulerConfig",
+           "ServerArgs"]
+
+# The defaults that SchedulerConfig and CacheConfig share with the server's options.
+_ARGS = ServerArgs()
+
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
@@ -166,7 +174,7 @@ def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
 class CacheConfig:
     """Paged KV pool geometry. Page 0 is reserved as the write target of padding tokens."""
 
-    page_size: int = 16
+    page_size: int = _ARGS.page_size
     num_pages: int = 1024
 
     @property
@@ -193,16 +201,32 @@ class SchedulerConfig:
     """
 
     cache: CacheConfig = CacheConfig()
-    max_running_requests: int = 256
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: int | None = 2048
-    max_extend_seqs: int = 64
-    enable_mixed_chunk: bool = False
-    schedule_policy: str = "fcfs"
-    disable_prefix_cache: bool = False
-    overlap: bool = False
+    max_running_requests: int = _ARGS.max_running_requests
+    max_prefill_tokens: int = _ARGS.max_prefill_tokens
+    chunked_prefill_size: int | None = _ARGS.chunked_prefill_size
+    max_extend_seqs: int = _ARGS.max_extend_seqs
+    enable_mixed_chunk: bool = _ARGS.enable_mixed_chunk
+    schedule_policy: str = _ARGS.schedule_policy
+    disable_prefix_cache: bool = _ARGS.disable_prefix_cache
+    overlap: bool = not _ARGS.disable_overlap_schedule
     max_context_len: int | None = None
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int = _ARGS.num_scheduler_steps
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs, cache: CacheConfig, max_context_len: int,
+                         dp: int = 1) -> SchedulerConfig:
+        """One scheduler's config: `cache` is its pool (one dp rank's share under
+        data-parallel attention, which also splits max_running_requests over the ranks);
+        max_context_len is the runner's longest sequence."""
+        return cls(cache=cache, max_running_requests=args.max_running_requests // dp,
+                   max_prefill_tokens=args.max_prefill_tokens,
+                   chunked_prefill_size=args.chunked_prefill_size,
+                   max_extend_seqs=args.max_extend_seqs,
+                   enable_mixed_chunk=args.enable_mixed_chunk,
+                   schedule_policy=args.schedule_policy,
+                   disable_prefix_cache=args.disable_prefix_cache,
+                   overlap=not args.disable_overlap_schedule, max_context_len=max_context_len,
+                   num_scheduler_steps=args.num_scheduler_steps)
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):
@@ -233,19 +257,24 @@ class RunnerConfig:
         x kv_len_buckets
     kv_len_buckets bound the page-table width, so a short batch never gathers the
     pages a long context would need.
+
+    The server derives every field from ServerArgs (engine_setup.runner_config). Fields
+    that ServerArgs resolves at start-up (dtype, backends, buckets, per_layer_weights,
+    max_top_logprobs, split_min_tokens, tbo_min_tokens) default here to the smallest
+    program, for runners that tests build directly; the others share ServerArgs' default.
     """
 
     dtype: str = "float32"
     # The KV pool's dtype; "auto": the weights' dtype (SGLang's --kv_cache_dtype).
-    kv_cache_dtype: str = "auto"
+    kv_cache_dtype: str = _ARGS.kv_cache_dtype
     attention_backend: str = "xla"
     decode_buckets: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     extend_token_buckets: tuple[int, ...] = (64, 256, 512)
     extend_seq_buckets: tuple[int, ...] = (1, 4)
     kv_len_buckets: tuple[int, ...] = (256, 1024, 8192)
-    enable_mixed: bool = False
+    enable_mixed: bool = _ARGS.enable_mixed_chunk
     max_top_logprobs: int = 0
-    strict_compile: bool = False
+    strict_compile: bool = _ARGS.strict_compile
     # Keep layer weights as separate per-layer buffers picked by lax.switch instead of
     # slicing the stacked arrays (models.llama.run_layers): XLA CPU copies every slice
     # for its dot (the packed kernel reads the stack in place: default_per_layer_weights).
@@ -254,28 +283,28 @@ class RunnerConfig:
     # int8 (`quantization`), activations float32 between ops; CPU only); "xla": XLA's dot.
     cpu_matmul: str = "xla"
     # Compile SPLIT_PREFILL executables (runtime/split_prefill.py) for every extend bucket.
-    enable_split_prefill: bool = False
+    enable_split_prefill: bool = _ARGS.enable_split_prefill
     # An interval size compiled besides the even sizes to 8 and the depth (fixed k).
-    split_prefill_layers: int | None = None
+    split_prefill_layers: int | None = _ARGS.split_prefill_layers
     # Compile the fused decode + interval programs (runtime/fused_step.py).
-    multiplex_fused: bool = False
+    multiplex_fused: bool = _ARGS.multiplex_fused
     # Extend buckets with fewer tokens get no split programs (they prefill whole).
     split_min_tokens: int = 0
     # "int8": weight-only int8 matrices on the packed CPU matmul (cpu_kernels.pack_int8),
     # the rest in `dtype`; None: the matrices in `dtype` too.
-    quantization: str | None = None
+    quantization: str | None = _ARGS.quantization
     # bf16 matrices on the packed CPU matmul stored in 12 bits each, losslessly
     # (cpu_kernels.pack_x12): 3/4 of bf16's bytes for a memory-bound decode step, the same
     # weights and products (the exceptions summed after them).
-    compress_weights: bool = False
+    compress_weights: bool = _ARGS.compress_weights
     # Two-batch overlap (runtime/two_batch_overlap.py, runtime/tbo_step.py): MoE batches
     # of at least tbo_min_tokens tokens run as two overlapped micro-batches.
-    enable_two_batch_overlap: bool = False
-    tbo_token_distribution_threshold: float = 0.48
+    enable_two_batch_overlap: bool = _ARGS.enable_two_batch_overlap
+    tbo_token_distribution_threshold: float = _ARGS.tbo_token_distribution_threshold
     tbo_min_tokens: int = 128
     # Decode steps of one multi-step program (runtime/multi_step.py), compiled for every
     # DECODE bucket when > 1 (vLLM's --num-scheduler-steps).
-    num_scheduler_steps: int = 1
+    num_scheduler_steps: int = _ARGS.num_scheduler_steps
 
     def __post_init__(self) -> None:
         if self.num_scheduler_steps < 1:
@@ -321,86 +350,3 @@ class RunnerConfig:
         """Hidden states' dtype between ops: float32 on the packed CPU path whatever the
         weights (its matmuls accumulate and return f32), else the weights' dtype."""
         return "float32" if self.cpu_matmul == "packed" else self.dtype
-
-
-@dataclasses.dataclass(frozen=True)
-class ServerArgs:
-    """Everything `scripts/serve.py` and `Engine` take (flag names follow SGLang's).
-
-    model: an orbax checkpoint made by scripts/convert_checkpoint.py, a GGUF file, a
-    Hugging Face folder, "default" (the embedded SmolLM2-135M-Instruct) or a preset of
-    models/registry.py ("tiny-moe": random weights, the SmolLM2 tokenizer).
-    """
-
-    model: str = "default"
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    dtype: str | None = None  # None: float32 on CPU, bfloat16 on GPU
-    kv_cache_dtype: str = "auto"  # auto: as dtype; float32 / bfloat16
-    quantization: str | None = None  # "int8": weight-only int8 matrices (RunnerConfig)
-    compress_weights: bool = False  # bf16 matrices in 12 bits, losslessly (RunnerConfig)
-    page_size: int = 16
-    max_total_tokens: int | None = None  # KV pool size in tokens; None: from mem_fraction
-    mem_fraction: float = 0.8
-    max_running_requests: int = 32
-    max_prefill_tokens: int = 512
-    chunked_prefill_size: int | None = 512
-    max_extend_seqs: int = 4
-    enable_mixed_chunk: bool = False
-    schedule_policy: str = "fcfs"
-    disable_prefix_cache: bool = False
-    disable_overlap_schedule: bool = False
-    attention_backend: str | None = None  # None: pallas on GPU, cpu where it builds, else xla
-    decode_buckets: tuple[int, ...] | None = None  # None: powers of two to max_running
-    extend_token_buckets: tuple[int, ...] | None = None  # None: from max_prefill_tokens
-    kv_len_buckets: tuple[int, ...] | None = None  # None: from the model's context
-    max_top_logprobs: int = 5
-    per_layer_weights: bool | None = None  # None: engine_setup.default_per_layer_weights
-    cpu_matmul: str | None = None  # None: packed on CPU where cpu_kernels build, else xla
-    compilation_cache_dir: str | None = "~/.cache/xlaserve/jax"
-    checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"
-    strict_compile: bool = False
-    max_queued_requests: int = 1024
-    # Device mesh (runtime/sharding.serving_mesh): tensor parallel over heads / MLP columns,
-    # expert parallel over MoE experts, data-parallel attention over dp ranks (each its own
-    # requests, KV pages and prefix cache; runtime/dp_attention.py).
-    dp: int = 1
-    tp: int = 1
-    ep: int = 1
-    # Multi-process meshes (runtime/multihost.py): nnodes processes, each `node_rank`, meet
-    # at the jax.distributed coordinator on dist_init_addr ("host:port", rank 0's host);
-    # dist_timeout bounds the start-up wait for each other, dist_heartbeat_timeout how long
-    # a silent process counts as alive (then every process stops with an error).
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    dist_timeout: int = 300
-    dist_heartbeat_timeout: int = 100
-    # Split prefill (runtime/split_prefill.py) and multiplexing (runtime/multiplexing.py).
-    enable_split_prefill: bool = False
-    enable_multiplexing: bool = False  # implies split prefill
-    split_prefill_layers: int | None = None  # None: chosen per iteration (IntervalPolicy)
-    split_prefill_min_tokens: int = 256  # smaller prefill buckets run whole, unsplit
-    multiplex_itl_target_ms: float = 0.0  # 0: multiplex_decode_slowdown x the decode step
-    multiplex_decode_slowdown: float = 3.0  # the ITL target as a multiple of the decode step
-    # Prefill first (no decode step beside it) while the decoding streams are under this
-    # fraction of the batch that the prefilling and admissible waiting requests make them,
-    # but for at most multiplex_max_stall_ms at a time (0: no bound). 0: never (the
-    # default: 0.75 fixes a burst's throughput but raised the overload ITL p99 2.5x).
-    multiplex_fill_fraction: float = 0.0
-    multiplex_max_stall_ms: float = 5000.0
-    multiplex_fused: bool = False  # one fused executable per iteration, not two calls
-    # Execution trace (runtime/exec_trace.py): steps and finished requests kept in its
-    # ring (0: off), and where the server writes Chrome trace / Perfetto JSON (None: not).
-    trace_buffer_steps: int = 4096
-    trace_dir: str | None = None
-    # Two-batch overlap (docs/tbo.md): MoE batches split into two micro-batches whose
-    # expert-parallel all_to_all overlaps the other's compute. tbo_min_tokens None: 128
-    # tokens per ep rank (smaller batches run the plain path).
-    enable_two_batch_overlap: bool = False
-    tbo_token_distribution_threshold: float = 0.48
-    tbo_min_tokens: int | None = None
-    # Decode steps per DECODE batch, run on the device in one program when no request can
-    # be admitted (runtime/multi_step.py; vLLM's --num-scheduler-steps). 1: one a batch.
-    num_scheduler_steps: int = 1

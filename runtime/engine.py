@@ -25,14 +25,15 @@ from runtime import multihost
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
 from runtime.dp_attention import DPScheduler
-from runtime.engine_setup import RunnerSetup, load_model
+from runtime.engine_info import EngineInfo
+from runtime.engine_setup import RunnerSetup, load_model, platform
 from runtime.exec_trace import ExecutionTrace
 from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import LaunchedForward, ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch
-from runtime.scheduler import ReqEvent, Scheduler
+from runtime.scheduler import ReqEvent, Scheduler, SchedulerStats
 from runtime.traced_launch import TracedStep, launch_traced, read_back
 
 if TYPE_CHECKING:  # imported with a tokenizer only: token-id engines run without `tokenizers`
@@ -167,6 +168,7 @@ class Engine:
             if args.node_rank != 0:
                 raise ValueError(f"node_rank={args.node_rank}: only rank 0 runs an engine; "
                                  "the other ranks run multihost.run_follower")
+            args.validate(platform(args))  # what this machine cannot run, before loading
             leader = multihost.Leader(args) if args.nnodes > 1 else None
             if model is None:
                 model_cfg, params, tokenizer = load_model(args)
@@ -194,19 +196,9 @@ class Engine:
         num_pages = runner.cache_cfg.num_pages // dp
         if args.max_total_tokens is not None:
             num_pages = min(num_pages, args.max_total_tokens // (dp * args.page_size) + 1)
-        config = SchedulerConfig(
-            cache=CacheConfig(page_size=runner.cache_cfg.page_size, num_pages=num_pages),
-            max_running_requests=args.max_running_requests // dp,
-            max_prefill_tokens=args.max_prefill_tokens,
-            chunked_prefill_size=args.chunked_prefill_size,
-            max_extend_seqs=args.max_extend_seqs,
-            enable_mixed_chunk=args.enable_mixed_chunk,
-            schedule_policy=args.schedule_policy,
-            disable_prefix_cache=args.disable_prefix_cache,
-            overlap=not args.disable_overlap_schedule,
-            max_context_len=runner.max_seq_len,
-            num_scheduler_steps=args.num_scheduler_steps,
-        )
+        config = SchedulerConfig.from_server_args(
+            args, CacheConfig(page_size=runner.cache_cfg.page_size, num_pages=num_pages),
+            runner.max_seq_len, dp)
         decode_fn = tokenizer.decode if tokenizer else None
         self.scheduler: Scheduler | DPScheduler = (
             Scheduler(config, eos_token_ids=eos, decode_fn=decode_fn) if dp == 1 else
@@ -221,10 +213,6 @@ class Engine:
                              f"{args.num_scheduler_steps} (it has "
                              f"{runner.cfg.num_scheduler_steps})")
         if args.enable_multiplexing or args.enable_split_prefill:
-            if args.num_scheduler_steps > 1:
-                raise ValueError("num_scheduler_steps > 1 runs in the plain step loop, not "
-                                 "with split prefill / multiplexing (their decode steps are "
-                                 "one at a time between prefill intervals)")
             if runner.split is None:
                 raise ValueError("split prefill / multiplexing need a runner compiled with "
                                  "RunnerConfig.enable_split_prefill")
@@ -242,6 +230,8 @@ class Engine:
         self._ids = itertools.count()
         self.grammars = (GrammarCache(tokenizer.backend.to_str(), self.model_cfg.vocab_size,
                                       eos) if tokenizer is not None else None)
+        self.info = EngineInfo.build(args, self.model_cfg, runner.cfg, runner.max_seq_len,
+                                     runner.num_executables, self.scheduler.config, tokenizer)
 
     # ---- requests ------------------------------------------------------------------------
 
@@ -328,6 +318,19 @@ class Engine:
                 meta["output_top_logprobs"] = list(req.output_top_logprobs)
         return RequestOutput(rid=req.rid, text=text, output_ids=list(req.output_ids),
                              finished=event.finished, delta=delta, meta_info=meta)
+
+    # ---- what changes while it runs ----------------------------------------------------
+
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats()
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return self.runner.compiles_after_warmup
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache; False (nothing done) while requests run or wait."""
+        return self.scheduler.flush_cache()
 
     # ---- profiling -----------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from runtime import sharding
 from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
 from runtime.kv_pool import kv_bytes_per_token
 from runtime.model_runner import ModelRunner
+from runtime.server_args import Platform
 
 if TYPE_CHECKING:
     from runtime.tokenizer import Tokenizer
@@ -44,7 +45,7 @@ def default_dtype(args: ServerArgs) -> str:
 
 
 def on_mesh(args: ServerArgs) -> bool:
-    return args.dp * args.tp * args.ep > 1
+    return args.on_mesh
 
 
 def _cpu_kernels_off(args: ServerArgs) -> str | None:
@@ -57,14 +58,23 @@ def _cpu_kernels_off(args: ServerArgs) -> str | None:
     return cpu_kernels.unavailable_reason()
 
 
+def platform(args: ServerArgs) -> Platform:
+    """This machine's facts that `args` depend on (ServerArgs.validate's platform); the
+    CPU kernels are asked only where they matter (on a CPU, without a mesh)."""
+    gpu = on_gpu()
+    return Platform(
+        on_gpu=gpu,
+        cpu_kernels_unavailable=None if gpu or on_mesh(args) else cpu_kernels.unavailable_reason(),
+        x12_unavailable=cpu_kernels.x12_unavailable_reason() if args.compress_weights else None)
+
+
 def _default_cpu_kernel_choice(args: ServerArgs, flag: str, value: str | None, ours: str,
                                fallback: str) -> str:
-    """An explicit value, checked if it is ours; else ours wherever it can run."""
-    reason = _cpu_kernels_off(args)
+    """An explicit value, checked against this machine; else ours wherever it can run."""
     if value is not None:
-        if value == ours and reason is not None:
-            raise ValueError(f"{flag}={ours!r} needs the CPU kernels: {reason}")
+        args.validate(platform(args))
         return value
+    reason = _cpu_kernels_off(args)
     if reason is not None and not on_gpu():
         logger.warning("%s: CPU kernels off (%s), using %s (slower)", flag, reason, fallback)
     return fallback if reason is not None else ours
@@ -78,13 +88,6 @@ def default_cpu_matmul(args: ServerArgs, model_cfg: ModelConfig | None = None) -
                     "%s)", model_cfg.architecture)
         return "xla"
     return _default_cpu_kernel_choice(args, "cpu_matmul", args.cpu_matmul, "packed", "xla")
-
-
-def _check_compress_weights(args: ServerArgs) -> bool:
-    """args.compress_weights, refused with the reason where this CPU cannot decode them."""
-    if args.compress_weights and (reason := cpu_kernels.x12_unavailable_reason()):
-        raise ValueError(f"--compress_weights: {reason}")
-    return args.compress_weights
 
 
 def default_per_layer_weights(args: ServerArgs, cpu_matmul: str,
@@ -216,17 +219,16 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
     """Buckets: decode batch sizes in powers of two up to max_running_requests; extend
     token counts in powers of four up to the largest extend batch; KV lengths in powers
     of four up to the model's context."""
+    args.validate(platform(args))
     chunk = args.chunked_prefill_size or 0
     max_extend = min(args.max_prefill_tokens, chunk) if chunk else model_cfg.max_position_embeddings
     context = model_cfg.max_position_embeddings
     page = args.page_size
     kv = args.kv_len_buckets or _powers(min(256, context), context, 4)
-    if any(b % page for b in kv):
-        raise ValueError(f"kv_len_buckets {kv} must be multiples of page_size {page}")
+    if any(b % page for b in kv):  # validate() checked given ones: these are derived
+        raise ValueError(f"kv_len_buckets {kv} (from the model's context {context}) are not "
+                         f"multiples of --page_size={page}: pass --kv_len_buckets")
     if args.dp > 1:
-        if args.max_running_requests % args.dp:
-            raise ValueError(f"dp={args.dp} must divide max_running_requests="
-                             f"{args.max_running_requests} (each rank runs its share)")
         if not args.enable_mixed_chunk:
             logger.info("dp=%d: MIXED buckets compiled (one rank may prefill while another "
                         "decodes in the same step)", args.dp)
@@ -249,7 +251,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
                            if args.per_layer_weights is None else args.per_layer_weights),
         cpu_matmul=cpu_matmul,
         quantization=args.quantization,
-        compress_weights=_check_compress_weights(args),
+        compress_weights=args.compress_weights,
         enable_split_prefill=args.enable_split_prefill or args.enable_multiplexing,
         split_prefill_layers=args.split_prefill_layers,
         multiplex_fused=args.multiplex_fused,

@@ -64,25 +64,11 @@ _LEN = struct.Struct("!Q")
 _HELLO = struct.Struct("!I32s")  # node_rank, token
 
 
-def check_args(args: ServerArgs) -> None:
-    """--nnodes / --node_rank / --dist_init_addr as a start-up error."""
-    if args.nnodes < 1:
-        raise ValueError(f"nnodes={args.nnodes} must be >= 1")
-    if not 0 <= args.node_rank < args.nnodes:
-        raise ValueError(f"node_rank={args.node_rank} must be in [0, nnodes={args.nnodes})")
-    if args.nnodes > 1:
-        addr = args.dist_init_addr or ""
-        host, _, port = addr.rpartition(":")
-        if not host or not port.isdigit():
-            raise ValueError(f"--nnodes={args.nnodes} needs --dist_init_addr=HOST:PORT (rank "
-                             f"0's address for the jax.distributed coordinator), got {addr!r}")
-
-
 def initialize(args: ServerArgs) -> None:
     """Start jax.distributed for a multi-process mesh (nothing for nnodes=1). Must run
     before anything touches a JAX backend; idempotent (a second call checks it agrees).
-    On CPU the cross-process collectives are gloo's."""
-    check_args(args)
+    On CPU the cross-process collectives are gloo's. `args` are valid (ServerArgs
+    validates --nnodes / --node_rank / --dist_init_addr when it is built)."""
     if args.nnodes == 1:
         return
     from jax._src import distributed

@@ -209,7 +209,7 @@ def test_dp_start_up_errors():
         runner(enable_split_prefill=True)
     with pytest.raises(ValueError, match="needs the MIXED buckets"):
         runner(enable_mixed=False)
-    with pytest.raises(ValueError, match="dp=3 must divide max_running_requests=8"):
+    with pytest.raises(ValueError, match="--dp=3 must divide --max_running_requests=8"):
         runner_config(ServerArgs(dp=3, max_running_requests=8), DENSE)
     assert runner_config(ServerArgs(dp=2, max_running_requests=8), DENSE).decode_buckets == (
         1, 2, 4)  # per rank

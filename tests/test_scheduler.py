@@ -406,7 +406,7 @@ def test_add_rejects_what_can_never_run():
 
 
 def test_results_must_come_back_in_step():
-    sched, _ = make()
+    sched, _ = make(overlap=False)
     sched.add(req("a", [1, 2], 4))
     sched.add(req("b", [1, 3], 4))
     sched.next_batch()

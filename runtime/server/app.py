@@ -94,13 +94,15 @@ def create_app(ctx: ServerContext) -> FastAPI:
 
 
 def model_name(args: ServerArgs) -> str:
+    """The name /v1 replies carry: --served_model_name, else from --model."""
+    if args.served_model_name:
+        return args.served_model_name
     if args.model == "default":
         return DEFAULT_MODEL_NAME
     return os.path.basename(os.path.normpath(args.model))
 
 
 def build_server(args: ServerArgs, engine_factory: Callable[[], Engine] | None = None,
-                 served_model_name: str | None = None,
                  log_level: str = "info") -> tuple[uvicorn.Server, ServerContext]:
     """The uvicorn server and its context, not started (tests run it in a thread)."""
     metrics = ServerMetrics()
@@ -111,8 +113,8 @@ def build_server(args: ServerArgs, engine_factory: Callable[[], Engine] | None =
 
     loop = EngineLoop(engine_factory or functools.partial(Engine, args), metrics,
                       on_ready=functools.partial(log_ready, args), on_fatal=on_fatal)
-    ctx = ServerContext(loop, metrics, served_model_name or model_name(args),
-                        args.api_key, args.max_queued_requests)
+    ctx = ServerContext(loop, metrics, model_name(args), args.api_key,
+                        args.max_queued_requests)
     config = uvicorn.Config(create_app(ctx), host=args.host, port=args.port,
                             log_level=log_level, access_log=False,
                             timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
@@ -120,9 +122,9 @@ def build_server(args: ServerArgs, engine_factory: Callable[[], Engine] | None =
     return holder[0], ctx
 
 
-def serve(args: ServerArgs, served_model_name: str | None = None) -> int:
+def serve(args: ServerArgs) -> int:
     """Run until SIGTERM / SIGINT; returns the process exit code."""
-    server, ctx = build_server(args, served_model_name=served_model_name)
+    server, ctx = build_server(args)
     # After its graceful shutdown uvicorn restores the handlers it found and raises the
     # signal again; the default handlers would then kill us (exit -15) or raise
     # KeyboardInterrupt. Handlers that do nothing let a clean shutdown exit 0.
@@ -136,16 +138,15 @@ def serve(args: ServerArgs, served_model_name: str | None = None) -> int:
 
 
 def log_ready(args: ServerArgs, engine: Engine) -> None:
-    runner, cfg = engine.runner, engine.runner.cfg
-    pool = engine.scheduler.config.cache
+    info = engine.info
+    cfg, pool = info.runner, info.pool
     logger.info("model %s: %s, %d layers, vocab %d, context %d, dtype %s, attention %s, "
-                "matmul %s%s", model_name(args), engine.model_cfg.architecture,
-                engine.model_cfg.num_layers, engine.model_cfg.vocab_size, runner.max_seq_len,
-                cfg.dtype, cfg.attention_backend, cfg.cpu_matmul,
+                "matmul %s%s", model_name(args), info.architecture, info.num_layers,
+                info.vocab_size, info.context_len, cfg.dtype, cfg.attention_backend, cfg.cpu_matmul,
                 f" ({cfg.quantization} weights)" if cfg.quantization else
                 " (bf16 weights in 12 bits)" if cfg.compress_weights else "")
     logger.info("compiled %d executables: decode buckets %s, extend token buckets %s, "
-                "extend seq buckets %s, kv_len buckets %s%s", runner.num_executables,
+                "extend seq buckets %s, kv_len buckets %s%s", info.num_executables,
                 cfg.decode_buckets, cfg.extend_token_buckets, cfg.extend_seq_buckets,
                 cfg.kv_len_buckets, " (+ mixed)" if cfg.enable_mixed else "")
     logger.info("KV pool: %d pages x %d tokens = %d tokens", pool.num_pages, pool.page_size,

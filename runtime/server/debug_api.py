@@ -66,7 +66,7 @@ async def start_profile(request: Request) -> dict[str, Any]:
     body = await _profile_request(request)
 
     def start(engine: Engine) -> str:
-        out = body.output_dir or engine.args.trace_dir or os.path.join(
+        out = body.output_dir or engine.info.args.trace_dir or os.path.join(
             tempfile.gettempdir(), "xlaserve_profile")
         out = os.path.abspath(os.path.expanduser(out))
         engine.start_profile(out)

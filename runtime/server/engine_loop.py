@@ -197,12 +197,12 @@ class EngineLoop:
             self._close()
             return
         self.engine = engine
-        self.metrics.stats = engine.scheduler.stats()
+        self.metrics.stats = engine.stats()
         self.metrics.trace = engine.trace
-        if engine.args.trace_dir:
-            self._trace_writer = TraceDirWriter(engine.trace, engine.args.trace_dir)
-        self.metrics.compiles_after_warmup = engine.runner.compiles_after_warmup
-        self.metrics.executables = engine.runner.num_executables
+        if engine.info.args.trace_dir:
+            self._trace_writer = TraceDirWriter(engine.trace, engine.info.args.trace_dir)
+        self.metrics.compiles_after_warmup = engine.compiles_after_warmup
+        self.metrics.executables = engine.info.num_executables
         self.ready.set()
         if self._on_ready is not None:
             self._on_ready(engine)
@@ -252,8 +252,8 @@ class EngineLoop:
                 self._publish(engine.step())
                 if self._trace_writer is not None:
                     self._trace_writer.maybe_write()
-            self.metrics.stats = engine.scheduler.stats()
-            self.metrics.compiles_after_warmup = engine.runner.compiles_after_warmup
+            self.metrics.stats = engine.stats()
+            self.metrics.compiles_after_warmup = engine.compiles_after_warmup
 
     def _take(self, block: bool) -> list[Any]:
         cmds = [self._commands.get()] if block else []

@@ -22,6 +22,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from runtime.engine import Engine, RequestOutput
+from runtime.engine_info import EngineInfo
 from runtime.grammar import GrammarError
 from runtime.metrics import ServerMetrics
 from runtime.request import SamplingParams
@@ -45,26 +46,31 @@ class ServerContext:
 
     @property
     def engine(self) -> Engine:
-        """The engine, for its immutable facts (tokenizer, vocabulary, context length)."""
+        """The engine once it is ready (503 before)."""
         loop = self.engine_loop
         if loop.engine is None or not loop.ready.is_set():
             raise unavailable(loop.status())
         return loop.engine
 
     @property
+    def info(self) -> EngineInfo:
+        """The engine's fixed facts: model, tokenizer, context and sampling limits."""
+        return self.engine.info
+
+    @property
     def tokenizer(self) -> Tokenizer:
-        tok = self.engine.tokenizer
+        tok = self.info.tokenizer
         if tok is None:
             raise APIError(400, "this model has no tokenizer: send token ids (input_ids)")
         return tok
 
     @property
     def context_len(self) -> int:
-        return self.engine.runner.max_seq_len
+        return self.info.context_len
 
     @property
     def max_top_logprobs(self) -> int:
-        return self.engine.runner.cfg.max_top_logprobs
+        return self.info.max_top_logprobs
 
 
 def unavailable(message: str) -> APIError:
@@ -82,7 +88,7 @@ def check_prompt(ctx: ServerContext, ids: Sequence[int], max_new_tokens: int | N
     if not ids:
         raise APIError(400, f"{param}: the prompt is empty (it must have at least one token)",
                        param=param, code="invalid_value")
-    vocab = ctx.engine.model_cfg.vocab_size
+    vocab = ctx.info.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise APIError(400, f"{param}: token ids {bad[:5]} are outside [0, {vocab})",
@@ -109,7 +115,7 @@ def check_sampling(ctx: ServerContext, sp: SamplingParams, names: dict[str, str]
                        f"{ctx.max_top_logprobs} (--max_top_logprobs)", param=param,
                        code="invalid_value")
     try:
-        sp.validate(ctx.engine.model_cfg.vocab_size)
+        sp.validate(ctx.info.vocab_size)
     except ValueError as e:
         m = _SAMPLING_FIELD.match(str(e))
         field = m.group(1) if m else None

@@ -21,14 +21,13 @@ VERSION = "0.1.0"
 @router.get("/get_model_info")
 async def get_model_info(request: Request) -> dict[str, Any]:
     ctx: ServerContext = request.app.state.ctx
-    engine = ctx.engine
-    return {"model_path": engine.args.model, "tokenizer_path": engine.args.model,
+    info = ctx.info
+    return {"model_path": info.args.model, "tokenizer_path": info.args.model,
             "served_model_name": ctx.model_name, "is_generation": True,
             "preferred_sampling_params": None, "weight_version": "default",
             "has_image_understanding": False, "has_audio_understanding": False,
-            "model_type": engine.model_cfg.architecture,
-            "architectures": [engine.model_cfg.architecture],
-            "context_length": ctx.context_len, "vocab_size": engine.model_cfg.vocab_size}
+            "model_type": info.architecture, "architectures": [info.architecture],
+            "context_length": info.context_len, "vocab_size": info.vocab_size}
 
 
 @router.get("/get_server_info")
@@ -36,11 +35,11 @@ async def get_server_info(request: Request) -> dict[str, Any]:
     """The server's arguments (the API key left out), as SGLang's reply carries them."""
     ctx: ServerContext = request.app.state.ctx
     engine = ctx.engine
-    args = {k: v for k, v in dataclasses.asdict(engine.args).items() if k != "api_key"}
-    stats = dataclasses.asdict(engine.scheduler.stats())
-    return {**args, "version": VERSION, "context_length": ctx.context_len,
+    args = {k: v for k, v in dataclasses.asdict(engine.info.args).items() if k != "api_key"}
+    stats = dataclasses.asdict(engine.stats())
+    return {**args, "version": VERSION, "context_length": engine.info.context_len,
             "internal_states": [{"scheduler": stats,
-                                 "compiles_after_warmup": engine.runner.compiles_after_warmup,
+                                 "compiles_after_warmup": engine.compiles_after_warmup,
                                  "grammar_cache": _grammar_stats(engine)}]}
 
 
@@ -53,7 +52,7 @@ def _grammar_stats(engine: Engine) -> dict[str, int]:
 async def flush_cache(request: Request) -> Response:
     """200 when the prefix cache was flushed, 400 (SGLang's status) while requests run."""
     ctx: ServerContext = request.app.state.ctx
-    if await ctx.engine_loop.control(lambda e: e.scheduler.flush_cache()):
+    if await ctx.engine_loop.control(lambda e: e.flush_cache()):
         return PlainTextResponse("Cache flushed.\n")
     raise APIError(400, "cache not flushed: requests are running or waiting",
                    code="server_busy")
