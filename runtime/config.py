@@ -250,6 +250,9 @@ class RunnerConfig:
     # slicing the stacked arrays (models.llama.run_layers): XLA CPU copies every slice
     # for its dot (the packed kernel reads the stack in place: default_per_layer_weights).
     per_layer_weights: bool = False
+    # One matrix for wq|wk|wv and one for w_gate|w_up (models.layers.fuse_projections):
+    # XLA GPU keeps the one-row products gemms (default_fuse_projections).
+    fuse_projections: bool = False
     # "packed": matmuls through cpu_kernels (weights packed at load, float32, bfloat16 or
     # int8 (`quantization`), activations float32 between ops; CPU only); "xla": XLA's dot.
     cpu_matmul: str = "xla"
@@ -357,6 +360,7 @@ class ServerArgs:
     kv_len_buckets: tuple[int, ...] | None = None  # None: from the model's context
     max_top_logprobs: int = 5
     per_layer_weights: bool | None = None  # None: engine_setup.default_per_layer_weights
+    fuse_projections: bool | None = None  # None: engine_setup.default_fuse_projections
     cpu_matmul: str | None = None  # None: packed on CPU where cpu_kernels build, else xla
     compilation_cache_dir: str | None = "~/.cache/xlaserve/jax"
     checkpoint_cache_dir: str = "~/.cache/xlaserve/checkpoints"

@@ -103,9 +103,13 @@ flags.DEFINE_string("checkpoint_cache_dir", _D.checkpoint_cache_dir, "where the 
 flags.DEFINE_bool("strict_compile", _D.strict_compile, "fail on any compilation after "
                   "warm-up")
 flags.DEFINE_bool("per_layer_weights", None, "layer weights as per-layer buffers picked by "
-                  "lax.switch (default: on for CPU with --cpu_matmul=xla, whose dot copies a "
-                  "slice of the stacked weights: ~1.5x faster decode there; off for the "
-                  "packed kernel, which reads the stacked weights in place)")
+                  "lax.switch (default: on wherever XLA's dot runs, GPU or CPU with "
+                  "--cpu_matmul=xla: it copies a slice of the stacked weights before each "
+                  "dot; off for the packed kernel, which reads the stacked weights in place, "
+                  "and under two-batch overlap)")
+flags.DEFINE_bool("fuse_projections", None, "wq|wk|wv and w_gate|w_up as one matrix each "
+                  "(default: on a GPU without tensor parallelism, where XLA keeps the "
+                  "one-row decode products gemms instead of writing weight-sized temporaries)")
 flags.DEFINE_enum("cpu_matmul", None, ["packed", "xla"], "CPU matmuls: our kernel over "
                   "weights packed at load, or XLA's dot (default: packed where it builds: "
                   "x86-64 with AVX-512 or AVX2 + FMA, and a C++ compiler)")
@@ -173,7 +177,8 @@ def server_args() -> ServerArgs:
         compilation_cache_dir=FLAGS.compilation_cache_dir or None,
         checkpoint_cache_dir=FLAGS.checkpoint_cache_dir, strict_compile=FLAGS.strict_compile,
         max_queued_requests=FLAGS.max_queued_requests,
-        per_layer_weights=FLAGS.per_layer_weights, cpu_matmul=FLAGS.cpu_matmul,
+        per_layer_weights=FLAGS.per_layer_weights, fuse_projections=FLAGS.fuse_projections,
+        cpu_matmul=FLAGS.cpu_matmul,
         tp=FLAGS.tp, ep=FLAGS.ep, dp=FLAGS.dp, nnodes=FLAGS.nnodes, node_rank=FLAGS.node_rank,
         dist_init_addr=FLAGS.dist_init_addr, dist_timeout=FLAGS.dist_timeout,
         dist_heartbeat_timeout=FLAGS.dist_heartbeat_timeout,

@@ -102,6 +102,32 @@ ENTRY %main (q: bf16[4,128], pool: bf16[2,64,128]) -> bf16[4,128] {
     assert t.bytes == 4 * 128 * 2 + 1000 + 4 * 128 * 2
 
 
+def test_gpu_default_layout_is_fused_per_layer_buffers_except_tbo_and_tp():
+    """What the programs below are compiled with: on a GPU one buffer per layer with
+    wq|wk|wv and w_gate|w_up fused; the stacked tree under TBO (models/moe_overlap.py
+    scans it); unfused under tensor parallelism, which a runner refuses to fuse."""
+    import jax
+
+    from models import llama
+    from runtime import engine_setup
+    from runtime.config import CacheConfig, RunnerConfig, ServerArgs
+    from runtime.model_runner import ModelRunner
+    from runtime.sharding import make_mesh
+    from tests.model_utils import TINY
+
+    args = ServerArgs()
+    assert engine_setup.default_per_layer_weights(args, "xla")
+    assert not engine_setup.default_per_layer_weights(ServerArgs(enable_two_batch_overlap=True),
+                                                      "xla")
+    assert engine_setup.default_fuse_projections(args, "xla", gpu=True)
+    assert not engine_setup.default_fuse_projections(args, "xla", gpu=False)
+    assert not engine_setup.default_fuse_projections(ServerArgs(tp=2), "xla", gpu=True)
+    with pytest.raises(ValueError, match="fuse_projections under tensor parallelism"):
+        ModelRunner(TINY, llama.init_params(TINY, jax.random.key(0)),
+                    CacheConfig(page_size=4, num_pages=8), RunnerConfig(fuse_projections=True),
+                    max_running_requests=2, mesh=make_mesh(tp=2))
+
+
 _MISSING = gpu_programs.gpu_plugin_missing()
 needs_plugin = pytest.mark.skipif(
     _MISSING is not None,
