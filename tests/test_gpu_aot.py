@@ -150,15 +150,12 @@ def _records(target: str, layers: str) -> dict[int, dict]:
 
 
 @needs_plugin
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "the GPU default scans the stacked [L, ...] weights, and XLA copies every layer's "
-    "slice before its gemm: 2.5-2.9x the perfect bytes, 96 weight copies a step "
-    "(per_layer_weights: 1.08-1.27x, docs/gpu.md); strict, so a fix shows as XPASS"))
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("target", ["h100", "h200"])
 def test_decode_reads_each_weight_once(target, rows):
-    """The runtime's GPU default layer layout: within 1.2x the perfect program's bytes
-    and no weight-sized copy."""
+    """The runtime's GPU default layer layout (one fused buffer per layer): within 1.2x
+    the perfect program's bytes and no weight-sized copy. At 128 rows the margin is thin
+    (1.198x on an H100): XLA's untuned split-K gemms write f32 partials (docs/gpu.md)."""
     r = _records(target, "default")[rows]
     assert r["weight_copies"] == 0, r
     assert r["ratio"] <= 1.2, r
