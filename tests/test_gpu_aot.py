@@ -159,3 +159,26 @@ def test_decode_reads_each_weight_once(target, rows):
     r = _records(target, "default")[rows]
     assert r["weight_copies"] == 0, r
     assert r["ratio"] <= 1.2, r
+
+
+@needs_plugin
+def test_tbo_ep8_all_to_alls_overlap_the_other_micro_batch():
+    """The TBO program (tiny-moe's layer loop, two 32-row micro-batches) compiled for eight
+    H100s (1x1x8) with the runner's TBO options: every expert-parallel all-to-all is an
+    async start/done pair, and between each start and its done the scheduled module runs
+    the other micro-batch's compute. A CPU emits only synchronous all-to-alls (the
+    micro-batches' independence there: tests/test_tbo.py)."""
+    import jax
+    import tbo_schedule
+
+    from runtime.tbo_step import compiler_options
+
+    tgt = gpu_programs.target("h100")
+    mesh = gpu_programs.compile_only_mesh(tgt, (1, 1, 8), ("dp", "tp", "ep"))
+    fwd, args = tbo_schedule.tbo_program(mesh)
+    text = jax.jit(fwd).trace(*gpu_programs.placed(args, mesh)).lower().compile(
+        compiler_options=compiler_options("gpu")).as_text()
+    report = tbo_schedule.overlap_report(text)
+    assert report["sync_all_to_all"] == 0, report
+    assert report["async_pairs"] >= 6, f"{report} (want 3 async pairs per micro-batch)"
+    assert all(report["overlapped_pairs"].values()), report

@@ -36,11 +36,16 @@ import hlo_traffic  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
+# The runner's DECODE and EXTEND steps, its multi-step decode programs and its samplers.
+PROGRAMS = r"^(decode|extend|multi_decode|sample)/"
 flags.DEFINE_enum("target", "h100", sorted(gpu_programs.TARGETS), "GPU to compile for")
 flags.DEFINE_string("json", None, "write one JSON record per program here")
 flags.DEFINE_enum("model", "8b", ["8b"], "model shape (scripts/bench/gpu_shapes.py)")
 flags.DEFINE_list("rows", ["1", "32", "128"], "decode buckets (rows) of the plan")
-flags.DEFINE_string("programs", r"^decode/", "regex over program names to compile")
+flags.DEFINE_list("extend", ["2048x1", "2048x16"], "EXTEND buckets of the plan, as "
+                  "tokens x rows")
+flags.DEFINE_integer("steps", 4, "decode steps of the multi-step programs (1: none)")
+flags.DEFINE_string("programs", PROGRAMS, "regex over program names to compile")
 flags.DEFINE_list("layers", ["default"], "layer weight layouts to compile: default (the "
                   "runtime's GPU default), stacked (lax.scan over [L, ...] slices), "
                   "per_layer (one buffer per layer behind a lax.switch); a +fused or "
@@ -57,9 +62,10 @@ def model_config(name: str):
     return {"8b": gpu_shapes.LLAMA3_8B}[name]
 
 
-def build_runner(model_cfg, layers: str, rows: list[int], kv_tokens: int):
+def build_runner(model_cfg, layers: str, rows: list[int], kv_tokens: int,
+                 extend: tuple[tuple[int, int], ...] = (), steps: int = 1):
     """The runner a GPU engine would build for these shapes (weights abstract). `layers`:
-    see --layers."""
+    see --layers; `extend`: (tokens, rows) EXTEND buckets; `steps`: multi-step decode."""
     import dataclasses
 
     from runtime import engine_setup
@@ -68,11 +74,19 @@ def build_runner(model_cfg, layers: str, rows: list[int], kv_tokens: int):
     layout, _, fuse = layers.partition("+")
     per_layer = {"default": None, "stacked": False, "per_layer": True}[layout]
     fused = {"": None, "fused": True, "unfused": False}[fuse]
+    tokens = tuple(sorted({t for t, _ in extend})) or (64,)
     args = ServerArgs(dtype="bfloat16", attention_backend="pallas", cpu_matmul="xla",
                       max_running_requests=max(rows), decode_buckets=tuple(rows),
                       kv_len_buckets=(model_cfg.max_position_embeddings,),
+                      extend_token_buckets=tokens, max_prefill_tokens=max(tokens),
+                      chunked_prefill_size=max(tokens),
+                      max_extend_seqs=max([b for _, b in extend] or [1]),
+                      num_scheduler_steps=steps,
                       per_layer_weights=per_layer, fuse_projections=fused)
     rcfg = engine_setup.runner_config(args, model_cfg)
+    if extend:  # exactly these (tokens, rows) pairs: seq buckets are crossed with tokens
+        rcfg = dataclasses.replace(rcfg, extend_seq_buckets=tuple(sorted({b for _, b in
+                                                                           extend})))
     if fused is None:  # as on a GPU (this process's backend is the CPU)
         rcfg = dataclasses.replace(rcfg, fuse_projections=engine_setup.default_fuse_projections(
             args, rcfg.cpu_matmul, gpu=True))
@@ -105,6 +119,10 @@ def perfect_bytes(runner, name: str, context: int) -> float | None:
     from runtime.kv_pool import kv_bytes_per_token
 
     keys = {key_name(k): k for k in runner.step_keys()}
+    if runner.multi is not None:  # K decode steps: K steps' worth
+        for k in runner.multi.keys:
+            if runner.multi.name(k) == name:
+                return runner.multi.steps * perfect_bytes(runner, key_name(k), context)
     if name not in keys:
         return None
     s, cfg = keys[name].shape, runner.model_cfg
@@ -155,13 +173,14 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: 
 
 
 def run(target: str, model: str, layers_list: list[str], rows: list[int], programs: str,
-        context: int, kv_tokens: int, log=print, hlo_dir: str | None = None) -> list[dict]:
+        context: int, kv_tokens: int, log=print, hlo_dir: str | None = None,
+        extend: tuple[tuple[int, int], ...] = (), steps: int = 1) -> list[dict]:
     """Compile and analyse the selected programs, one compilation at a time."""
     tgt = gpu_programs.target(target)
     mesh = gpu_programs.compile_only_mesh(tgt)
     records = []
     for layers in layers_list:
-        runner = build_runner(model_config(model), layers, rows, kv_tokens)
+        runner = build_runner(model_config(model), layers, rows, kv_tokens, extend, steps)
         with gpu_programs.compiled_pallas():
             for name, lower in runner._lowerings():
                 if not re.search(programs, name):
@@ -190,8 +209,10 @@ def main(argv: list[str]) -> None:
     del argv
     if reason := gpu_programs.gpu_plugin_missing():
         sys.exit(reason)
+    extend = tuple(tuple(int(x) for x in e.split("x")) for e in FLAGS.extend)
     records = run(FLAGS.target, FLAGS.model, FLAGS.layers, [int(r) for r in FLAGS.rows],
-                  FLAGS.programs, FLAGS.context, FLAGS.kv_tokens, hlo_dir=FLAGS.hlo_dir)
+                  FLAGS.programs, FLAGS.context, FLAGS.kv_tokens, hlo_dir=FLAGS.hlo_dir,
+                  extend=extend, steps=FLAGS.steps)
     if FLAGS.json:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
         with open(FLAGS.json, "w") as f:
