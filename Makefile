@@ -69,7 +69,7 @@ $(GPU_STAMP): pyproject.toml
 gpu-aot: $(GPU_STAMP)
 	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q -rsx tests/test_gpu_aot.py
 	for t in h100 h200; do JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/bench/gpu_aot.py \
-		--target=$$t --layers=stacked,per_layer --rows=1,32,128 \
+		--target=$$t --layers=stacked,per_layer+unfused,default --rows=1,32,128 \
 		--json=$(GPU_AOT_OUT)/$$t.json || exit 1; done
 
 # CPU-sized, ~10 minutes on 2 vCPUs: offline throughput of xlaserve f32 and bf16 at

@@ -140,6 +140,33 @@ def unstack_layers(params: dict) -> dict:
     return {**{k: v for k, v in params.items() if k != "layers"}, "layer_list": per_layer}
 
 
+# Matrices that read the same activations, fused into one along their output columns: one
+# wider product instead of two or three. On a GPU this is also what keeps a one-row decode
+# product a gemm: XLA GPU strength-reduces x [1, D] @ w [D, N] with a narrow N (Llama-3-8B's
+# wk / wv, N = 1024) into a multiply + reduce whose multiply writes a weight-sized
+# temporary, so the weight is read once and its size in bf16 written and read again.
+FUSED_PROJECTIONS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def fuse_projections(params: dict) -> dict:
+    """wq|wk|wv as `wqkv` [..., D, Hq*Dh + 2*Hkv*Dh] and w_gate|w_up as `w_gate_up`
+    [..., D, 2F] (gate columns first) where a layer has them; qkv and the dense MLP read
+    either form. Stacked or per-layer (unstack_layers) trees, XLA's dot only (the packed
+    CPU path fuses at packing: llama.pack_for_cpu). Not for a `tp` mesh: column shards of
+    the fused matrix would not be each device's own q, k, v heads."""
+
+    def fuse_layer(lp: dict) -> dict:
+        out = dict(lp)
+        for name, parts in FUSED_PROJECTIONS.items():
+            if all(p in lp for p in parts):
+                out[name] = jnp.concatenate([out.pop(p) for p in parts], axis=-1)
+        return out
+
+    if "layer_list" in params:
+        return {**params, "layer_list": [fuse_layer(lp) for lp in params["layer_list"]]}
+    return {**params, "layers": fuse_layer(params["layers"])}
+
+
 # ---------------------------------------------------------------- decoder skeleton
 
 
@@ -153,7 +180,7 @@ def qkv(lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
     """h [T, D] -> q [T, Hq, Dh], k, v [T, Hkv, Dh] (normed, projected, rope applied)."""
     t = h.shape[0]
     x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
-    if "wqkv" in lp:  # packed (llama.pack_for_cpu): one matmul for all three
+    if "wqkv" in lp:  # fused (fuse_projections, llama.pack_for_cpu): one matmul for all three
         q, k, v = jnp.split(linear(x, lp["wqkv"]), [cfg.q_size, cfg.q_size + cfg.kv_size], -1)
     else:
         q = x @ lp["wq"]  # [T, Hq*Dh]

@@ -13,13 +13,20 @@ from jax.sharding import Mesh
 
 import cpu_kernels
 from models import layers
-from models.layers import compute_logits, embed, fused_gated_mlp, gated_mlp, unstack_layers
+from models.layers import (
+    compute_logits,
+    embed,
+    fuse_projections,
+    fused_gated_mlp,
+    gated_mlp,
+    unstack_layers,
+)
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch, real_row_mask
 from runtime.kv_pool import KVPool
 
-__all__ = ["compute_logits", "embed", "forward", "init_params", "pack_for_cpu",
-           "param_shapes", "run_layer_range", "run_layers", "unstack_layers"]
+__all__ = ["compute_logits", "embed", "forward", "fuse_projections", "init_params",
+           "pack_for_cpu", "param_shapes", "run_layer_range", "run_layers", "unstack_layers"]
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -36,7 +43,7 @@ def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32
 
 def mlp(lp: dict, x: jax.Array) -> jax.Array:
     """The dense SwiGLU MLP: x [T, D] -> [T, D]."""
-    if "w_gate_up" in lp:  # packed (pack_for_cpu)
+    if "w_gate_up" in lp:  # fused (fuse_projections, pack_for_cpu)
         return fused_gated_mlp(x, lp["w_gate_up"], lp["w_down"])
     return gated_mlp(x, lp["w_gate"], lp["w_up"], lp["w_down"])
 

@@ -32,13 +32,14 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from models import layers
-from models.layers import compute_logits, embed, gated_mlp, unstack_layers
+from models.layers import compute_logits, embed, fuse_projections, gated_mlp, unstack_layers
 from runtime.config import ModelConfig
 from runtime.forward_batch import ForwardBatch
 from runtime.kv_pool import KVPool
 
-__all__ = ["compute_logits", "embed", "forward", "init_params", "pack_for_cpu",
-           "param_shapes", "run_layer_range", "run_layers", "unstack_layers", "MoeMlp"]
+__all__ = ["compute_logits", "embed", "forward", "fuse_projections", "init_params",
+           "pack_for_cpu", "param_shapes", "run_layer_range", "run_layers", "unstack_layers",
+           "MoeMlp"]
 
 EP_AXIS = "ep"
 EXPERT_KEYS = ("we_gate", "we_up", "we_down")

@@ -1,8 +1,8 @@
 """Architecture name -> model module, and the named presets.
 
 The runner, the checkpoint code and the shardings ask this module for a config's model
-module (param_shapes, init_params, forward, run_layers, unstack_layers, pack_for_cpu),
-so none of them names a model family.
+module (param_shapes, init_params, forward, run_layers, unstack_layers, fuse_projections,
+pack_for_cpu), so none of them names a model family.
 """
 
 from __future__ import annotations

@@ -39,6 +39,15 @@ class KernelConfig:
     sm_scale: float
     sliding_window: int | None
     soft_cap: float | None
+    # Rows of a tile in q's and the output's device arrays: M, except in a decode-only
+    # Mosaic launch, whose tiles hold G live rows: there G rounded up to 8 (the SMEM
+    # tiling a TMA copy lands in), so a step's q and output move G rows per (row, KV head)
+    # instead of 64 (16x the bytes at G = 4: 1.6 GB of a 128-row 8B decode step).
+    io_rows: int = 0  # 0: tile_rows
+
+    @property
+    def q_rows(self) -> int:
+        return self.io_rows or self.tile_rows
 
     @property
     def tile_tokens(self) -> int:

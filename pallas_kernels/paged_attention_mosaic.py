@@ -68,11 +68,14 @@ def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref
                            cfg: KernelConfig, compiled: bool):
     """Mosaic GPU body for one (tile, KV head, KV split) program: one warpgroup.
 
-    GMEM refs: meta [NT, 7] int32, page table [B, Np] int32, q tiles [NT, Hkv, M, Dh],
+    GMEM refs: meta [NT, 7] int32, page table [B, Np] int32, q tiles [NT, Hkv, Mq, Dh],
     K / V pools [L, Hkv, P, S, Dh], new K / V [T + pad, Hkv, Dh]; outputs o [splits, NT,
-    Hkv, M, Dh] (normalized within the split) and lse [splits, NT, Hkv, M] f32 (log-sum-exp,
-    to merge the splits). SMEM: q_smem [M, Dh] (then the output tile), k_smem / v_smem
-    [slots, BK, Dh], lse_smem [M].
+    Hkv, Mq, Dh] (normalized within the split) and lse [splits, NT, Hkv, Mq] f32 (log-sum-
+    exp, to merge the splits). SMEM: q_smem [M, Dh] (then the output tile), k_smem / v_smem
+    [slots, BK, Dh], lse_smem [M]. Mq = M, or in a decode-only launch the tile's live rows
+    rounded up to 8 (cfg.q_rows): they land in q_smem's first Mq rows, and its other rows
+    are never loaded; they are rows past nrows, so the softmax masks whatever they hold
+    and they are not stored.
 
     A KV block of BK tokens arrives as BK / S TMA copies of [S, Dh] slices (pool pages, or
     runs of new tokens), issued `slots - 1` blocks ahead of the block being multiplied.
@@ -83,6 +86,8 @@ def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref
     operands nor layout casts.
     """
     m_rows, dh = q_smem.shape
+    q_rows = q_ref.shape[2]  # Mq <= M
+    q_live = q_smem if q_rows == m_rows else q_smem.at[pl.ds(0, q_rows)]
     slots, bk = k_smem.shape[0], k_smem.shape[1]
     s_page, per_block = cfg.page_size, bk // cfg.page_size
     t, h, split = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split")
@@ -117,7 +122,7 @@ def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref
         pl.when(is_new)(lambda: fetch_new(blk, slot))
         pl.when(jnp.logical_not(is_new))(lambda: fetch_pages(blk, slot))
 
-    plgpu.copy_gmem_to_smem(q_ref.at[t, h], q_smem, q_bar)
+    plgpu.copy_gmem_to_smem(q_ref.at[t, h], q_live, q_bar)
     for i in range(slots - 1):
         pl.when(lo + i < hi)(functools.partial(fetch, lo + i, i))
     plgpu.barrier_wait(q_bar)
@@ -145,8 +150,9 @@ def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref
     q_smem[...] = finish(acc, l).astype(q_smem.dtype)
     lse_smem[...] = m + jnp.log(jnp.maximum(l, 1e-30))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[split, t, h])
-    plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, t, h])
+    plgpu.copy_smem_to_gmem(q_live, o_ref.at[split, t, h])
+    plgpu.copy_smem_to_gmem(lse_smem if q_rows == m_rows else lse_smem.at[pl.ds(0, q_rows)],
+                            lse_ref.at[split, t, h])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -174,9 +180,10 @@ def _merge_splits(out, lse):
 
 def launch(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new, cfg: KernelConfig,
            interpret: bool):
-    """q_tiles [NT, Hkv, M, Dh] -> output tiles [NT, Hkv, M, Dh] (decode-only batches: only
-    the G live rows of each tile, [NT, Hkv, G, Dh])."""
-    nt, hkv, m_rows, dh = q_tiles.shape
+    """q_tiles [NT, Hkv, Mq, Dh] -> output tiles [NT, Hkv, Mq, Dh] (decode-only batches:
+    only the G live rows of each tile, [NT, Hkv, G, Dh]). Mq: cfg.q_rows."""
+    nt, hkv, q_rows, dh = q_tiles.shape
+    m_rows = cfg.tile_rows
     dtype, slots, bk, splits = q_tiles.dtype, cfg.num_slots, cfg.block_kv, cfg.num_splits
     tf = _swizzle_transforms(dh, dtype)
     per_block = bk // cfg.page_size
@@ -184,7 +191,7 @@ def launch(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new, cfg: KernelC
     out, lse = plgpu.kernel(
         body,
         out_type=(jax.ShapeDtypeStruct((splits, *q_tiles.shape), dtype),
-                  jax.ShapeDtypeStruct((splits, nt, hkv, m_rows), jnp.float32)),
+                  jax.ShapeDtypeStruct((splits, nt, hkv, q_rows), jnp.float32)),
         grid=(nt, hkv, splits),
         grid_names=("tile", "kv_head", "split"),
         scratch_types=[

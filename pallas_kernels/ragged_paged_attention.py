@@ -47,6 +47,7 @@ from pallas_kernels.paged_attention_mosaic import mosaic_unsupported
 __all__ = ["paged_attention", "paged_attention_ref"]
 
 _WGMMA_M = 64  # a warpgroup's wgmma works on 64-row tiles
+_TMA_ROWS = 8  # shared memory operands are tiled by 8 rows: a TMA copy moves whole tiles
 
 
 def _num_extend_tiles(te: int, be: int, tile_tokens: int) -> int:
@@ -87,10 +88,15 @@ def _config(q, k_pool, page_table, *, te, be, sm_scale, sliding_window, soft_cap
         num_splits = 1
     elif num_splits is None:
         num_splits = _default_splits((nte + page_table.shape[0] - be) * hkv)  # programs
+    # Decode-only on Mosaic: q and the output hold a tile's live rows (KernelConfig.io_rows);
+    # the body loads them into the first rows of its M-row tile in shared memory.
+    io_rows = min(tile_rows, pl.cdiv(group, _TMA_ROWS) * _TMA_ROWS) if (
+        impl == "mosaic" and not nte) else tile_rows
     return KernelConfig(impl=impl, group=group, tile_rows=tile_rows, block_kv=block_kv,
                         page_size=page_size, pages_per_seq=page_table.shape[1],
                         num_slots=num_slots or 3, num_splits=num_splits, num_extend_tiles=nte,
-                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                        io_rows=io_rows)
 
 
 def _tile_metadata(seq_lens, query_start, positions, layer, *, te, be, cfg: KernelConfig):
@@ -165,17 +171,23 @@ def _page_aligned_new_kv(meta, query_start, k_new, v_new, *, te: int, be: int,
         dec = ext + s * jnp.arange(bd, dtype=jnp.int32)  # [B_d]
         dst.append(dec)
         starts.append(dec)
-    dst = jnp.concatenate(dst)
-    moved = [jnp.zeros((n, hkv, dh), x.dtype).at[dst].set(x, mode="drop")
-             for x in (k_new, v_new)]  # [N, Hkv, Dh]
+    if te:
+        dst = jnp.concatenate(dst)
+        moved = [jnp.zeros((n, hkv, dh), x.dtype).at[dst].set(x, mode="drop")
+                 for x in (k_new, v_new)]  # [N, Hkv, Dh]
+    else:  # the same layout as one pad (a zero buffer and a scatter are two more kernels)
+        moved = [jnp.pad(x[:, None], ((0, 0), (0, s - 1), (0, 0), (0, 0))).reshape(
+            bd * s, hkv, dh) for x in (k_new, v_new)]  # [B_d * S, Hkv, Dh]
+        moved = [jnp.pad(x, ((0, n - bd * s), (0, 0), (0, 0))) for x in moved]  # [N, ...]
     meta = meta.at[:, NEW_START].set(jnp.concatenate(starts).astype(jnp.int32))
     return meta, *moved
 
 
 def _pack_q(q, tok0, te: int, cfg: KernelConfig, hkv: int):
-    """q [T, Hq, Dh] -> tiles [NT, Hkv, M, Dh]; tile row r holds token tok0 + r // G, head r % G."""
+    """q [T, Hq, Dh] -> tiles [NT, Hkv, M, Dh]; tile row r holds token tok0 + r // G, head r % G.
+    (Decode-only Mosaic launches: [NT, Hkv, q_rows, Dh], see KernelConfig.io_rows.)"""
     t, _, dh = q.shape
-    group, m, nte = cfg.group, cfg.tile_rows, cfg.num_extend_tiles
+    group, m, nte = cfg.group, cfg.q_rows, cfg.num_extend_tiles
     qg = q.reshape(t, hkv, group, dh)  # [T, Hkv, G, Dh]; query head = kv head * G + g
     parts = []
     if nte:
@@ -255,7 +267,7 @@ def paged_attention(
         t, bk = k_new.shape[0], cfg.block_kv
         pad = ((0, pl.cdiv(t, bk) * bk + bk - t), (0, 0), (0, 0))
         k_new, v_new = (jnp.pad(x, pad) for x in (k_new, v_new))
-    q_tiles = _pack_q(q, tok0, te, cfg, k_pool.shape[1]).astype(k_pool.dtype)  # [NT, Hkv, M, Dh]
+    q_tiles = _pack_q(q, tok0, te, cfg, k_pool.shape[1]).astype(k_pool.dtype)  # [NT, Hkv, Mq, Dh]
     body = paged_attention_mosaic if cfg.impl == "mosaic" else paged_attention_triton
     out = body.launch(meta, page_table.astype(jnp.int32), q_tiles, k_pool, v_pool, k_new, v_new,
                       cfg, interpret)

@@ -279,6 +279,9 @@ class RunnerConfig:
     # slicing the stacked arrays (models.llama.run_layers): XLA CPU copies every slice
     # for its dot (the packed kernel reads the stack in place: default_per_layer_weights).
     per_layer_weights: bool = False
+    # One matrix for wq|wk|wv and one for w_gate|w_up (models.layers.fuse_projections):
+    # XLA GPU keeps the one-row products gemms (default_fuse_projections).
+    fuse_projections: bool = False
     # "packed": matmuls through cpu_kernels (weights packed at load, float32, bfloat16 or
     # int8 (`quantization`), activations float32 between ops; CPU only); "xla": XLA's dot.
     cpu_matmul: str = "xla"

@@ -90,16 +90,26 @@ def default_cpu_matmul(args: ServerArgs, model_cfg: ModelConfig | None = None) -
     return _default_cpu_kernel_choice(args, "cpu_matmul", args.cpu_matmul, "packed", "xla")
 
 
-def default_per_layer_weights(args: ServerArgs, cpu_matmul: str,
-                              gpu: bool | None = None) -> bool:
-    """Per-layer weight buffers behind a lax.switch where XLA's dot runs on a CPU (it
-    copies a dynamic slice of the stacked weights before every dot); elsewhere the
-    stacked tree: on a GPU, under two-batch overlap (models/moe_overlap.py), and for the
-    packed CPU matmul, which reads the traced layer's panels in place (1.05x a one-row
-    decode step and 1.02-1.05x an 8- or 32-row one over the switch, interleaved A/B in
-    docs/benchmarks.md). `gpu`: the answer for a GPU backend (None: this process's)."""
+def default_per_layer_weights(args: ServerArgs, cpu_matmul: str) -> bool:
+    """Per-layer weight buffers behind a lax.switch wherever XLA's dot runs, CPU or GPU:
+    both copy a dynamic slice of the stacked weights before every dot (on an H100 / H200
+    the scanned 8B decode step moves 2.5-2.9x the bytes of the per-layer one, and an
+    unrolled scan no fewer, with 12 GiB of temporaries: docs/gpu.md). The stacked tree
+    under two-batch overlap (models/moe_overlap.py) and for the packed CPU matmul, which
+    reads the traced layer's panels in place (1.05x a one-row decode step and 1.02-1.05x
+    an 8- or 32-row one over the switch, interleaved A/B in docs/benchmarks.md)."""
+    return not (args.enable_two_batch_overlap or cpu_matmul == "packed")
+
+
+def default_fuse_projections(args: ServerArgs, cpu_matmul: str,
+                             gpu: bool | None = None) -> bool:
+    """Fused wq|wk|wv and w_gate|w_up on a GPU (models.layers.fuse_projections: XLA GPU
+    turns a one-row product with an 8B model's wk or wv into a multiply + reduce that
+    writes a weight-sized temporary; the fused product stays a gemm), except under tensor
+    parallelism, whose column shards must be each device's own heads. `gpu`: the answer
+    for a GPU backend (None: this process's)."""
     gpu = on_gpu() if gpu is None else gpu
-    return not (gpu or args.enable_two_batch_overlap or cpu_matmul == "packed")
+    return gpu and cpu_matmul == "xla" and args.tp == 1
 
 
 def default_attention_backend(args: ServerArgs) -> str:
@@ -249,6 +259,8 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         strict_compile=args.strict_compile,
         per_layer_weights=(default_per_layer_weights(args, cpu_matmul)
                            if args.per_layer_weights is None else args.per_layer_weights),
+        fuse_projections=(default_fuse_projections(args, cpu_matmul)
+                          if args.fuse_projections is None else args.fuse_projections),
         cpu_matmul=cpu_matmul,
         quantization=args.quantization,
         compress_weights=args.compress_weights,

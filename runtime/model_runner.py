@@ -111,6 +111,8 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
             self.params = jax.device_put(self.params, sharding.param_shardings(model_cfg, mesh))
         if runner_cfg.per_layer_weights:
             self.params = self.model.unstack_layers(self.params)
+        if runner_cfg.fuse_projections and runner_cfg.cpu_matmul != "packed":  # packing fuses
+            self.params = self.model.fuse_projections(self.params)
         if runner_cfg.cpu_matmul == "packed":
             self.params = self.model.pack_for_cpu(self.params, runner_cfg.quantization,
                                                   compress=runner_cfg.compress_weights)
@@ -501,6 +503,10 @@ def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None, cache: CacheConfig) -> Non
         raise ValueError(f"the CPU kernels are single-device (attention_backend="
                          f"{cfg.attention_backend!r}, cpu_matmul={cfg.cpu_matmul!r}): on a "
                          "mesh use attention_backend='xla' and cpu_matmul='xla'")
+    if cfg.fuse_projections and mesh.shape.get("tp", 1) > 1:
+        raise ValueError("fuse_projections under tensor parallelism: a column shard of the "
+                         "fused wq|wk|wv would not be one device's heads (fuse_projections="
+                         "False)")
     dp = mesh.shape.get("dp", 1)
     if dp > 1:
         if cache.num_pages % dp:

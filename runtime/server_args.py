@@ -74,13 +74,17 @@ class ServerArgs:
         choices=("xla", "cpu", "pallas"))
     cpu_matmul: str | None = option(
         None, "CPU matmuls: our kernel over weights packed at load, or XLA's dot (default: "
-        "packed where it builds: x86-64 with AVX-512 or AVX2 + FMA, and a C++ compiler)",
+        "packed where it builds: x86-64 with AVX2 + FMA, and a C++ compiler)",
         choices=("packed", "xla"))
     per_layer_weights: bool | None = option(
-        None, "layer weights as per-layer buffers picked by lax.switch (default: on for CPU "
-        "with --cpu_matmul=xla, whose dot copies a slice of the stacked weights: ~1.5x "
-        "faster decode there; off for the packed kernel, which reads the stacked weights in "
-        "place)")
+        None, "layer weights as per-layer buffers picked by lax.switch (default: on wherever "
+        "XLA's dot runs, GPU or CPU with --cpu_matmul=xla, whose dot copies a slice of the "
+        "stacked weights; off for the packed CPU kernel, which reads the stacked weights in "
+        "place, and under two-batch overlap)")
+    fuse_projections: bool | None = option(
+        None, "wq|wk|wv and w_gate|w_up as one matrix each (default: on a GPU without tensor "
+        "parallelism, where XLA keeps the one-row decode products gemms instead of writing "
+        "weight-sized temporaries)")
     compilation_cache_dir: str | None = option(
         "~/.cache/xlaserve/jax", "persistent XLA compilation cache ('' turns it off)")
     checkpoint_cache_dir: str = option("~/.cache/xlaserve/checkpoints", "where the default "
@@ -288,6 +292,9 @@ def _mesh_rules(a: ServerArgs) -> list[str]:
         if a.tp > 1:
             out.append(f"--enable_two_batch_overlap runs on an ep mesh without tp: drop "
                        f"--tp={a.tp}")
+    if a.fuse_projections and a.tp > 1:
+        out.append(f"--fuse_projections with --tp={a.tp}: a column shard of the fused "
+                   "wq|wk|wv would not be one device's heads; drop --fuse_projections")
     return out
 
 

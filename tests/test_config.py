@@ -71,6 +71,7 @@ def test_flag_values_become_field_values():
     (dict(enable_two_batch_overlap=True, per_layer_weights=True),
      "--enable_two_batch_overlap runs the stacked layer weights: drop --per_layer_weights"),
     (dict(enable_two_batch_overlap=True, tp=2, ep=2), "without tp: drop --tp=2"),
+    (dict(fuse_projections=True, tp=3), "--fuse_projections with --tp=3: a column shard"),
     (dict(nnodes=2), "--nnodes=2 needs --dist_init_addr=HOST:PORT"),
     (dict(nnodes=2, node_rank=2, dist_init_addr="h:1"),
      r"--node_rank=2 must be in \[0, nnodes=2\)"),

@@ -42,14 +42,16 @@ def runner(request) -> ModelRunner:
     int8 matrices (--quantization=int8), and on bf16 matrices in 12 bits
     (--compress_weights, "x12"). Each with its serving layer loop: the packed
     kernels read the stacked weights in place, XLA's dot gets per-layer buffers
-    (engine_setup.default_per_layer_weights)."""
+    (engine_setup.default_per_layer_weights) with fused wq|wk|wv and w_gate|w_up, as on a
+    GPU (engine_setup.default_fuse_projections)."""
     matmul, attention, dtype, weights = request.param
     params = llama.init_params(CFG, jax.random.key(7))
     # Few buckets keep warm-up short; padding to them is itself under test.
     rcfg = RunnerConfig(decode_buckets=(4, 16), extend_token_buckets=(64, 256),
                         extend_seq_buckets=(1, 4), kv_len_buckets=(256,), enable_mixed=True,
                         max_top_logprobs=2, strict_compile=True, per_layer_weights=matmul == "xla",
-                        cpu_matmul=matmul, attention_backend=attention, dtype=dtype,
+                        fuse_projections=matmul == "xla", cpu_matmul=matmul,
+                        attention_backend=attention, dtype=dtype,
                         quantization=weights if weights == "int8" else None,
                         compress_weights=weights == "x12", enable_split_prefill=True,
                         multiplex_fused=True, num_scheduler_steps=4)

@@ -101,14 +101,15 @@ def test_attention_section_compares_with_the_roofline_and_dot_product_attention(
     assert p["pallas_tflops"] > 0 and p["dpa_tflops"] > 0
 
 
-def test_layers_section_reads_the_weights_three_ways(suite):
+def test_layers_section_reads_the_weights_four_ways(suite):
     r = suite[0]["sections"]["layers"]["result"]
     assert r["errors"] == [] and [p["batch"] for p in r["points"]] == [1, 32, 128]
     for p in r["points"]:
-        for v in ("stacked", "switch", "unrolled"):
+        for v in ("stacked", "switch", "switch_fused", "unrolled"):
             assert p[f"{v}_gbps"] == pytest.approx(r["weight_bytes"] / p[f"{v}_s"] / 1e9)
-        # The same function of x three ways (f32 at smoke size: the same sums in order).
-        assert p["switch_max_abs_diff"] < 1e-5 and p["unrolled_max_abs_diff"] < 1e-5
+        # The same function of x four ways (f32 at smoke size: the same sums in order).
+        for v in ("switch", "switch_fused", "unrolled"):
+            assert p[f"{v}_max_abs_diff"] < 1e-5, v
 
 
 def test_sweep_section_times_variants_beside_the_defaults(suite):
@@ -139,12 +140,12 @@ def test_engine_section_measures_startup_throughput_and_itl(suite):
         t = r["throughput"][str(c)]
         assert t["output_tokens"] == c * sizes["output_len"] and t["output_tok_s"] > 0
     assert r["throughput_compiles_after_warmup"] == 0
-    # Throughput again on per-layer weight buffers: the same tokens' worth of work.
-    assert r["startup_per_layer"]["executables"] > 0
+    # Throughput again on the stacked weights: the same tokens' worth of work.
+    assert r["startup_stacked"]["executables"] > 0
     for c in sizes["concurrency"]:
-        t = r["throughput_per_layer"][str(c)]
+        t = r["throughput_stacked"][str(c)]
         assert t["output_tokens"] == c * sizes["output_len"] and t["output_tok_s"] > 0
-    assert r["throughput_per_layer_compiles_after_warmup"] == 0
+    assert r["throughput_stacked_compiles_after_warmup"] == 0
     assert set(r["itl"]) == {"plain", "multiplex_two_call", "multiplex_fused"}
     for name, rec in r["itl"].items():
         assert rec["long_ttft_s"] > 0 and rec["streams_outlived_prefill"], name

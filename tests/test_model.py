@@ -114,3 +114,23 @@ def test_switch_dispatch_matches_stacked():
     b, kv1 = _fwd(cfg)(llama.unstack_layers(params), kv1, batch)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
     np.testing.assert_allclose(np.asarray(kv0.k), np.asarray(kv1.k), atol=1e-5)
+
+
+@pytest.mark.parametrize("per_layer", [False, True])
+def test_fused_projections_match_separate(per_layer):
+    """wq|wk|wv and w_gate|w_up fused into one matrix each (the GPU layout) give the
+    separate matrices' results, stacked or per layer."""
+    cfg, params = _params(False, True)
+    rng = np.random.default_rng(4)
+    rows = [SimpleRow(list(rng.integers(0, cfg.vocab_size, 10)), 0, [1, 2, 3])]
+    batch = make_batch(ForwardMode.EXTEND, rows, [], BucketShape(16, 1, 0, 4), PAGE)
+    kv0 = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=8), np.float32)
+    kv1 = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=8), np.float32)
+    tree = llama.unstack_layers(params) if per_layer else params
+    fused = llama.fuse_projections(tree)
+    lp = fused["layer_list"][0] if per_layer else fused["layers"]
+    assert {"wqkv", "w_gate_up"} <= set(lp) and not {"wq", "wk", "wv", "w_gate"} & set(lp)
+    a, kv0 = _fwd(cfg)(tree, kv0, batch)
+    b, kv1 = _fwd(cfg)(fused, kv1, batch)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kv0.k), np.asarray(kv1.k), atol=1e-5)

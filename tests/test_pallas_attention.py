@@ -203,14 +203,36 @@ def test_mosaic_decode_only_group_1_split():
     _check([], _ragged_lens(16), page_size=16, group=1, dtype=jnp.bfloat16, num_splits=4)
 
 
+@pytest.mark.parametrize("group,splits,rows", [(4, 1, 8), (12, 3, 16)])
+def test_mosaic_decode_only_moves_live_rows(group, splits, rows):
+    """A decode-only Mosaic launch's q and output hold each tile's G live rows rounded up to
+    8, not the 64 of its shared-memory tile (the rest of which is never loaded); the results
+    still match the reference, and a mixed launch keeps whole tiles."""
+    _check([], _ragged_lens(6), page_size=16, group=group, dtype=jnp.float32, impl="mosaic",
+           num_splits=splits)
+    batch, _ = _batch([], [1, 17, 300], 16)
+    q = jnp.zeros((3, 2 * group, 64), jnp.bfloat16)
+    pool = jnp.zeros((1, 2, 4, 16, 64), jnp.bfloat16)
+    cfg = rpa._config(q, pool, batch.page_table, te=0, be=0, sm_scale=1.0,
+                      sliding_window=None, soft_cap=None, impl="mosaic", block_kv=None,
+                      num_slots=None, num_splits=splits)
+    assert (cfg.tile_rows, cfg.q_rows) == (64, rows)
+    mixed = rpa._config(q, pool, batch.page_table, te=2, be=1, sm_scale=1.0,
+                        sliding_window=None, soft_cap=None, impl="mosaic", block_kv=None,
+                        num_slots=None, num_splits=splits)
+    assert mixed.q_rows == mixed.tile_rows == 64
+
+
+@pytest.mark.parametrize("decode_only", [False, True])
 @pytest.mark.parametrize("page_size", [16, 64])
-def test_mosaic_new_tokens_start_page_aligned(page_size):
+def test_mosaic_new_tokens_start_page_aligned(page_size, decode_only):
     """What the Mosaic body's TMA needs from the wrapper: each row's new K/V rows start at a
     multiple of the page size (SMEM tiles are 8 rows; interpret mode cannot see an unaligned
     copy, the device reads the wrong rows), hold the row's tokens in order, and meta's
     new_start points at them; the bucket's padding tokens are dropped."""
     s = page_size
-    batch, n_pages = _batch([(s + 1, 0), (5, 300), (37, s)], [1, s + 1, 40], s)
+    extend = [] if decode_only else [(s + 1, 0), (5, 300), (37, s)]
+    batch, n_pages = _batch(extend, [1, s + 1, 40], s)
     (q, k_new, v_new, k_pool, *_), te = (_inputs(batch, n_pages, s, 3, jnp.float32, 0),
                                          batch.num_extend_tokens)
     be = batch.num_extend_seqs

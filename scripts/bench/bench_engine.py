@@ -46,9 +46,10 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_engine.json", "JSON results path")
 flags.DEFINE_bool("smoke", False, "a tiny random model and tiny workloads (CPU check)")
 flags.DEFINE_list("parts", ["throughput", "itl"], "which parts to run: throughput, itl, "
-                  "throughput_per_layer (throughput again with per_layer_weights: one buffer "
-                  "per layer behind a lax.switch instead of the stacked weights' dynamic "
-                  "slices, the runtime's GPU default; see bench_layer_weights.py)")
+                  "throughput_stacked (throughput again on the stacked [L, ...] weights "
+                  "dynamically sliced in a lax.scan, wq|wk|wv and w_gate|w_up separate: "
+                  "the layout the runtime's GPU default, one fused buffer per layer behind a "
+                  "lax.switch, replaced; see bench_layer_weights.py, docs/gpu.md)")
 flags.DEFINE_list("concurrency", ["1", "32", "128"], "concurrent requests per throughput run")
 flags.DEFINE_integer("input_len", 128, "prompt tokens per throughput request")
 flags.DEFINE_integer("output_len", 128, "new tokens per throughput request")
@@ -113,13 +114,15 @@ def init_weights(cfg: ModelConfig, dtype: str) -> tuple[dict, float]:
 
 
 def _base_args(s: Sizes, max_running: int, decode_buckets: tuple[int, ...], extend_seqs: int,
-               max_total_tokens: int, per_layer_weights: bool | None = None) -> ServerArgs:
+               max_total_tokens: int, stacked: bool = False) -> ServerArgs:
     """Few buckets: one extend-token bucket (the chunk), one page-table width. --smoke
     takes XLA's dot and the jnp attention (interpreted Pallas would compile for minutes;
-    the kernels section checks the kernels)."""
-    cpu = (dict(attention_backend="xla", cpu_matmul="xla", per_layer_weights=bool(
-        per_layer_weights)) if FLAGS.smoke else dict(attention_backend=FLAGS.attention_backend,
-                                                    per_layer_weights=per_layer_weights))
+    the kernels section checks the kernels). `stacked`: the scanned stacked weights,
+    unfused (else the runtime's default layout)."""
+    layout = dict(per_layer_weights=False, fuse_projections=False) if stacked else {}
+    cpu = (dict(attention_backend="xla", cpu_matmul="xla", per_layer_weights=not stacked)
+           if FLAGS.smoke else dict(attention_backend=FLAGS.attention_backend))
+    cpu = {**cpu, **layout}
     return ServerArgs(dtype=s.dtype, max_total_tokens=max_total_tokens,
                       max_running_requests=max_running, decode_buckets=decode_buckets,
                       extend_token_buckets=(s.chunk,), kv_len_buckets=(s.kv_len,),
@@ -277,8 +280,8 @@ def main(argv: list[str]) -> None:
     model = (s.cfg, params)
     parts = {"throughput": functools.partial(_throughput_part, model, s, results),
              "itl": functools.partial(itl, model, s, results),
-             "throughput_per_layer": functools.partial(_throughput_part, model, s, results,
-                                                       per_layer_weights=True)}
+             "throughput_stacked": functools.partial(_throughput_part, model, s, results,
+                                                     stacked=True)}
     for name in FLAGS.parts:
         try:
             parts[name]()
@@ -291,13 +294,13 @@ def main(argv: list[str]) -> None:
 
 
 def _throughput_part(model: tuple[ModelConfig, dict], s: Sizes, results: dict[str, Any],
-                     per_layer_weights: bool | None = None) -> None:
-    """Start-up and throughput of one runner; per_layer_weights=True: the results go under
-    keys with a _per_layer suffix (None: the runtime's default layout)."""
+                     stacked: bool = False) -> None:
+    """Start-up and throughput of one runner; stacked=True: on the stacked weights (see
+    _base_args), the results under keys with a _stacked suffix."""
     most = max(s.concurrency)
     kv_tokens = most * (s.input_len + s.output_len) + 2 * s.chunk
-    args = _base_args(s, most, s.concurrency, s.extend_seqs, kv_tokens, per_layer_weights)
-    sfx = "_per_layer" if per_layer_weights else ""
+    args = _base_args(s, most, s.concurrency, s.extend_seqs, kv_tokens, stacked)
+    sfx = "_stacked" if stacked else ""
     engine, results["startup" + sfx] = start_engine(args, model)
     _write(results)
     results["throughput" + sfx] = throughput(engine, s, results["model"]["weight_bytes"])

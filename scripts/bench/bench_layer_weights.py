@@ -13,9 +13,11 @@ weight reads at 4.8 TB/s, as if each layer's weights were read about three times
 copy would do that. This measures the layer loop alone, side by side, with Llama-3-8B's
 weight-bearing matmuls (q, k, v, o, gate, up, down) and B rows:
   stacked   lax.scan over layer indices, weights dynamically indexed from the stack
-            (the runtime's GPU default)
+            (the GPU default before per-layer buffers)
   switch    lax.scan over layer indices, lax.switch into one branch per layer's buffers
             (per_layer_weights)
+  switch_fused  switch with q|k|v and gate|up as one matrix each (fuse_projections: the
+            runtime's GPU default; one row keeps k and v gemms, docs/gpu.md)
   unrolled  a Python loop over the per-layer buffers: no dynamic indexing at all (the
             bound for the other two; not a runtime mode)
 Each is timed as the weight bytes read per call over the measured time (GB/s, and as a
@@ -57,12 +59,28 @@ def _shapes(s: dict[str, int]) -> dict[str, tuple[int, int]]:
 
 
 def _layer(w: dict[str, jax.Array], x: jax.Array) -> jax.Array:
-    """x [B, D] through one layer's matmuls (attention left out: no weights)."""
-    q = x @ w["wq"]
-    k, v = x @ w["wk"], x @ w["wv"]
+    """x [B, D] through one layer's matmuls (attention left out: no weights); fused
+    `wqkv` / `wgu` where the layer has them (_fuse)."""
+    if "wqkv" in w:
+        q, k, v = jnp.split(x @ w["wqkv"], [w["wo"].shape[0], w["wo"].shape[0] +
+                                            (w["wqkv"].shape[1] - w["wo"].shape[0]) // 2], -1)
+    else:
+        q = x @ w["wq"]
+        k, v = x @ w["wk"], x @ w["wv"]
     # k and v feed the output so XLA keeps their reads; q stands in for attention's output.
     h = x + (q + jnp.tile(k + v, q.shape[1] // k.shape[1])) @ w["wo"]
-    return h + (jax.nn.silu(h @ w["wg"]) * (h @ w["wu"])) @ w["wd"]
+    if "wgu" in w:
+        g, u = jnp.split(h @ w["wgu"], 2, -1)
+    else:
+        g, u = h @ w["wg"], h @ w["wu"]
+    return h + (jax.nn.silu(g) * u) @ w["wd"]
+
+
+def _fuse(per_layer: list[dict[str, jax.Array]]) -> list[dict[str, jax.Array]]:
+    """Each layer's q|k|v and gate|up as one matrix (models.layers.fuse_projections)."""
+    return jax.jit(lambda pl: [dict(wqkv=jnp.concatenate([w["wq"], w["wk"], w["wv"]], -1),
+                                    wo=w["wo"], wgu=jnp.concatenate([w["wg"], w["wu"]], -1),
+                                    wd=w["wd"]) for w in pl])(per_layer)
 
 
 def _stacked(stack: dict[str, jax.Array], x: jax.Array) -> jax.Array:
@@ -118,6 +136,7 @@ def main(argv: list[str]) -> None:
     results["weight_bytes"] = weight_bytes
     variants = {"stacked": (jax.jit(_stacked), stack),
                 "switch": (jax.jit(_switch), per_layer),
+                "switch_fused": (jax.jit(_switch), _fuse(per_layer)),
                 "unrolled": (jax.jit(_unrolled), per_layer)}
     for b in map(int, FLAGS.batches):
         x = jax.random.normal(jax.random.key(b), (b, s["d"]), dtype)

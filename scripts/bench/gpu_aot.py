@@ -36,14 +36,21 @@ import hlo_traffic  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
+# The runner's DECODE and EXTEND steps, its multi-step decode programs and its samplers.
+PROGRAMS = r"^(decode|extend|multi_decode|sample)/"
 flags.DEFINE_enum("target", "h100", sorted(gpu_programs.TARGETS), "GPU to compile for")
 flags.DEFINE_string("json", None, "write one JSON record per program here")
 flags.DEFINE_enum("model", "8b", ["8b"], "model shape (scripts/bench/gpu_shapes.py)")
 flags.DEFINE_list("rows", ["1", "32", "128"], "decode buckets (rows) of the plan")
-flags.DEFINE_string("programs", r"^decode/", "regex over program names to compile")
+flags.DEFINE_list("extend", ["2048x1", "2048x16"], "EXTEND buckets of the plan, as "
+                  "tokens x rows")
+flags.DEFINE_integer("steps", 4, "decode steps of the multi-step programs (1: none)")
+flags.DEFINE_string("programs", PROGRAMS, "regex over program names to compile")
 flags.DEFINE_list("layers", ["default"], "layer weight layouts to compile: default (the "
                   "runtime's GPU default), stacked (lax.scan over [L, ...] slices), "
-                  "per_layer (one buffer per layer behind a lax.switch)")
+                  "per_layer (one buffer per layer behind a lax.switch); a +fused or "
+                  "+unfused suffix sets fuse_projections (wq|wk|wv and w_gate|w_up as one "
+                  "matrix each) instead of the default's choice")
 flags.DEFINE_integer("context", 512, "earlier context per row, in tokens (the KV read)")
 flags.DEFINE_integer("kv_tokens", 131072, "KV pool size in tokens")
 flags.DEFINE_string("hlo_dir", None, "write each optimized HLO here")
@@ -55,24 +62,52 @@ def model_config(name: str):
     return {"8b": gpu_shapes.LLAMA3_8B}[name]
 
 
-def build_runner(model_cfg, layers: str, rows: list[int], kv_tokens: int):
-    """The runner a GPU engine would build for these shapes (weights abstract)."""
+def build_runner(model_cfg, layers: str, rows: list[int], kv_tokens: int,
+                 extend: tuple[tuple[int, int], ...] = (), steps: int = 1):
+    """The runner a GPU engine would build for these shapes (weights abstract). `layers`:
+    see --layers; `extend`: (tokens, rows) EXTEND buckets; `steps`: multi-step decode."""
+    import dataclasses
+
     from runtime import engine_setup
     from runtime.config import CacheConfig, ServerArgs
 
-    per_layer = {"default": None, "stacked": False, "per_layer": True}[layers]
+    layout, _, fuse = layers.partition("+")
+    per_layer = {"default": None, "stacked": False, "per_layer": True}[layout]
+    fused = {"": None, "fused": True, "unfused": False}[fuse]
+    tokens = tuple(sorted({t for t, _ in extend})) or (64,)
     args = ServerArgs(dtype="bfloat16", attention_backend="pallas", cpu_matmul="xla",
                       max_running_requests=max(rows), decode_buckets=tuple(rows),
                       kv_len_buckets=(model_cfg.max_position_embeddings,),
-                      per_layer_weights=per_layer)
+                      extend_token_buckets=tokens, max_prefill_tokens=max(tokens),
+                      chunked_prefill_size=max(tokens),
+                      max_extend_seqs=max([b for _, b in extend] or [1]),
+                      num_scheduler_steps=steps,
+                      per_layer_weights=per_layer, fuse_projections=fused)
     rcfg = engine_setup.runner_config(args, model_cfg)
-    if per_layer is None:  # as on a GPU (this process's backend is the CPU)
-        import dataclasses
-
-        rcfg = dataclasses.replace(rcfg, per_layer_weights=engine_setup.default_per_layer_weights(
+    if extend:  # exactly these (tokens, rows) pairs: seq buckets are crossed with tokens
+        rcfg = dataclasses.replace(rcfg, extend_seq_buckets=tuple(sorted({b for _, b in
+                                                                           extend})))
+    if fused is None:  # as on a GPU (this process's backend is the CPU)
+        rcfg = dataclasses.replace(rcfg, fuse_projections=engine_setup.default_fuse_projections(
             args, rcfg.cpu_matmul, gpu=True))
     cache = CacheConfig(page_size=args.page_size, num_pages=kv_tokens // args.page_size + 1)
     return gpu_programs.abstract_runner(model_cfg, cache, rcfg, max(rows))
+
+
+def weight_shapes(runner) -> list[tuple[int, ...]]:
+    """Shapes of a layer's weight matrices, as the runner holds them and as the model
+    defines them (a fused wq|wk|wv still counts a wk-shaped product as a copy)."""
+    import jax
+
+    from models.registry import model_module
+
+    held = runner.params.get("layers") or runner.params["layer_list"][0]
+    stacked = "layers" in runner.params
+    shapes = {a.shape[1:] if stacked else a.shape for a in jax.tree.leaves(held)}
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    defined = model_module(runner.model_cfg).param_shapes(runner.model_cfg)["layers"]
+    shapes |= {sh[1:] for sh in jax.tree.leaves(defined, is_leaf=is_shape)}
+    return sorted(sh for sh in shapes if len([d for d in sh if d > 1]) >= 2)
 
 
 def perfect_bytes(runner, name: str, context: int) -> float | None:
@@ -84,6 +119,10 @@ def perfect_bytes(runner, name: str, context: int) -> float | None:
     from runtime.kv_pool import kv_bytes_per_token
 
     keys = {key_name(k): k for k in runner.step_keys()}
+    if runner.multi is not None:  # K decode steps: K steps' worth
+        for k in runner.multi.keys:
+            if runner.multi.name(k) == name:
+                return runner.multi.steps * perfect_bytes(runner, key_name(k), context)
     if name not in keys:
         return None
     s, cfg = keys[name].shape, runner.model_cfg
@@ -100,7 +139,6 @@ def perfect_bytes(runner, name: str, context: int) -> float | None:
 
 def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: str,
             compile_s: float, hlo_dir: str | None = None) -> dict:
-    import jax
     import jax.numpy as jnp
 
     from runtime.bucket_plan import key_name
@@ -119,11 +157,7 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: 
     pool = math.prod(kv.shape) * kv.dtype.itemsize
     kv_item = jnp.dtype(runner.cfg.kv_dtype).itemsize
     read = (rows or 0) * context * cfg.kv_size * kv_item if s and s.num_pages_per_seq else 0
-    layer_tree = runner.params.get("layers") or runner.params["layer_list"][0]
-    shapes = {a.shape[1:] if "layers" in runner.params else a.shape
-              for a in jax.tree.leaves(layer_tree)}
-    weight_shapes = [sh for sh in shapes if len([d for d in sh if d > 1]) >= 2]
-    traffic = hlo_traffic.TrafficModel(text, pool, read, weight_shapes).run()
+    traffic = hlo_traffic.TrafficModel(text, pool, read, weight_shapes(runner)).run()
     perfect = perfect_bytes(runner, name, context)
     mem = compiled.memory_analysis()
     return dict(program=name, target=tgt.name, model=model, layers=layers, rows=rows,
@@ -139,13 +173,14 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: 
 
 
 def run(target: str, model: str, layers_list: list[str], rows: list[int], programs: str,
-        context: int, kv_tokens: int, log=print, hlo_dir: str | None = None) -> list[dict]:
+        context: int, kv_tokens: int, log=print, hlo_dir: str | None = None,
+        extend: tuple[tuple[int, int], ...] = (), steps: int = 1) -> list[dict]:
     """Compile and analyse the selected programs, one compilation at a time."""
     tgt = gpu_programs.target(target)
     mesh = gpu_programs.compile_only_mesh(tgt)
     records = []
     for layers in layers_list:
-        runner = build_runner(model_config(model), layers, rows, kv_tokens)
+        runner = build_runner(model_config(model), layers, rows, kv_tokens, extend, steps)
         with gpu_programs.compiled_pallas():
             for name, lower in runner._lowerings():
                 if not re.search(programs, name):
@@ -155,6 +190,7 @@ def run(target: str, model: str, layers_list: list[str], rows: list[int], progra
                 rec = analyse(runner, name, compiled, tgt, context, layers, model,
                               time.perf_counter() - t0, hlo_dir)
                 rec["per_layer_weights"] = runner.cfg.per_layer_weights
+                rec["fuse_projections"] = runner.cfg.fuse_projections
                 records.append(rec)
                 log(_row(rec))
     return records
@@ -163,7 +199,7 @@ def run(target: str, model: str, layers_list: list[str], rows: list[int], progra
 def _row(r: dict) -> str:
     ratio = f"{r['ratio']:.2f}x" if r["ratio"] else "-"
     perfect = f"{r['perfect_bytes'] / 1e9:.2f}" if r["perfect_bytes"] else "-"
-    return (f"{r['target']:5s} {r['layers']:9s} {r['program']:34s} rows={r['rows']!s:4s} "
+    return (f"{r['target']:5s} {r['layers']:17s} {r['program']:34s} rows={r['rows']!s:4s} "
             f"{r['bytes'] / 1e9:7.2f} GB / {perfect:>6s} GB = {ratio:>6s}  copies="
             f"{r['weight_copies']:4.0f}  temp={r['temp_bytes'] / 2**20:7.1f} MiB  "
             f"{r['predicted_ms']:6.2f} ms  compile {r['compile_s']:.1f} s")
@@ -173,8 +209,10 @@ def main(argv: list[str]) -> None:
     del argv
     if reason := gpu_programs.gpu_plugin_missing():
         sys.exit(reason)
+    extend = tuple(tuple(int(x) for x in e.split("x")) for e in FLAGS.extend)
     records = run(FLAGS.target, FLAGS.model, FLAGS.layers, [int(r) for r in FLAGS.rows],
-                  FLAGS.programs, FLAGS.context, FLAGS.kv_tokens, hlo_dir=FLAGS.hlo_dir)
+                  FLAGS.programs, FLAGS.context, FLAGS.kv_tokens, hlo_dir=FLAGS.hlo_dir,
+                  extend=extend, steps=FLAGS.steps)
     if FLAGS.json:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
         with open(FLAGS.json, "w") as f:

@@ -49,8 +49,9 @@ _NOT_COMPUTE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast"
                 "all-to-all-start", "all-to-all-done"}
 
 
-def compiled_tbo_text(mesh: Mesh) -> str:
-    """tiny-moe's TBO forward on `mesh`, bf16, compiled as the runner compiles it."""
+def tbo_program(mesh: Mesh) -> tuple[Any, tuple]:
+    """tiny-moe's TBO forward on `mesh` (bf16, a 32-row decode batch per micro-batch):
+    (function, its arguments)."""
     cfg, params = registry.load_preset("tiny-moe")
     rows = [SimpleRow([3 + i], 20, list(range(1 + 6 * i, 7 + 6 * i))) for i in range(32)]
     batch = make_batch(ForwardMode.DECODE, [], rows, BucketShape(0, 0, 32, 8), 4)
@@ -60,10 +61,16 @@ def compiled_tbo_text(mesh: Mesh) -> str:
     def fwd(p, kv, a, b):
         return moe_overlap.forward(p, kv, (a, b), cfg, "xla", mesh)
 
+    return fwd, (params, kv, batch, batch)
+
+
+def compiled_tbo_text(mesh: Mesh) -> str:
+    """tiny-moe's TBO forward on `mesh`, compiled as the runner compiles it (its options:
+    on a GPU the latency-hiding scheduler)."""
+    fwd, args = tbo_program(mesh)
     platform = mesh.devices.flat[0].platform
     options = compiler_options("gpu" if platform in ("gpu", "cuda") else platform)
-    return jax.jit(fwd).lower(params, kv, batch, batch).compile(
-        compiler_options=options or None).as_text()
+    return jax.jit(fwd).lower(*args).compile(compiler_options=options or None).as_text()
 
 
 def overlap_report(text: str) -> dict[str, Any]:
