@@ -30,6 +30,18 @@ _DECODE_BLOCK_TOKENS = 128
 _EXTEND_BLOCK_TOKENS = 128
 
 
+def _varying_like(x: jax.Array, *inputs: jax.Array) -> jax.Array:
+    """x typed to vary over every manual mesh axis that one of `inputs` varies over.
+
+    Under shard_map (tp heads, dp rows) a loop's carry must keep one type across trips,
+    but a carry that starts as a constant is replicated while the body's update, computed
+    from sharded inputs, varies over their axes: seed it with their axes. Outside
+    shard_map nothing varies and x comes back as it is."""
+    axes = frozenset().union(*(jax.typeof(a).mat.varying for a in inputs))
+    axes -= jax.typeof(x).mat.varying
+    return lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
+
+
 def _gather_pages(pool: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
     """pool [L, Hkv, P, S, Dh], page_table [B, Np] -> [Hkv, B, Np * S, Dh].
 
@@ -100,8 +112,10 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_sca
 
     if bp == n_pages:  # one block: no loop
         _, l, acc = block(0, (m, l, acc))
-    else:
-        _, l, acc = lax.fori_loop(0, needed, block, (m, l, acc))
+    else:  # the blocks also read the pool and the page table, perhaps on other mesh axes
+        carry = tuple(_varying_like(c, k_pool, v_pool, page_table, seq_lens, layer)
+                      for c in (m, l, acc))
+        _, l, acc = lax.fori_loop(0, needed, block, carry)
     out = (acc / l[..., None]).astype(q.dtype)  # [Hkv, B, G, Dh]; l >= 1 (own key)
     return out.transpose(1, 0, 2, 3).reshape(b, hq, d)
 
@@ -128,9 +142,12 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
     row_first = jnp.take(query_start, tok_row, mode="clip")  # [T_e]
     qg = q.reshape(t, hkv, hq // hkv, d).transpose(1, 2, 0, 3)  # [Hkv, G, T_e, Dh]
     q_pos = positions[:, None]  # [T_e, 1]
-    m = jnp.full(qg.shape[:3], _MASKED, jnp.float32)  # [Hkv, G, T_e] running max
-    l = jnp.zeros_like(m)  # running sum of exp(s - m)
-    acc = jnp.zeros(qg.shape, jnp.float32)  # [Hkv, G, T_e, Dh]
+    # The key-block loops below update these from q, the new K/V and the row layout.
+    inputs = (q, k_new, v_new, query_start, positions)
+    m = _varying_like(jnp.full(qg.shape[:3], _MASKED, jnp.float32),
+                      *inputs)  # [Hkv, G, T_e] running max
+    l = _varying_like(jnp.zeros(qg.shape[:3], jnp.float32), *inputs)  # sum of exp(s - m)
+    acc = _varying_like(jnp.zeros(qg.shape, jnp.float32), *inputs)  # [Hkv, G, T_e, Dh]
 
     def update(carry, qb, kb, vb, mask):
         """Online-softmax step: qb [Hkv, G, Q, Dh] against kb/vb [Hkv, K, Dh], mask [Q, K]."""
