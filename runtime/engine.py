@@ -25,7 +25,7 @@ from runtime import multihost
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
 from runtime.dp_attention import DPScheduler
-from runtime.engine_setup import RunnerSetup, load_model
+from runtime.engine_setup import RunnerSetup, check_loop_args, load_model
 from runtime.exec_trace import ExecutionTrace
 from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import LaunchedForward, ModelRunner, PendingStep
@@ -220,11 +220,8 @@ class Engine:
                              "compiled with RunnerConfig.num_scheduler_steps="
                              f"{args.num_scheduler_steps} (it has "
                              f"{runner.cfg.num_scheduler_steps})")
+        check_loop_args(args)
         if args.enable_multiplexing or args.enable_split_prefill:
-            if args.num_scheduler_steps > 1:
-                raise ValueError("num_scheduler_steps > 1 runs in the plain step loop, not "
-                                 "with split prefill / multiplexing (their decode steps are "
-                                 "one at a time between prefill intervals)")
             if runner.split is None:
                 raise ValueError("split prefill / multiplexing need a runner compiled with "
                                  "RunnerConfig.enable_split_prefill")

@@ -210,10 +210,39 @@ class RunnerSetup:
         return runner
 
 
+def check_loop_args(args: ServerArgs) -> None:
+    """Flags of the two engine loops that exclude each other, as a start-up error (before
+    anything compiles)."""
+    if args.num_scheduler_steps > 1 and (args.enable_split_prefill or args.enable_multiplexing):
+        on = " / ".join(f for f in ("enable_split_prefill", "enable_multiplexing")
+                        if getattr(args, f))
+        raise ValueError(f"num_scheduler_steps={args.num_scheduler_steps} runs in the plain "
+                         f"step loop, not with {on} (their decode steps are one at a time "
+                         "between prefill intervals)")
+
+
+def check_dp_args(args: ServerArgs) -> None:
+    """What data-parallel attention does not run with yet, as a start-up error that names
+    the flags (the runner checks its own config too, after the model has loaded)."""
+    if args.dp == 1:
+        return
+    off = [f for f, on in (("enable_split_prefill", args.enable_split_prefill),
+                           ("enable_multiplexing", args.enable_multiplexing),
+                           ("multiplex_fused", args.multiplex_fused),
+                           ("enable_two_batch_overlap", args.enable_two_batch_overlap),
+                           (f"num_scheduler_steps={args.num_scheduler_steps}",
+                            args.num_scheduler_steps > 1)) if on]
+    if off:
+        raise ValueError(f"dp={args.dp} (data-parallel attention) does not run with "
+                         f"{', '.join(off)} yet")
+
+
 def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
     """Buckets: decode batch sizes in powers of two up to max_running_requests; extend
     token counts in powers of four up to the largest extend batch; KV lengths in powers
     of four up to the model's context."""
+    check_loop_args(args)
+    check_dp_args(args)
     chunk = args.chunked_prefill_size or 0
     max_extend = min(args.max_prefill_tokens, chunk) if chunk else model_cfg.max_position_embeddings
     context = model_cfg.max_position_embeddings
