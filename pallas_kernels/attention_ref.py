@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mesh_types import varying_like
+
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives 0 instead of NaN
 # Prefix tokens per step of the decode walk: small enough that a batch pays for about the
 # context it has, large enough that the loop's per-step overhead stays small. (One pass
@@ -28,18 +30,6 @@ _MASKED = -1e30  # finite, so a fully masked (padding) row gives 0 instead of Na
 _DECODE_BLOCK_TOKENS = 128
 # Query / key block of the extend path's new tokens (extend buckets are multiples of 64).
 _EXTEND_BLOCK_TOKENS = 128
-
-
-def _varying_like(x: jax.Array, *inputs: jax.Array) -> jax.Array:
-    """x typed to vary over every manual mesh axis that one of `inputs` varies over.
-
-    Under shard_map (tp heads, dp rows) a loop's carry must keep one type across trips,
-    but a carry that starts as a constant is replicated while the body's update, computed
-    from sharded inputs, varies over their axes: seed it with their axes. Outside
-    shard_map nothing varies and x comes back as it is."""
-    axes = frozenset().union(*(jax.typeof(a).mat.varying for a in inputs))
-    axes -= jax.typeof(x).mat.varying
-    return lax.pcast(x, tuple(sorted(axes)), to="varying") if axes else x
 
 
 def _gather_pages(pool: jax.Array, layer: jax.Array, page_table: jax.Array) -> jax.Array:
@@ -113,7 +103,7 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_sca
     if bp == n_pages:  # one block: no loop
         _, l, acc = block(0, (m, l, acc))
     else:  # the blocks also read the pool and the page table, perhaps on other mesh axes
-        carry = tuple(_varying_like(c, k_pool, v_pool, page_table, seq_lens, layer)
+        carry = tuple(varying_like(c, k_pool, v_pool, page_table, seq_lens, layer)
                       for c in (m, l, acc))
         _, l, acc = lax.fori_loop(0, needed, block, carry)
     out = (acc / l[..., None]).astype(q.dtype)  # [Hkv, B, G, Dh]; l >= 1 (own key)
@@ -144,10 +134,10 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
     q_pos = positions[:, None]  # [T_e, 1]
     # The key-block loops below update these from q, the new K/V and the row layout.
     inputs = (q, k_new, v_new, query_start, positions)
-    m = _varying_like(jnp.full(qg.shape[:3], _MASKED, jnp.float32),
+    m = varying_like(jnp.full(qg.shape[:3], _MASKED, jnp.float32),
                       *inputs)  # [Hkv, G, T_e] running max
-    l = _varying_like(jnp.zeros(qg.shape[:3], jnp.float32), *inputs)  # sum of exp(s - m)
-    acc = _varying_like(jnp.zeros(qg.shape, jnp.float32), *inputs)  # [Hkv, G, T_e, Dh]
+    l = varying_like(jnp.zeros(qg.shape[:3], jnp.float32), *inputs)  # sum of exp(s - m)
+    acc = varying_like(jnp.zeros(qg.shape, jnp.float32), *inputs)  # [Hkv, G, T_e, Dh]
 
     def update(carry, qb, kb, vb, mask):
         """Online-softmax step: qb [Hkv, G, Q, Dh] against kb/vb [Hkv, K, Dh], mask [Q, K]."""
