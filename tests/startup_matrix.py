@@ -77,7 +77,9 @@ ROWS: tuple[Row, ...] = (
     # -- single device: the reference, backends, dtypes ------------------------------------
     _row("plain", BASE_FLAGS),
     _row("cpu_defaults", "attention_backend cpu_matmul per_layer_weights", **DEFAULTS),
-    _row("per_layer_weights", "per_layer_weights", per_layer_weights=True),
+    _row("per_layer_weights", "per_layer_weights", per_layer_weights=True,
+         slow="4 more programs; per-layer weights are the mesh default, so tp3 / dp2 run them "
+              "in make test"),
     _row("pallas", "attention_backend", attention_backend="pallas",
          slow="the Pallas kernels in interpret mode: 3 programs of ~10 s each to compile"),
     _row("bf16", "dtype kv_cache_dtype", dtype="bfloat16", kv_cache_dtype="float32"),
@@ -95,7 +97,8 @@ ROWS: tuple[Row, ...] = (
          disable_prefix_cache=True, schedule_policy="lpm", disable_overlap_schedule=True,
          trace_buffer_steps=0),
     _row("unchunked", "chunked_prefill_size", chunked_prefill_size=None),
-    _row("mixed_chunk", "enable_mixed_chunk", enable_mixed_chunk=True),
+    _row("mixed_chunk", "enable_mixed_chunk", enable_mixed_chunk=True,
+         slow="a MIXED program; dp2 (which needs them) runs MIXED programs in make test"),
     _row("kv_pool_from_memory", "mem_fraction max_total_tokens", max_total_tokens=None,
          mem_fraction=0.5, slow="a pool sized from memory has its own shape: 5 more programs"),
     # -- split prefill, multiplexing, multi-step ------------------------------------------
