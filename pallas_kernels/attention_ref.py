@@ -20,6 +20,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels.mesh_types import varying_like
+
 _MASKED = -1e30  # finite, so a fully masked (padding) row gives 0 instead of NaN
 # Prefix tokens per step of the decode walk: small enough that a batch pays for about the
 # context it has, large enough that the loop's per-step overhead stays small. (One pass
@@ -100,8 +102,10 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_sca
 
     if bp == n_pages:  # one block: no loop
         _, l, acc = block(0, (m, l, acc))
-    else:
-        _, l, acc = lax.fori_loop(0, needed, block, (m, l, acc))
+    else:  # the blocks also read the pool and the page table, perhaps on other mesh axes
+        carry = tuple(varying_like(c, k_pool, v_pool, page_table, seq_lens, layer)
+                      for c in (m, l, acc))
+        _, l, acc = lax.fori_loop(0, needed, block, carry)
     out = (acc / l[..., None]).astype(q.dtype)  # [Hkv, B, G, Dh]; l >= 1 (own key)
     return out.transpose(1, 0, 2, 3).reshape(b, hq, d)
 
@@ -128,9 +132,12 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
     row_first = jnp.take(query_start, tok_row, mode="clip")  # [T_e]
     qg = q.reshape(t, hkv, hq // hkv, d).transpose(1, 2, 0, 3)  # [Hkv, G, T_e, Dh]
     q_pos = positions[:, None]  # [T_e, 1]
-    m = jnp.full(qg.shape[:3], _MASKED, jnp.float32)  # [Hkv, G, T_e] running max
-    l = jnp.zeros_like(m)  # running sum of exp(s - m)
-    acc = jnp.zeros(qg.shape, jnp.float32)  # [Hkv, G, T_e, Dh]
+    # The key-block loops below update these from q, the new K/V and the row layout.
+    inputs = (q, k_new, v_new, query_start, positions)
+    m = varying_like(jnp.full(qg.shape[:3], _MASKED, jnp.float32),
+                      *inputs)  # [Hkv, G, T_e] running max
+    l = varying_like(jnp.zeros(qg.shape[:3], jnp.float32), *inputs)  # sum of exp(s - m)
+    acc = varying_like(jnp.zeros(qg.shape, jnp.float32), *inputs)  # [Hkv, G, T_e, Dh]
 
     def update(carry, qb, kb, vb, mask):
         """Online-softmax step: qb [Hkv, G, Q, Dh] against kb/vb [Hkv, K, Dh], mask [Q, K]."""

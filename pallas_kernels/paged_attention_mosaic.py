@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.kv_schedule import MASKED, META, KernelConfig, KVSchedule, finish, softmax_step
+from pallas_kernels.mesh_types import out_struct
 
 
 def mosaic_unsupported(dtype) -> str | None:
@@ -188,10 +188,11 @@ def launch(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new, cfg: KernelC
     tf = _swizzle_transforms(dh, dtype)
     per_block = bk // cfg.page_size
     body = functools.partial(paged_attention_kernel, cfg=cfg, compiled=not interpret)
+    operands = (meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new)
     out, lse = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((splits, *q_tiles.shape), dtype),
-                  jax.ShapeDtypeStruct((splits, nt, hkv, q_rows), jnp.float32)),
+        out_type=(out_struct((splits, *q_tiles.shape), dtype, *operands),
+                  out_struct((splits, nt, hkv, q_rows), jnp.float32, *operands)),
         grid=(nt, hkv, splits),
         grid_names=("tile", "kv_head", "split"),
         scratch_types=[
@@ -205,7 +206,7 @@ def launch(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new, cfg: KernelC
             plgpu.Barrier(num_arrivals=per_block, num_barriers=slots),
         ],
         interpret=_gpu_interpret_params() if interpret else None,
-    )(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new)
+    )(*operands)
     if not cfg.num_extend_tiles:  # decode only: just the G live rows of each tile
         out, lse = out[..., :cfg.group, :], lse[..., :cfg.group]
     return _merge_splits(out, lse)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kv_schedule import MASKED, META, KernelConfig, KVSchedule, finish, softmax_step
+from pallas_kernels.mesh_types import out_struct
 
 try:  # deprecated since jax 0.11
     from jax.experimental.pallas import triton as pltriton
@@ -72,12 +72,13 @@ def launch(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new, cfg: KernelC
     _, _, m_rows, dh = q_tiles.shape
     anywhere = pl.BlockSpec(memory_space=pl.ANY)  # whole array, indexed inside the kernel
     tile = pl.BlockSpec((None, None, m_rows, dh), lambda t, h: (t, h, 0, 0))
+    operands = (meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new)
     return pl.pallas_call(
         functools.partial(paged_attention_kernel, cfg=cfg),
         grid=q_tiles.shape[:2],
         in_specs=[anywhere, anywhere, tile] + [anywhere] * 4,
         out_specs=tile,
-        out_shape=jax.ShapeDtypeStruct(q_tiles.shape, q_tiles.dtype),
+        out_shape=out_struct(q_tiles.shape, q_tiles.dtype, *operands),
         compiler_params=pltriton.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
-    )(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new)
+    )(*operands)

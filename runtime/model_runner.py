@@ -486,13 +486,15 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
 def _check_tbo(model_cfg: ModelConfig, cfg: RunnerConfig, mesh: Mesh | None) -> None:
     """What two-batch overlap needs, as a start-up error."""
     if not model_cfg.is_moe:
-        raise ValueError("two-batch overlap is for MoE models (it overlaps the expert-"
+        raise ValueError("enable_two_batch_overlap is for MoE models (it overlaps the "
+                         "expert-"
                          f"parallel all_to_all); {model_cfg.architecture} is dense")
     if cfg.per_layer_weights:
-        raise ValueError("two-batch overlap runs the stacked layer weights: "
+        raise ValueError("enable_two_batch_overlap runs the stacked layer weights: "
                          "per_layer_weights=False")
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
-        raise ValueError("two-batch overlap runs on an ep mesh without tp")
+        raise ValueError("enable_two_batch_overlap runs on an ep mesh without tp (tp="
+                         f"{mesh.shape['tp']})")
 
 
 def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None, cache: CacheConfig) -> None:

@@ -165,9 +165,11 @@ def test_uneven_tp_is_a_clear_error():
 def _smollm2_engine(**mesh) -> Engine:
     path = checkpoint.ensure_default_checkpoint(_ckpt_cache(), "float32")
     cfg, params = checkpoint.restore_checkpoint(path)
+    # A 256-token extend bucket: two query blocks, so the jnp attention's key-block loop
+    # runs under the mesh's shard_map.
     args = ServerArgs(max_running_requests=2, decode_buckets=(1,) if mesh.get("dp") else (2,),
-                      extend_token_buckets=(128,), kv_len_buckets=(128,), max_prefill_tokens=128,
-                      chunked_prefill_size=128, max_extend_seqs=2, max_total_tokens=1024,
+                      extend_token_buckets=(256,), kv_len_buckets=(256,), max_prefill_tokens=256,
+                      chunked_prefill_size=256, max_extend_seqs=2, max_total_tokens=1024,
                       compilation_cache_dir=None, strict_compile=True, max_top_logprobs=2,
                       attention_backend="xla", cpu_matmul="xla", **mesh)
     return Engine(args, model=(cfg, params))
