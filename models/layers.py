@@ -21,10 +21,10 @@ from jax.sharding import PartitionSpec as P
 
 import cpu_kernels
 from cpu_kernels import PackedWeight, at_layer, packed_matmul
+from models.config import ModelConfig, RopeScaling
+from models.forward_batch import ForwardBatch, real_token_mask
+from models.kv_pool import KVPool, write_kv
 from pallas_kernels import get_paged_attention_fn
-from runtime.config import ModelConfig, RopeScaling
-from runtime.forward_batch import ForwardBatch, real_token_mask
-from runtime.kv_pool import KVPool, write_kv
 
 Mlp = Callable[[dict, jax.Array], jax.Array]
 

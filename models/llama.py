@@ -13,10 +13,10 @@ from jax.sharding import Mesh
 
 import cpu_kernels
 from models import layers
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch, real_row_mask
+from models.kv_pool import KVPool
 from models.layers import compute_logits, embed, fused_gated_mlp, gated_mlp, unstack_layers
-from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch, real_row_mask
-from runtime.kv_pool import KVPool
 
 __all__ = ["compute_logits", "embed", "forward", "init_params", "pack_for_cpu",
            "param_shapes", "run_layer_range", "run_layers", "unstack_layers"]

@@ -14,9 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-# Position of padding tokens: past any real position, so a causal mask keeps every real
-# query from attending to padding keys that share its row's slice of the token axis.
-PAD_POSITION = 1 << 30
+from models.forward_mode import PAD_POSITION
 
 
 @dataclasses.dataclass
@@ -84,7 +82,7 @@ def unflatten_inputs(flat: Any, layout: InputLayout) -> dict[str, Any]:
 
 def pack_rows(extend_rows: Sequence[Row], decode_rows: Sequence[Row], shape: BucketShape,
               page_size: int) -> dict[str, np.ndarray]:
-    """Pack rows into the ForwardBatch layout (runtime/forward_batch.py). Padding tokens
+    """Pack rows into the ForwardBatch layout (models/forward_batch.py). Padding tokens
     write to page 0, which the allocator never hands out."""
     layout = input_layout(shape)
     arrays = unflatten_inputs(np.empty(sum(math.prod(s) for _, s in layout), np.int32), layout)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape
 from runtime.config import RunnerConfig
 from runtime.executable_budget import FORWARD_COST, MULTI_STEP_COST, SAMPLER_COST, PlanPart
-from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import ScheduleBatch
 
 

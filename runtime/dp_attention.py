@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape, pack_rows
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.forward_mode import ForwardMode
 from runtime.request import Req
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
 from runtime.scheduler import ReqEvent, Scheduler, SchedulerStats

@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from models.config import ModelConfig
 from runtime import multihost
 from runtime.batch_builder import BucketShape
-from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
+from runtime.config import CacheConfig, SchedulerConfig, ServerArgs
 from runtime.dp_attention import DPScheduler
 from runtime.engine_info import EngineInfo
 from runtime.engine_setup import RunnerSetup, load_model, platform

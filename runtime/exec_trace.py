@@ -43,8 +43,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape
-from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import ScheduleBatch
 
 

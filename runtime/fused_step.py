@@ -24,10 +24,10 @@ import jax
 import jax.numpy as jnp
 
 from models import layers
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch, ForwardMode, real_row_mask
 from models.registry import model_module
 from runtime.batch_builder import BucketShape
-from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch, ForwardMode, real_row_mask
 from runtime.split_prefill import MeshPlacement
 
 

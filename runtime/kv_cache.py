@@ -1,6 +1,6 @@
 """Host page allocator of the paged KV pool and page-table helpers (no jax).
 
-The device pool itself lives in runtime/kv_pool.py; this module only decides which page ids
+The device pool itself lives in models/kv_pool.py; this module only decides which page ids
 are free. Token position p of a request lives in cache slot
 `pages[p // page_size] * page_size + p % page_size`.
 """

@@ -32,6 +32,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 import cpu_kernels
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch, ForwardMode
+from models.kv_pool import KVPool, init_kv_pool, kv_pool_shape
 from models.registry import model_module
 from runtime import sampling, sharding, two_batch_overlap
 from runtime.batch_builder import (
@@ -45,7 +48,7 @@ from runtime.batch_builder import (
 )
 from runtime.bucket_plan import BucketPlan, StepKey, cost_key, key_name
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
-from runtime.config import CacheConfig, ModelConfig, RunnerConfig
+from runtime.config import CacheConfig, RunnerConfig
 from runtime.dp_attention import (
     DPBatch,
     dp_pack,
@@ -59,9 +62,7 @@ from runtime.executable_budget import (
     compile_all,
     footprint,
 )
-from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.grammar import mask_width
-from runtime.kv_pool import KVPool, init_kv_pool, kv_pool_shape
 from runtime.multi_step import MultiStepExecutables, multi_step_fn, pack_steps
 from runtime.request import MAX_LOGIT_BIAS
 from runtime.runner_sampling import PendingStep, SamplingLaunch

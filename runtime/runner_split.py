@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 import jax
 import numpy as np
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape, pack_rows
 from runtime.bucket_plan import cost_key
 from runtime.executable_budget import release_freed_heap
-from runtime.forward_mode import ForwardMode
 from runtime.fused_step import FusedExecutables
 from runtime.schedule_batch import ScheduleBatch
 from runtime.split_prefill import SplitPrefill, layer_work, redirect_finished

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models.config import ModelConfig
 from models.registry import model_module
-from runtime.config import ModelConfig
 
 # Logical name of every dimension of every parameter (see models/params_layout.md).
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch, ForwardMode, real_row_mask
 from models.registry import model_module
 from runtime.batch_builder import BucketShape
-from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch, ForwardMode, real_row_mask
 from runtime.schedule_batch import ScheduleBatch
 
 # Largest interval compiled besides the depth: while streams decode, an interval is sized

@@ -7,9 +7,9 @@ import dataclasses
 import time
 from typing import Protocol
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape
 from runtime.exec_trace import ExecutionTrace, StepRecord, step_record
-from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import ScheduleBatch, StepOutput
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from runtime.forward_mode import ForwardMode
+from models.forward_mode import ForwardMode
 from runtime.kv_cache import PAD_PAGE, cache_slots, pages_for
 from runtime.prefix_cache import PrefixCache
 from runtime.request import ReqStatus

@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, SchedulerConfig
 from runtime.dp_attention import (
@@ -16,7 +17,6 @@ from runtime.dp_attention import (
     padded_rows,
     split_output,
 )
-from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import StepOutput
 from tests.fake_runner import EOS, FakeRunner, drive, fake_decode, reference_output
 from tests.test_scheduler import PS, req, workload

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from models import llama
+from models.forward_mode import ForwardMode
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
-from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from tests.cpu_isa import needs_x12

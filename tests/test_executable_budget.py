@@ -12,11 +12,11 @@ import jax
 import pytest
 
 from models import llama
+from models.forward_mode import ForwardMode
 from runtime import executable_budget as eb
 from runtime import model_runner
 from runtime.compile_counter import compile_counter
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
-from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner
 from tests.model_utils import TINY
 

@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import pytest
 
 from models import layers, llama
+from models.forward_batch import ForwardBatch
+from models.forward_mode import ForwardMode
+from models.kv_pool import init_kv_pool
 from pallas_kernels.ragged_paged_attention import paged_attention
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig
-from runtime.forward_batch import ForwardBatch
-from runtime.forward_mode import ForwardMode
 from runtime.fused_step import FusedExecutables
-from runtime.kv_pool import init_kv_pool
 from runtime.split_prefill import SplitExecutables
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from models import llama, registry
+from models.config import ModelConfig
+from models.forward_mode import ForwardMode
 from runtime import checkpoint
-from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
+from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
 from runtime.engine_setup import runner_config
-from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from runtime.sharding import serving_mesh

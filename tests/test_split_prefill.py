@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from models import llama
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape, pack_rows
 from runtime.config import CacheConfig, RunnerConfig
-from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner, StepKey
 from runtime.request import Req, ReqStatus, SamplingParams
 from runtime.schedule_batch import BatchRow, ScheduleBatch
@@ -205,7 +205,7 @@ def test_cost_seeds_run_real_tokens_into_the_padding_page(runner):
     """Warm-up times each step full of tokens, not of padding (which the CPU fast path
     skips: a padded seed would tell the multiplexing policy a step is nearly free), and
     those tokens write only page 0."""
-    from runtime.forward_batch import ForwardBatch, real_token_mask
+    from models.forward_batch import ForwardBatch, real_token_mask
 
     for shape in (BucketShape(0, 0, 4, 2), BucketShape(32, 2, 0, 2), BucketShape(16, 1, 2, 2)):
         arrays, slots = runner._cost_seed_inputs(shape)

@@ -159,9 +159,9 @@ def test_multi_step_inputs_list_every_page_their_steps_write():
     """A multi-step batch (runtime/multi_step.py): each row's page table covers the
     positions of all its steps, its step count follows the plain vector, and the bucket's
     sequence length fits its last step's context."""
+    from models.forward_mode import ForwardMode
     from runtime.bucket_plan import BucketPlan
     from runtime.config import RunnerConfig
-    from runtime.forward_mode import ForwardMode
     from runtime.multi_step import pack_steps
     from runtime.schedule_batch import ScheduleBatch
 

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 
 from models import layers, moe_overlap, registry
+from models.forward_mode import ForwardMode
+from models.kv_pool import init_kv_pool
 from pallas_kernels.ragged_paged_attention import paged_attention
 from runtime import two_batch_overlap
 from runtime.batch_builder import BucketShape
 from runtime.bucket_plan import StepKey
 from runtime.config import CacheConfig, RunnerConfig
 from runtime.exec_trace import ExecutionTrace
-from runtime.forward_mode import ForwardMode
-from runtime.kv_pool import init_kv_pool
 from runtime.model_runner import ModelRunner
 from runtime.perfetto import chrome_trace
 from runtime.request import Req, SamplingParams

@@ -50,12 +50,13 @@ import bench_common as bc
 import numpy as np
 from absl import app, flags
 
+from models.config import ModelConfig
+from models.forward_mode import ForwardMode
 from runtime import two_batch_overlap
 from runtime.batch_builder import BucketShape
 from runtime.bucket_plan import BucketPlan
-from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
+from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.engine_setup import load_model, runner_config, serving_mesh, size_kv_pool
-from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner, StepKey
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import BatchRow, ScheduleBatch

@@ -80,8 +80,8 @@ def perfect_bytes(runner, name: str, context: int) -> float | None:
     import jax
     import jax.numpy as jnp
 
+    from models.kv_pool import kv_bytes_per_token
     from runtime.bucket_plan import key_name
-    from runtime.kv_pool import kv_bytes_per_token
 
     keys = {key_name(k): k for k in runner.step_keys()}
     if name not in keys:
