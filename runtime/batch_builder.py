@@ -32,6 +32,13 @@ class Row(Protocol):
     pages: Sequence[int]      # pages covering [0, start_pos + len(input_ids))
 
 
+class Parted(Protocol):
+    """One part of a step (a ScheduleBatch; under dp, one rank's)."""
+
+    extend_rows: Sequence[Any]
+    decode_rows: Sequence[Any]
+
+
 @dataclasses.dataclass(frozen=True)
 class BucketShape:
     """The static sizes of one trace: T_e extend tokens, B_e extend rows, B_d decode rows,
@@ -158,3 +165,29 @@ def _fill(arrays: dict[str, np.ndarray], extend_rows: Sequence[Row],
         logits_indices[r_i] = t_i
     query_start[be:be + bd] = te + np.arange(bd, dtype=np.int32)
     query_start[b] = t
+
+
+def padded_rows(parts: Sequence[Parted | None], shape: BucketShape) -> list[Any]:
+    """Each padded row's BatchRow (None: padding), part after part (an IDLE part: None;
+    under dp a part is one rank's): a part's extend rows from its first row, its decode
+    rows from num_extend_seqs."""
+    b = shape.num_extend_seqs + shape.num_decode_seqs
+    padded: list[Any] = [None] * (b * len(parts))
+    for rank, part in enumerate(parts):
+        for i, r in enumerate(part.extend_rows if part else []):
+            padded[rank * b + i] = r
+        for i, r in enumerate(part.decode_rows if part else []):
+            padded[rank * b + shape.num_extend_seqs + i] = r
+    return padded
+
+
+def row_order(parts: Sequence[Parted | None], shape: BucketShape) -> np.ndarray:
+    """Padded-row index of each real row in result order (part after part, its extend
+    rows then its decode rows): the inverse of padded_rows."""
+    b, be = shape.num_extend_seqs + shape.num_decode_seqs, shape.num_extend_seqs
+    out = []
+    for r, p in enumerate(parts):
+        if p is not None:
+            out += [r * b + i for i in range(len(p.extend_rows))]
+            out += [r * b + be + i for i in range(len(p.decode_rows))]
+    return np.asarray(out, np.int64)

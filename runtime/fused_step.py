@@ -28,7 +28,7 @@ from models.config import ModelConfig
 from models.forward_batch import ForwardBatch, ForwardMode, real_row_mask
 from models.registry import model_module
 from runtime.batch_builder import BucketShape
-from runtime.split_prefill import MeshPlacement
+from runtime.sharding import MeshPlacement
 
 
 class FusedExecutables:

@@ -134,7 +134,7 @@ def test_llama8b_multi_step_decode_lowers_for_cuda():
     words = sampling.word_layout(b, mask_width(v), MAX_LOGIT_BIAS)
     program = multi_step_fn(
         key, 4, PAGE, functools.partial(llama.forward, cfg=CFG, attention_backend="pallas"),
-        SamplingLaunch._sample_body(runner), 2 * b + words["step"][0])
+        SamplingLaunch.sample_body(runner), 2 * b + words["step"][0])
     state = SlotState(last_tokens=sds((b + 1,), jnp.int32),
                       token_counts=sds((b + 1, v), jnp.int32),
                       prompt_mask=sds((b + 1, v), jnp.bool_))

@@ -46,3 +46,19 @@ def test_scan_sees_imports(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
     src.write_text("import os.path as p\n\ndef f():\n    from runtime.config import X\n")
     assert imported_packages(src) == {"os", "runtime"}
+
+
+# What names an execution path: its modules (runtime/paths/*.py and their programs'
+# modules) and its batch type.
+PATH_NAMES = ("split_prefill", "runner_split", "fused_step", "tbo_step", "two_batch_overlap",
+              "multi_step", "dp_attention", "DPBatch", "self.split", "self.fused", "self.tbo",
+              "self.multi", "SPLIT_PREFILL", "paths.plain", "paths.split", "paths.fused",
+              "paths.tbo", "paths.multi", "paths.dp")
+
+
+@pytest.mark.parametrize("path", ["runtime/model_runner.py", "runtime/runner_sampling.py"])
+def test_the_runner_names_no_execution_path(path: str) -> None:
+    """ModelRunner (and the sampling mixin it inherits) plans, lowers, installs and
+    launches by looping over runtime/paths' enabled paths."""
+    text = (REPO / path).read_text()
+    assert [n for n in PATH_NAMES if n in text] == []

@@ -32,6 +32,8 @@ class _Done:
     def __init__(self, batch: ScheduleBatch, out: StepOutput) -> None:
         self.batch, self._out = batch, out
 
+    shape, detail = None, None  # the fake pads nothing and keeps no path record
+
     def result(self) -> StepOutput:
         return self._out
 
@@ -115,8 +117,8 @@ def _setup(num_pages=200, chunk=None, overlap=True, prefix=True, policy=None,
     sched = Scheduler(cfg, eos_token_ids=[EOS])
     runner = FakeSplitRunner(sched, num_pages, 4, max_running + 1)
     # Slowdown 2 at the fake's costs: two-layer intervals, which the fake also runs fused.
-    loop = MultiplexLoop(sched, runner, policy or IntervalPolicy(None, 0.0, 2.0), overlap,
-                         interleave, fused)
+    loop = MultiplexLoop(sched, runner, runner, policy or IntervalPolicy(None, 0.0, 2.0),
+                         overlap, interleave, runner if fused else None)
     return sched, runner, loop
 
 

@@ -289,7 +289,7 @@ def _time_point(runner: ModelRunner, batch: ScheduleBatch, iters: int,
         pending = runner.launch(batch)
         host.append(time.perf_counter() - t0)
         pending.result()
-        ran_tbo.append(pending.tbo is not None)
+        ran_tbo.append(pending.detail is not None)
 
     total = bc.time_calls(call, iters, warmup)
     if runner.cfg.enable_two_batch_overlap and not all(ran_tbo):
