@@ -64,15 +64,13 @@ class SchedulerConfig:
         """One scheduler's config: `cache` is its pool (one dp rank's share under
         data-parallel attention, which also splits max_running_requests over the ranks);
         max_context_len is the runner's longest sequence."""
-        return cls(cache=cache, max_running_requests=args.max_running_requests // dp,
-                   max_prefill_tokens=args.max_prefill_tokens,
-                   chunked_prefill_size=args.chunked_prefill_size,
-                   max_extend_seqs=args.max_extend_seqs,
-                   enable_mixed_chunk=args.enable_mixed_chunk,
-                   schedule_policy=args.schedule_policy,
-                   disable_prefix_cache=args.disable_prefix_cache,
-                   overlap=not args.disable_overlap_schedule, max_context_len=max_context_len,
-                   num_scheduler_steps=args.num_scheduler_steps)
+        # Every field the options name alike is the option's value.
+        same = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                if hasattr(args, f.name)}
+        return cls(**{**same, "cache": cache,
+                      "max_running_requests": args.max_running_requests // dp,
+                      "overlap": not args.disable_overlap_schedule,
+                      "max_context_len": max_context_len})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):

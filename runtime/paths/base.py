@@ -64,13 +64,16 @@ class ExecPath:
     ModelRunner whose device state its launches update."""
 
     name = ""
+    # The path's compiled programs (its module's *Executables: names, install(compiled)),
+    # if it keeps them in one.
+    programs: Any = None
 
     def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
 
     @property
     def names(self) -> list[str]:
-        return []
+        return [] if self.programs is None else self.programs.names
 
     def plan_parts(self) -> list[PlanPart]:
         return []
@@ -79,7 +82,8 @@ class ExecPath:
         return ()
 
     def install(self, compiled: Mapping[str, Callable]) -> None:
-        pass
+        if self.programs is not None:
+            self.programs.install(compiled)
 
     def sampler_rows(self) -> set[int]:
         return set()

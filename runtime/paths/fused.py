@@ -4,7 +4,7 @@ calls launch_fused on this path; it claims no batch through the runner's launch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import jax.numpy as jnp
@@ -43,10 +43,6 @@ class FusedPath(ExecPath):
         self.programs = FusedExecutables(runner.model_cfg, runner.cfg.attention_backend,
                                          fused, split.programs.sizes, runner.placement)
 
-    @property
-    def names(self) -> list[str]:
-        return self.programs.names
-
     def plan_parts(self) -> list[PlanPart]:
         return [PlanPart("FUSED", len(self.names), FORWARD_COST,
                          "--multiplex_fused: extend buckets x decode_buckets x interval sizes")]
@@ -56,9 +52,6 @@ class FusedPath(ExecPath):
         return self.programs.lowerings(params, kv, state.last_tokens,
                                        lambda s: r.abstract_inputs(s)[0],
                                        jnp.dtype(r.cfg.activation_dtype))
-
-    def install(self, compiled: Mapping[str, Callable]) -> None:
-        self.programs.install(compiled)
 
     def launch_fused(self, decode: ScheduleBatch, split: SplitPrefill, k: int
                      ) -> PendingStep | None:

@@ -3,7 +3,7 @@ program per DECODE bucket, sampling inside it (runtime/multi_step.py)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -30,10 +30,6 @@ class MultiStepPath(ExecPath):
         self.programs = MultiStepExecutables(runner.cfg.num_scheduler_steps,
                                              runner.step_keys(), runner.cache_cfg.page_size)
 
-    @property
-    def names(self) -> list[str]:
-        return self.programs.names
-
     def plan_parts(self) -> list[PlanPart]:
         c = self.runner.cfg
         return [PlanPart("MULTI_STEP", len(self.names), MULTI_STEP_COST,
@@ -45,9 +41,6 @@ class MultiStepPath(ExecPath):
         r = self.runner
         return self.programs.lowerings(self._program, params, kv, state, r.placement.i32,
                                        lambda b: r.abstract_sample_inputs(b)[1])
-
-    def install(self, compiled: Mapping[str, Callable]) -> None:
-        self.programs.install(compiled)
 
     def launch(self, batch: ScheduleBatch) -> PendingStep | None:
         """Run a DECODE batch's `steps` decode steps in one program; its results carry a

@@ -6,7 +6,7 @@ no batch through the runner's launch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -33,10 +33,6 @@ class SplitPath(ExecPath):
         self.programs = SplitExecutables(runner.model_cfg, cfg.attention_backend, shapes,
                                          cfg.split_prefill_layers, runner.placement)
 
-    @property
-    def names(self) -> list[str]:
-        return self.programs.names
-
     def plan_parts(self) -> list[PlanPart]:
         return [PlanPart("SPLIT_PREFILL", len(self.names), FORWARD_COST,
                          "--enable_split_prefill / --enable_multiplexing: extend buckets x "
@@ -46,9 +42,6 @@ class SplitPath(ExecPath):
         r = self.runner
         return self.programs.lowerings(params, kv, lambda s: r.abstract_inputs(s)[0],
                                        jnp.dtype(r.cfg.activation_dtype))
-
-    def install(self, compiled: Mapping[str, Callable]) -> None:
-        self.programs.install(compiled)
 
     def after_warmup(self) -> None:
         """Time every DECODE bucket and one interval of every split shape once, full of

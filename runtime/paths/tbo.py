@@ -6,7 +6,7 @@ program for its children's bucket) is left to the next path."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -47,10 +47,6 @@ class TboPath(ExecPath):
                                        r.placement.out(r.placement.replicated, r.placement.kv),
                                        options)
 
-    @property
-    def names(self) -> list[str]:
-        return self.programs.names
-
     def plan_parts(self) -> list[PlanPart]:
         return [PlanPart("TBO", len(self.names), FORWARD_COST,
                          "--enable_two_batch_overlap: one per DECODE / EXTEND / MIXED bucket "
@@ -63,9 +59,6 @@ class TboPath(ExecPath):
         r = self.runner
         return self.programs.lowerings(params, kv, state.last_tokens, r.abstract_inputs,
                                        r.placement.i32)
-
-    def install(self, compiled: Mapping[str, Callable]) -> None:
-        self.programs.install(compiled)
 
     def forward(self, batch: ScheduleBatch) -> LaunchedForward | None:
         r, tbo = self.runner, self.programs
