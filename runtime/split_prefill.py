@@ -9,7 +9,7 @@ interval sizes k are the even numbers from 2 to 8 below the depth, the depth and
 optional fixed size (1 only where parity needs it), so any remaining run of layers is a
 sum of compiled sizes and no remainder needs a trace of its own. Extend buckets below
 RunnerConfig.split_min_tokens get no split programs: such a prefill is cheap enough to
-run whole (ModelRunner.launch).
+run whole (MultiplexLoop launches it as an EXTEND step).
 
 `SplitPrefill` is the carried state of one batch in flight: the host's packed inputs,
 the device handle of the hidden state, and where it stands. It belongs to the loop that
