@@ -103,12 +103,6 @@ def pages_for(num_tokens: int, page_size: int) -> int:
     return -(-num_tokens // page_size)
 
 
-def cache_slots(pages: Sequence[int], start: int, end: int, page_size: int) -> np.ndarray:
-    """Cache slots of positions [start, end) of a request with this page list."""
-    pos = np.arange(start, end)  # [end - start]
-    return np.asarray(pages, np.int64)[pos // page_size] * page_size + pos % page_size
-
-
 def page_table(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:
     """[len(rows), width] int32 page table, padded with PAD_PAGE."""
     table = np.full((len(rows), width), PAD_PAGE, np.int32)

@@ -16,14 +16,20 @@ import numpy as np
 import pytest
 
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.kv_cache import cache_slots
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch, StepOutput
 from runtime.scheduler import Scheduler
 from runtime.split_prefill import SplitPrefill, interval_sizes
 from runtime.step_costs import DeviceCosts
-from tests.fake_runner import EOS, FakeRunner, check_invariants, next_token, reference_output
+from tests.fake_runner import (
+    EOS,
+    FakeRunner,
+    cache_slots,
+    check_invariants,
+    next_token,
+    reference_output,
+)
 
 LAYERS = 5  # odd: one-layer intervals are compiled (split_prefill.interval_sizes)
 
