@@ -63,7 +63,7 @@ def extend_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: j
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layers: jax.Array, slots: jax.Array,
              k: jax.Array, v: jax.Array, after: jax.Array | None = None
              ) -> tuple[jax.Array, jax.Array]:
-    """runtime.kv_pool.write_kv's contract on pools of float32 or bfloat16, in place:
+    """models.kv_pool.write_kv's contract on pools of float32 or bfloat16, in place:
     k, v [N, T, Hkv, Dh] of layers [N] into flat slots [T] (page * S + slot) of pools
     [L, Hkv, P, S, Dh]; slots outside the pool are dropped. The pools are aliased to the
     results, so under a donating jit no copy of them is made, provided XLA sees the write

@@ -66,7 +66,7 @@ def at_layer(w: PackedWeight, layer: jax.Array) -> PackedWeight:
 
 def only_rows(tree: Any, rows: jax.Array) -> Any:
     """Every PackedWeight of `tree` computing only the x rows where rows [M] is nonzero
-    (the real tokens of a padded batch: runtime/forward_batch.real_token_mask)."""
+    (the real tokens of a padded batch: models/forward_batch.real_token_mask)."""
     return jax.tree.map(
         lambda w: dataclasses.replace(w, rows=rows) if isinstance(w, PackedWeight) else w,
         tree, is_leaf=lambda w: isinstance(w, PackedWeight))

@@ -8,6 +8,7 @@ dataclass), since it is a static argument of the per-layer jitted halves.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -21,10 +22,10 @@ from jax.sharding import PartitionSpec as P
 
 import cpu_kernels
 from cpu_kernels import PackedWeight, at_layer, packed_matmul
+from models.config import ModelConfig, RopeScaling
+from models.forward_batch import ForwardBatch, real_row_mask, real_token_mask
+from models.kv_pool import KVPool, write_kv
 from pallas_kernels import get_paged_attention_fn
-from runtime.config import ModelConfig, RopeScaling
-from runtime.forward_batch import ForwardBatch, real_token_mask
-from runtime.kv_pool import KVPool, write_kv
 
 Mlp = Callable[[dict, jax.Array], jax.Array]
 
@@ -373,3 +374,42 @@ def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,
     if cfg.tie_word_embeddings:
         return jnp.einsum("bd,vd->bv", x, params["embed"], preferred_element_type=jnp.float32)
     return jnp.einsum("bd,dv->bv", x, params["lm_head"], preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoder:
+    """A family's decoder on the shared skeleton: `mlp(cfg, mesh)` is its MLP (hashable,
+    see Mlp). A model module exposes these methods as its run_layers, run_layer_range and
+    forward."""
+
+    mlp: Callable[[ModelConfig, Mesh | None], Mlp]
+
+    def run_layers(self, params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
+                   cfg: ModelConfig, *, start: jax.Array | int = 0,
+                   num_layers: int | None = None, attention_backend: str = "xla",
+                   mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
+        """Decoder layers [start, start + num_layers) (see run_decoder_layers)."""
+        return run_decoder_layers(params, kv, h, batch, cfg, self.mlp(cfg, mesh), start=start,
+                                  num_layers=num_layers, attention_backend=attention_backend,
+                                  mesh=mesh)
+
+    def run_layer_range(self, params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
+                        cfg: ModelConfig, start: jax.Array, stop: jax.Array,
+                        new_kv: tuple[jax.Array, jax.Array], attention_backend: str = "xla",
+                        mesh: Mesh | None = None
+                        ) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Layers [start, stop), both traced; K/V into new_kv (see run_decoder_layer_range)."""
+        return run_decoder_layer_range(params, kv, h, batch, cfg, self.mlp(cfg, mesh), start,
+                                       stop, new_kv, attention_backend, mesh)
+
+    def forward(self, params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
+                attention_backend: str = "xla",
+                mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
+        """One full forward: logits [B, V] for each row's sampled token, and the updated
+        pool. On a `mesh` the matmuls follow the parameters' shardings (GSPMD) and
+        attention runs per device on its heads (attend)."""
+        h = embed(params, batch.input_ids)
+        h, kv = self.run_layers(params, kv, h, batch, cfg,
+                                attention_backend=attention_backend, mesh=mesh)
+        return compute_logits(params, h, batch.logits_indices, cfg,
+                              real_row_mask(batch.seq_lens)), kv

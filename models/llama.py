@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
 
 import cpu_kernels
 from models import layers
+from models.config import ModelConfig
 from models.layers import (
     compute_logits,
     embed,
@@ -21,9 +21,6 @@ from models.layers import (
     gated_mlp,
     unstack_layers,
 )
-from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch, real_row_mask
-from runtime.kv_pool import KVPool
 
 __all__ = ["compute_logits", "embed", "forward", "fuse_projections", "init_params",
            "pack_for_cpu", "param_shapes", "run_layer_range", "run_layers", "unstack_layers"]
@@ -86,33 +83,7 @@ def pack_for_cpu(params: dict, quantization: str | None = None, compress: bool =
     return out
 
 
-def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
-               *, start: jax.Array | int = 0, num_layers: int | None = None,
-               attention_backend: str = "xla",
-               mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
-    """Decoder layers [start, start + num_layers) (see layers.run_decoder_layers)."""
-    return layers.run_decoder_layers(params, kv, h, batch, cfg, mlp, start=start,
-                                     num_layers=num_layers,
-                                     attention_backend=attention_backend, mesh=mesh)
-
-
-def run_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
-                    cfg: ModelConfig, start: jax.Array, stop: jax.Array,
-                    new_kv: tuple[jax.Array, jax.Array], attention_backend: str = "xla",
-                    mesh: Mesh | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Layers [start, stop), both traced; K/V into new_kv (see layers.run_decoder_layer_range)."""
-    return layers.run_decoder_layer_range(params, kv, h, batch, cfg, mlp, start, stop,
-                                          new_kv, attention_backend, mesh)
-
-
-def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
-            attention_backend: str = "xla",
-            mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
-    """One full forward: logits [B, V] for each row's sampled token, and the updated pool.
-
-    On a `mesh` the matmuls follow the parameters' shardings (GSPMD) and attention runs
-    per device on its heads (layers.attend)."""
-    h = embed(params, batch.input_ids)
-    h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend,
-                       mesh=mesh)
-    return compute_logits(params, h, batch.logits_indices, cfg, real_row_mask(batch.seq_lens)), kv
+# The decoder skeleton of models/layers.py with the dense MLP.
+_DECODER = layers.Decoder(lambda cfg, mesh: mlp)
+run_layers, run_layer_range, forward = (_DECODER.run_layers, _DECODER.run_layer_range,
+                                        _DECODER.forward)

@@ -32,10 +32,8 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from models import layers
+from models.config import ModelConfig
 from models.layers import compute_logits, embed, fuse_projections, gated_mlp, unstack_layers
-from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch
-from runtime.kv_pool import KVPool
 
 __all__ = ["compute_logits", "embed", "forward", "fuse_projections", "init_params",
            "pack_for_cpu", "param_shapes", "run_layer_range", "run_layers", "unstack_layers",
@@ -216,30 +214,7 @@ def ep_size(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape.get(EP_AXIS, 1)
 
 
-def run_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch, cfg: ModelConfig,
-               *, start: jax.Array | int = 0, num_layers: int | None = None,
-               attention_backend: str = "xla",
-               mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
-    """Decoder layers [start, start + num_layers) (see layers.run_decoder_layers)."""
-    return layers.run_decoder_layers(params, kv, h, batch, cfg, MoeMlp(cfg, mesh), start=start,
-                                     num_layers=num_layers,
-                                     attention_backend=attention_backend, mesh=mesh)
-
-
-def run_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
-                    cfg: ModelConfig, start: jax.Array, stop: jax.Array,
-                    new_kv: tuple[jax.Array, jax.Array], attention_backend: str = "xla",
-                    mesh: Mesh | None = None) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
-    """Layers [start, stop), both traced; K/V into new_kv (see layers.run_decoder_layer_range)."""
-    return layers.run_decoder_layer_range(params, kv, h, batch, cfg, MoeMlp(cfg, mesh), start, stop,
-                                          new_kv, attention_backend, mesh)
-
-
-def forward(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
-            attention_backend: str = "xla",
-            mesh: Mesh | None = None) -> tuple[jax.Array, KVPool]:
-    """One full forward: logits [B, V] for each row's sampled token, and the updated pool."""
-    h = embed(params, batch.input_ids)
-    h, kv = run_layers(params, kv, h, batch, cfg, attention_backend=attention_backend,
-                       mesh=mesh)
-    return compute_logits(params, h, batch.logits_indices, cfg), kv
+# The decoder skeleton of models/layers.py with the MoE MLP.
+_DECODER = layers.Decoder(MoeMlp)
+run_layers, run_layer_range, forward = (_DECODER.run_layers, _DECODER.run_layer_range,
+                                        _DECODER.forward)

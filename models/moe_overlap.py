@@ -32,9 +32,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from models import layers, moe
-from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch
-from runtime.kv_pool import KVPool, write_kv
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch
+from models.kv_pool import KVPool, write_kv
 
 # B runs each stage one step after A: A's dispatch beside B's prepare, A's experts beside
 # B's dispatch, A's combine send beside B's experts, B's combine send beside A's output.

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from models import llama, moe
-from runtime.config import ModelConfig
+from models.config import ModelConfig
 
 _FAMILIES: dict[str, ModuleType] = {
     "llama": llama, "qwen2": llama, "qwen2_moe": moe, "qwen3_moe": moe, "mixtral": moe,

@@ -2,7 +2,7 @@
 
 One call serves a ForwardBatch's extend rows (many causal queries per row, on top of
 whatever prefix the row already has in the cache) and its decode rows (one query per
-row); see runtime/forward_batch.py for the token/row layout. The pool holds each row's
+row); see models/forward_batch.py for the token/row layout. The pool holds each row's
 *earlier* context; this step's K/V arrive densely as k_new / v_new and are written to the
 pool after the layer stack (attention_ref.py says why).
 

@@ -14,9 +14,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-# Position of padding tokens: past any real position, so a causal mask keeps every real
-# query from attending to padding keys that share its row's slice of the token axis.
-PAD_POSITION = 1 << 30
+from models.forward_mode import PAD_POSITION
 
 
 @dataclasses.dataclass
@@ -32,6 +30,13 @@ class Row(Protocol):
     input_ids: Sequence[int]  # tokens fed this step; -1 = "the token sampled last step"
     start_pos: int            # tokens of this row already in the KV cache
     pages: Sequence[int]      # pages covering [0, start_pos + len(input_ids))
+
+
+class Parted(Protocol):
+    """One part of a step (a ScheduleBatch; under dp, one rank's)."""
+
+    extend_rows: Sequence[Any]
+    decode_rows: Sequence[Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +89,7 @@ def unflatten_inputs(flat: Any, layout: InputLayout) -> dict[str, Any]:
 
 def pack_rows(extend_rows: Sequence[Row], decode_rows: Sequence[Row], shape: BucketShape,
               page_size: int) -> dict[str, np.ndarray]:
-    """Pack rows into the ForwardBatch layout (runtime/forward_batch.py). Padding tokens
+    """Pack rows into the ForwardBatch layout (models/forward_batch.py). Padding tokens
     write to page 0, which the allocator never hands out."""
     layout = input_layout(shape)
     arrays = unflatten_inputs(np.empty(sum(math.prod(s) for _, s in layout), np.int32), layout)
@@ -160,3 +165,29 @@ def _fill(arrays: dict[str, np.ndarray], extend_rows: Sequence[Row],
         logits_indices[r_i] = t_i
     query_start[be:be + bd] = te + np.arange(bd, dtype=np.int32)
     query_start[b] = t
+
+
+def padded_rows(parts: Sequence[Parted | None], shape: BucketShape) -> list[Any]:
+    """Each padded row's BatchRow (None: padding), part after part (an IDLE part: None;
+    under dp a part is one rank's): a part's extend rows from its first row, its decode
+    rows from num_extend_seqs."""
+    b = shape.num_extend_seqs + shape.num_decode_seqs
+    padded: list[Any] = [None] * (b * len(parts))
+    for rank, part in enumerate(parts):
+        for i, r in enumerate(part.extend_rows if part else []):
+            padded[rank * b + i] = r
+        for i, r in enumerate(part.decode_rows if part else []):
+            padded[rank * b + shape.num_extend_seqs + i] = r
+    return padded
+
+
+def row_order(parts: Sequence[Parted | None], shape: BucketShape) -> np.ndarray:
+    """Padded-row index of each real row in result order (part after part, its extend
+    rows then its decode rows): the inverse of padded_rows."""
+    b, be = shape.num_extend_seqs + shape.num_decode_seqs, shape.num_extend_seqs
+    out = []
+    for r, p in enumerate(parts):
+        if p is not None:
+            out += [r * b + i for i in range(len(p.extend_rows))]
+            out += [r * b + be + i for i in range(len(p.decode_rows))]
+    return np.asarray(out, np.int64)

@@ -7,10 +7,9 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape
 from runtime.config import RunnerConfig
-from runtime.executable_budget import FORWARD_COST, MULTI_STEP_COST, SAMPLER_COST, PlanPart
-from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import ScheduleBatch
 
 
@@ -104,34 +103,14 @@ class BucketPlan:
     def max_seq_len(self) -> int:
         return self.cfg.kv_len_buckets[-1]
 
-    def plan_parts(self, counts: dict[ForwardMode, int], split: int, fused: int,
-                   samplers: int, tbo: int = 0, multi: int = 0) -> list[PlanPart]:
-        """The plan's groups with the flags that multiply each (for the budget check)."""
-        c = self.cfg
-        kv = f"{len(c.kv_len_buckets)} kv_len_buckets"
-        ext = (f"extend_token_buckets {list(c.extend_token_buckets)} x extend_seq_buckets "
-               f"{list(c.extend_seq_buckets)} (--max_extend_seqs) x page-table widths")
-        return [
-            PlanPart("DECODE", counts[ForwardMode.DECODE], FORWARD_COST,
-                     f"{len(c.decode_buckets)} decode_buckets (--max_running_requests)"),
-            PlanPart("EXTEND", counts[ForwardMode.EXTEND], FORWARD_COST, ext),
-            PlanPart("MIXED", counts[ForwardMode.MIXED], FORWARD_COST,
-                     "--enable_mixed_chunk: extend buckets x "
-                     f"{len(c.decode_buckets)} decode_buckets x {kv}"),
-            PlanPart("SPLIT_PREFILL", split, FORWARD_COST,
-                     "--enable_split_prefill / --enable_multiplexing: extend buckets x "
-                     "interval sizes (even, to 8, and the depth) + embed and head"),
-            PlanPart("FUSED", fused, FORWARD_COST,
-                     "--multiplex_fused: extend buckets x decode_buckets x interval sizes"),
-            PlanPart("TBO", tbo, FORWARD_COST,
-                     "--enable_two_batch_overlap: one per DECODE / EXTEND / MIXED bucket of "
-                     "at least tbo_min_tokens / 2 tokens"),
-            PlanPart("MULTI_STEP", multi, MULTI_STEP_COST,
-                     f"--num_scheduler_steps > 1: one per DECODE bucket ({len(c.decode_buckets)}"
-                     f" decode_buckets x {kv})"),
-            PlanPart("sampler", samplers, SAMPLER_COST,
-                     "one per distinct batch-row count of the buckets above"),
-        ]
+
+
+def mode_of(shape: BucketShape) -> ForwardMode:
+    """The plain step program of a bucket: extend rows and decode rows make a MIXED step,
+    either alone an EXTEND or a DECODE step (a step key's shape says which)."""
+    if shape.num_extend_seqs and shape.num_decode_seqs:
+        return ForwardMode.MIXED
+    return ForwardMode.EXTEND if shape.num_extend_seqs else ForwardMode.DECODE
 
 
 def cost_key(mode: ForwardMode, shape: BucketShape) -> str:

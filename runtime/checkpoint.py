@@ -27,9 +27,9 @@ import ml_dtypes
 import numpy as np
 import orbax.checkpoint as ocp
 
+from models.config import ModelConfig
 from models.registry import model_module
 from runtime import sharding
-from runtime.config import ModelConfig
 
 Params = dict[str, Any]
 CONFIG_FILE = "model_config.json"

@@ -7,167 +7,13 @@ config can be a static argument of `jax.jit`. Nothing in this module imports jax
 from __future__ import annotations
 
 import dataclasses
-import json
-from typing import Any
 
 from runtime.server_args import ServerArgs
 
-__all__ = ["CacheConfig", "ModelConfig", "RopeScaling", "RunnerConfig", "SchedulerConfig",
-           "ServerArgs"]
+__all__ = ["CacheConfig", "RunnerConfig", "SchedulerConfig", "ServerArgs"]
 
 # The defaults that SchedulerConfig and CacheConfig share with the server's options.
 _ARGS = ServerArgs()
-
-
-@dataclasses.dataclass(frozen=True)
-class RopeScaling:
-    """Llama-3 style rope scaling ("rope_type": "llama3")."""
-
-    factor: float = 8.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of a decoder: the Llama family (Llama 2/3, SmolLM2, Qwen2 dense) or,
-    with num_experts > 0, a mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rope_theta: float = 10000.0
-    rms_norm_eps: float = 1e-5
-    max_position_embeddings: int = 8192
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    rope_scaling: RopeScaling | None = None
-    architecture: str = "llama"
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    qk_norm: bool = False  # RMSNorm over each q / k head before rope (Qwen3)
-    # Mixture of experts (0 experts: a dense MLP of intermediate_size).
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
-    norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
-
-    def __post_init__(self) -> None:
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
-            )
-        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
-            raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
-                             f"[1, num_experts={self.num_experts}]")
-
-    @property
-    def is_moe(self) -> bool:
-        return self.num_experts > 0
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face `config.json` dict (LlamaForCausalLM / Qwen2ForCausalLM)."""
-        archs = cfg.get("architectures") or [cfg.get("model_type", "")]
-        arch = archs[0]
-        known = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "llama": "llama",
-                 "qwen2": "qwen2", "MistralForCausalLM": "llama",
-                 **{a: m for m, a in _MOE_ARCHS.items()}, **{m: m for m in _MOE_ARCHS}}
-        if arch not in known:
-            supported = sorted(a for a in known if a[0].isupper())
-            raise ValueError(f"unknown architecture {arch!r}; supported: {supported}")
-        family = known[arch]
-        heads = cfg["num_attention_heads"]
-        # transformers >= 5 writes the scaling into rope_parameters
-        rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
-        kind = rs.get("rope_type", rs.get("type", "default"))
-        rope_scaling = None
-        if kind != "default":
-            if kind != "llama3":
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (only 'llama3')")
-            rope_scaling = RopeScaling(
-                factor=float(rs["factor"]),
-                low_freq_factor=float(rs["low_freq_factor"]),
-                high_freq_factor=float(rs["high_freq_factor"]),
-                original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-            )
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        rope_theta = cfg.get("rope_theta")
-        if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
-            rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=heads,
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rope_theta=float(rope_theta),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=cfg.get("max_position_embeddings", 8192),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            # Qwen2-MoE names its q/k/v bias qkv_bias (default on)
-            attention_bias=bool(cfg.get("attention_bias", cfg.get(
-                "qkv_bias", family in ("qwen2", "qwen2_moe")))),
-            rope_scaling=rope_scaling,
-            architecture=family,
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            **_moe_fields(cfg, family),
-        )
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str) -> ModelConfig:
-        d = json.loads(text)
-        if d.get("rope_scaling") is not None:
-            d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
-        return cls(**d)
-
-
-_MOE_ARCHS = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-              "mixtral": "MixtralForCausalLM"}
-
-
-def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
-    """The ModelConfig fields of an HF MoE config (none for a dense family)."""
-    if family not in _MOE_ARCHS:
-        return {}
-    if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
-        raise ValueError("dense layers inside a MoE model (mlp_only_layers / "
-                         "decoder_sparse_step != 1) are not supported")
-    if cfg.get("use_sliding_window") or (family == "mixtral" and cfg.get("sliding_window")):
-        raise ValueError("sliding-window attention is not supported")
-    if family == "mixtral":  # top-k renormalized; experts are intermediate_size wide
-        return dict(num_experts=cfg["num_local_experts"],
-                    num_experts_per_tok=cfg["num_experts_per_tok"],
-                    moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
-    # transformers >= 5 writes Qwen3-MoE's num_experts as num_local_experts
-    experts = cfg["num_experts"] if "num_experts" in cfg else cfg["num_local_experts"]
-    return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
-                moe_intermediate_size=cfg["moe_intermediate_size"],
-                shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                qk_norm=family == "qwen3_moe")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,15 +64,13 @@ class SchedulerConfig:
         """One scheduler's config: `cache` is its pool (one dp rank's share under
         data-parallel attention, which also splits max_running_requests over the ranks);
         max_context_len is the runner's longest sequence."""
-        return cls(cache=cache, max_running_requests=args.max_running_requests // dp,
-                   max_prefill_tokens=args.max_prefill_tokens,
-                   chunked_prefill_size=args.chunked_prefill_size,
-                   max_extend_seqs=args.max_extend_seqs,
-                   enable_mixed_chunk=args.enable_mixed_chunk,
-                   schedule_policy=args.schedule_policy,
-                   disable_prefix_cache=args.disable_prefix_cache,
-                   overlap=not args.disable_overlap_schedule, max_context_len=max_context_len,
-                   num_scheduler_steps=args.num_scheduler_steps)
+        # Every field the options name alike is the option's value.
+        same = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                if hasattr(args, f.name)}
+        return cls(**{**same, "cache": cache,
+                      "max_running_requests": args.max_running_requests // dp,
+                      "overlap": not args.disable_overlap_schedule,
+                      "max_context_len": max_context_len})
 
     def __post_init__(self) -> None:
         if self.schedule_policy not in ("fcfs", "lpm"):

@@ -25,9 +25,9 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape, pack_rows
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.forward_mode import ForwardMode
 from runtime.request import Req
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
 from runtime.scheduler import ReqEvent, Scheduler, SchedulerStats
@@ -171,29 +171,3 @@ def dp_pack(batch: DPBatch, shape: BucketShape, page_size: int) -> dict[str, np.
         a["logits_indices"] = a["logits_indices"] + r * tokens
         packed.append(a)
     return {k: np.concatenate([a[k] for a in packed]) for k in packed[0]}
-
-
-def padded_rows(parts: list[ScheduleBatch | None], shape: BucketShape
-                ) -> list[BatchRow | None]:
-    """Each padded row's BatchRow (None: padding), part after part: a part's extend rows
-    from its first row, its decode rows from num_extend_seqs."""
-    b = shape.num_extend_seqs + shape.num_decode_seqs
-    padded: list[BatchRow | None] = [None] * (b * len(parts))
-    for rank, part in enumerate(parts):
-        for i, r in enumerate(part.extend_rows if part else []):
-            padded[rank * b + i] = r
-        for i, r in enumerate(part.decode_rows if part else []):
-            padded[rank * b + shape.num_extend_seqs + i] = r
-    return padded
-
-
-def dp_order(parts: list[ScheduleBatch | None], shape: BucketShape) -> np.ndarray:
-    """Padded-row index of each real row in result order (DPBatch.rows; one part: a
-    ScheduleBatch's rows), the inverse of padded_rows."""
-    b, be = shape.num_extend_seqs + shape.num_decode_seqs, shape.num_extend_seqs
-    out = []
-    for r, p in enumerate(parts):
-        if p is not None:
-            out += [r * b + i for i in range(len(p.extend_rows))]
-            out += [r * b + be + i for i in range(len(p.decode_rows))]
-    return np.asarray(out, np.int64)

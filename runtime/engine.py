@@ -21,16 +21,18 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from models.config import ModelConfig
 from runtime import multihost
 from runtime.batch_builder import BucketShape
-from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
+from runtime.config import CacheConfig, SchedulerConfig, ServerArgs
 from runtime.dp_attention import DPScheduler
 from runtime.engine_info import EngineInfo
 from runtime.engine_setup import RunnerSetup, load_model, platform
 from runtime.exec_trace import ExecutionTrace
 from runtime.grammar import GrammarCache, RequestGrammar
-from runtime.model_runner import LaunchedForward, ModelRunner, PendingStep
+from runtime.model_runner import ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
+from runtime.paths import LaunchedForward
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler, SchedulerStats
@@ -213,7 +215,8 @@ class Engine:
                              f"{args.num_scheduler_steps} (it has "
                              f"{runner.cfg.num_scheduler_steps})")
         if args.enable_multiplexing or args.enable_split_prefill:
-            if runner.split is None:
+            splitter = runner.paths.get("split_prefill")
+            if splitter is None:
                 raise ValueError("split prefill / multiplexing need a runner compiled with "
                                  "RunnerConfig.enable_split_prefill")
             policy = IntervalPolicy(args.split_prefill_layers,
@@ -222,8 +225,10 @@ class Engine:
                                     args.multiplex_fill_fraction,
                                     args.multiplex_max_stall_ms / 1000)
             self.loop: StepLoop | MultiplexLoop = MultiplexLoop(
-                self.scheduler, runner, policy, overlap, interleave=args.enable_multiplexing,
-                fused=args.multiplex_fused, trace=self.trace)
+                self.scheduler, runner, splitter, policy, overlap,
+                interleave=args.enable_multiplexing,
+                fused=runner.paths.get("fused") if args.multiplex_fused else None,
+                trace=self.trace)
         else:
             self.loop = StepLoop(self.scheduler, runner, overlap, self.trace)
         self._tracked: dict[str, _Tracked] = {}

@@ -7,7 +7,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING
 
-from runtime.config import CacheConfig, ModelConfig, RunnerConfig, SchedulerConfig
+from models.config import ModelConfig
+from runtime.config import CacheConfig, RunnerConfig, SchedulerConfig
 from runtime.server_args import ServerArgs
 
 if TYPE_CHECKING:

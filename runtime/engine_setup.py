@@ -13,9 +13,10 @@ from jax.sharding import Mesh
 
 import cpu_kernels
 from models import registry
+from models.config import ModelConfig
+from models.kv_pool import kv_bytes_per_token
 from runtime import sharding
-from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
-from runtime.kv_pool import kv_bytes_per_token
+from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.model_runner import ModelRunner
 from runtime.server_args import Platform
 

@@ -21,15 +21,17 @@ How a loop records (StepLoop in runtime/engine.py, MultiplexLoop in runtime/mult
 never read back (a split-prefill interval: its hidden state stays on the device) is
 recorded with `est_device_s` (the runner's measured cost); the next readback completes it.
 
-Other paths pass `split=` / `tbo=` to `step_record`, or build a `StepRecord(...)`:
+Other paths pass `split=` / `detail=` to `step_record`, or build a `StepRecord(...)`:
 - a split-prefill layer interval: `mode="split_prefill"`, `split=SplitInterval(prefill_id,
   interval, start_layer, num_layers, total_layers, decode_step=<step number of the DECODE
   record launched in the same iteration>)`. The prefill's last launch (logits and
   sampling, read back) is a `split_prefill` record without `split`. A fused decode +
   interval executable would be one record with the decode mode, all rows in `rids`, and
   `split.rids` naming the prefill's requests.
-- a two-batch-overlap step: `tbo=TboSplit(tokens=(a, b), rows=(a, b), split_index,
-  two_chunk)`; the Perfetto file draws its micro-batches in their own lane.
+- a step whose execution path keeps a record of its own passes it as `detail` (the
+  runner's PendingStep.detail): a two-batch-overlap step's `TboSplit(tokens=(a, b),
+  rows=(a, b), split_index, two_chunk)`, whose micro-batches the Perfetto file draws in
+  their own lane.
 
 Times are `time.perf_counter()` seconds; exports are relative to the trace's creation.
 """
@@ -43,8 +45,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape
-from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import ScheduleBatch
 
 
@@ -95,7 +97,7 @@ class StepRecord:
     launch_end: float
     compiles_after_warmup: int = 0
     split: SplitInterval | None = None
-    tbo: TboSplit | None = None
+    detail: Any = None  # the launching execution path's own record, e.g. a TboSplit
     # For a launch nobody reads back (a split-prefill interval): the loop's estimate of its
     # device seconds. Its end is then placed by it, and never after the next readback.
     est_device_s: float | None = None
@@ -134,11 +136,11 @@ class StepRecord:
 
 def step_record(batch: ScheduleBatch, shape: BucketShape | None, sched_start: float,
                 sched_end: float, launch_end: float, compiles_after_warmup: int, *,
-                split: SplitInterval | None = None, tbo: TboSplit | None = None,
+                split: SplitInterval | None = None, detail: Any = None,
                 est_device_s: float | None = None,
                 mode: ForwardMode | None = None) -> StepRecord:
     """The record of a batch padded to `shape` (None: unpadded, e.g. a fake runner); a
-    split-prefill interval or a TBO step passes its `split` / `tbo` too; `mode`: what ran,
+    split-prefill interval passes its `split`, a path its own `detail`; `mode`: what ran,
     where it is not the batch's mode. A multi-step batch is mode "multi_decode"."""
     ext = batch.extend_rows
     n_ext = sum(len(r.input_ids) for r in ext)
@@ -153,7 +155,7 @@ def step_record(batch: ScheduleBatch, shape: BucketShape | None, sched_start: fl
         extend_rows=len(ext), decode_rows=n_dec, extend_tokens=n_ext,
         padded_rows=rows, padded_tokens=tokens,
         sched_start=sched_start, sched_end=sched_end, launch_end=launch_end,
-        compiles_after_warmup=compiles_after_warmup, split=split, tbo=tbo,
+        compiles_after_warmup=compiles_after_warmup, split=split, detail=detail,
         est_device_s=est_device_s, decode_steps=batch.steps)
 
 

@@ -10,7 +10,7 @@ loops (the model module's run_layer_range, which only reads the pool; their K/V 
 written after both) and join the prefill tokens for [s, s + k).
 
 Count: the largest split token bucket's sequence buckets x decode buckets x interval sizes
-below the depth (model_runner._fused_executables), so it is opt-in (--multiplex_fused):
+below the depth (runtime/paths/fused.py), so it is opt-in (--multiplex_fused):
 48 executables at the default flags; smaller chunks (a prompt's last) run as two calls.
 """
 
@@ -24,11 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from models import layers
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch, ForwardMode, real_row_mask
 from models.registry import model_module
 from runtime.batch_builder import BucketShape
-from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch, ForwardMode, real_row_mask
-from runtime.split_prefill import MeshPlacement
+from runtime.sharding import MeshPlacement
 
 
 class FusedExecutables:

@@ -1,6 +1,6 @@
 """Host page allocator of the paged KV pool and page-table helpers (no jax).
 
-The device pool itself lives in runtime/kv_pool.py; this module only decides which page ids
+The device pool itself lives in models/kv_pool.py; this module only decides which page ids
 are free. Token position p of a request lives in cache slot
 `pages[p // page_size] * page_size + p % page_size`.
 """
@@ -101,12 +101,6 @@ class PageAllocator:
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages needed to hold num_tokens positions."""
     return -(-num_tokens // page_size)
-
-
-def cache_slots(pages: Sequence[int], start: int, end: int, page_size: int) -> np.ndarray:
-    """Cache slots of positions [start, end) of a request with this page list."""
-    pos = np.arange(start, end)  # [end - start]
-    return np.asarray(pages, np.int64)[pos // page_size] * page_size + pos % page_size
 
 
 def page_table(rows: Sequence[Sequence[int]], width: int) -> np.ndarray:

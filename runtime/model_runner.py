@@ -1,6 +1,6 @@
-"""ModelRunner: owns weights, the KV pool and per-request device state; one AOT-compiled
-forward executable per (mode, bucket) and one sampler executable per batch-row count;
-launches steps asynchronously.
+"""ModelRunner: owns weights, the KV pool and per-request device state, the shared
+sampler, and the compile plan; the execution paths (runtime/paths) own their executables
+and launches. Steps launch asynchronously.
 
 A step is two launches: the forward (tokens -> logits [B, V], KV written) and the
 sampler (logits -> tokens, slot state updated). They are separate executables because
@@ -10,11 +10,10 @@ is compiled a handful of times instead of once per bucket (runtime/executable_bu
 
 Every executable is compiled in `warmup()`, after the plan is checked against the
 process's mapping and memory budget; `launch()` only ever calls those, so a batch that
-fits no bucket is an error, never a silent recompile.
-
-The split-prefill and fused launches live in runtime/runner_split.py, the sampling
-launches and PendingStep in runtime/runner_sampling.py: mixins of ModelRunner over the
-state it owns here.
+fits no bucket is an error, never a silent recompile. The runner plans, lowers, installs
+and launches by looping over its enabled paths (runtime/paths/base.py is the protocol),
+so it names none of them. The sampling launches and PendingStep live in
+runtime/runner_sampling.py, a mixin of ModelRunner over the state it owns here.
 """
 
 from __future__ import annotations
@@ -29,63 +28,37 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 import cpu_kernels
+from models.config import ModelConfig
+from models.forward_mode import ForwardMode
+from models.kv_pool import KVPool, init_kv_pool, kv_pool_shape
 from models.registry import model_module
-from runtime import sampling, sharding, two_batch_overlap
-from runtime.batch_builder import (
-    BucketShape,
-    SeedRow,
-    flatten_inputs,
-    input_layout,
-    pack_flat,
-    pack_rows,
-    unflatten_inputs,
-)
-from runtime.bucket_plan import BucketPlan, StepKey, cost_key, key_name
+from runtime import sharding
+from runtime.batch_builder import BucketShape, SeedRow, input_layout, pack_rows
+from runtime.bucket_plan import BucketPlan, StepKey, cost_key
 from runtime.compile_counter import CompileAfterWarmupError, compile_counter
-from runtime.config import CacheConfig, ModelConfig, RunnerConfig
-from runtime.dp_attention import (
-    DPBatch,
-    dp_pack,
-    dp_shape,
-)
-from runtime.exec_trace import TboSplit
+from runtime.config import CacheConfig, RunnerConfig
 from runtime.executable_budget import (
+    SAMPLER_COST,
     ExecutableStat,
     PlanPart,
     check_budget,
     compile_all,
     footprint,
 )
-from runtime.forward_batch import ForwardBatch, ForwardMode
-from runtime.grammar import mask_width
-from runtime.kv_pool import KVPool, init_kv_pool, kv_pool_shape
-from runtime.multi_step import MultiStepExecutables, multi_step_fn, pack_steps
-from runtime.request import MAX_LOGIT_BIAS
+from runtime.paths import ExecPath, LaunchedForward, check_paths, enabled_paths
 from runtime.runner_sampling import PendingStep, SamplingLaunch
-from runtime.runner_split import SplitLaunch
 from runtime.schedule_batch import ScheduleBatch
+from runtime.sharding import MeshPlacement
 from runtime.slot_state import SlotState, init_slot
-from runtime.split_prefill import (
-    MeshPlacement,
-    SplitExecutables,
-)
 from runtime.step_costs import DeviceCosts
-from runtime.tbo_step import TboExecutables, compiler_options
 
 logger = logging.getLogger(__name__)
 
 
-class LaunchedForward:
-    """A launched forward whose sampling is not launched yet (logits stay on device)."""
-
-    def __init__(self, batch: ScheduleBatch, shape: BucketShape, logits: jax.Array) -> None:
-        self.batch, self.shape, self.logits = batch, shape, logits
-
-
-class ModelRunner(SplitLaunch, SamplingLaunch):
+class ModelRunner(SamplingLaunch):
     def __init__(self, model_cfg: ModelConfig, params: dict, cache_cfg: CacheConfig,
                  runner_cfg: RunnerConfig, max_running_requests: int,
                  mesh: Mesh | None = None) -> None:
@@ -93,10 +66,11 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         placed on it (tensor-parallel weights, KV pool split over KV heads, experts over
         `ep`, the rest replicated); XLA partitions each step from those shardings."""
         self.model_cfg, self.cache_cfg, self.cfg = model_cfg, cache_cfg, runner_cfg
-        _check_mesh(runner_cfg, mesh, cache_cfg)
+        _check_mesh(runner_cfg, mesh)
+        check_paths(model_cfg, runner_cfg, cache_cfg, mesh)
         self.mesh = mesh
-        # Data-parallel attention ranks (runtime/dp_attention.py): every bucket is one
-        # rank's, every executable's arrays dp of them.
+        # Data-parallel attention ranks (--dp): every bucket is one rank's, every
+        # executable's arrays dp of them.
         self.dp = 1 if mesh is None else mesh.shape.get("dp", 1)
         compile_counter()  # listen from here on, so warm-up compilations are counted too
         self.max_running = max_running_requests
@@ -136,78 +110,44 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
                                prompt_mask=jnp.zeros((s, v), bool))
         # On a mesh, outputs keep the inputs' placement, so a donated pool stays where it
         # was and every call of an executable sees the shardings it was compiled for.
-        self._replicated = None if mesh is None else NamedSharding(mesh, PartitionSpec())
-        self._out = (lambda *sh: {}) if mesh is None else (
-            lambda *sh: {"out_shardings": sh if len(sh) > 1 else sh[0]})
-        self._kv_sh = None if mesh is None else KVPool(k=kv_sh, v=kv_sh)
+        self.placement = MeshPlacement(mesh, None if mesh is None else KVPool(k=kv_sh, v=kv_sh))
         if mesh is not None:
-            self.state = jax.device_put(self.state, self._replicated)
+            self.state = jax.device_put(self.state, self.placement.replicated)
         self.buckets = BucketPlan(runner_cfg, cache_cfg.page_size)
-        self._executables: dict[StepKey, Callable] = {}
         self.compiled: dict[str, Any] = {}  # every executable by name, set by warmup()
-        self._place = MeshPlacement(mesh, self._kv_sh)
-        self.split = (SplitExecutables(model_cfg, runner_cfg.attention_backend, [
-            k.shape for k in self.step_keys() if k.mode is ForwardMode.EXTEND
-            and k.shape.num_extend_tokens >= runner_cfg.split_min_tokens],
-            runner_cfg.split_prefill_layers, self._place)
-            if runner_cfg.enable_split_prefill else None)
-        self.fused = self._fused_executables() if runner_cfg.multiplex_fused else None
-        self.tbo = self._tbo_executables() if runner_cfg.enable_two_batch_overlap else None
-        self.multi = (MultiStepExecutables(runner_cfg.num_scheduler_steps, self.step_keys(),
-                                           cache_cfg.page_size)
-                      if runner_cfg.num_scheduler_steps > 1 else None)
         self._samplers: dict[int, Callable] = {}
-        # The last sampled rows and their sampler input (runner_sampling._sample_words).
+        # The last sampled rows and their sampler input (runner_sampling.sample_words).
         self._words_cache: tuple[list, np.ndarray] | None = None
         self.exec_stats: list[ExecutableStat] = []
         self._warm_compiles: int | None = None
         self._init_slot_exec: dict[int, Callable] = {}
         self.step_counts: dict[ForwardMode, int] = {m: 0 for m in ForwardMode}
         self.costs = DeviceCosts()
+        # The execution paths (runtime/paths): each owns its executables and launches.
+        self.paths: dict[str, ExecPath] = enabled_paths(self)
 
     # ---- buckets (runtime/bucket_plan.py) -----------------------------------------------
 
     def step_keys(self) -> list[StepKey]:
-        """Every forward executable the runner may call, fixed at start-up."""
+        """Every plain forward executable, fixed at start-up."""
         return self.buckets.step_keys()
 
     def sampler_sizes(self) -> list[int]:
-        """Row counts B of the step keys (and of the TBO steps' merged rows): one sampler
-        executable each."""
-        tbo = {self.tbo.rows(k) for k in self.tbo.keys} if self.tbo else set()
-        return sorted({self.dp * (k.shape.num_extend_seqs + k.shape.num_decode_seqs)
-                       for k in self.step_keys()} | tbo)
+        """Row counts B of every path's logits: one sampler executable each."""
+        return sorted(set().union(*(p.sampler_rows() for p in self.paths.values())))
 
     def plan(self) -> list[PlanPart]:
         """The executables warm-up compiles, grouped with the flags that multiply them."""
-        keys = self.step_keys()
-        n = {m: sum(k.mode is m for k in keys) for m in ForwardMode}
-        return self.buckets.plan_parts(n, len(self.split.names) if self.split else 0,
-                                       len(self.fused.names) if self.fused else 0,
-                                       len(self.sampler_sizes()),
-                                       len(self.tbo.names) if self.tbo else 0,
-                                       len(self.multi.names) if self.multi else 0)
-
-    def _tbo_executables(self) -> TboExecutables:
-        """TBO programs for the buckets a split child can need: the children of a batch of
-        at least tbo_min_tokens tokens hold at least half of them each (the larger one)."""
-        _check_tbo(self.model_cfg, self.cfg, self.mesh)
-        modes = (ForwardMode.DECODE, ForwardMode.EXTEND, ForwardMode.MIXED)
-        keys = [k for k in self.step_keys() if k.mode in modes and 2 * (
-            k.shape.num_extend_tokens + k.shape.num_decode_seqs) >= self.cfg.tbo_min_tokens]
-        options = compiler_options(jax.default_backend())
-        if options:
-            logger.info("two-batch overlap: %d executables compiled with %s", len(keys),
-                        options)
-        return TboExecutables(self.model_cfg, self.cfg.attention_backend, self.mesh, keys,
-                              self.max_running, self._out(self._replicated, self._kv_sh),
-                              options)
+        parts = [part for p in self.paths.values() for part in p.plan_parts()]
+        return parts + [PlanPart("sampler", len(self.sampler_sizes()), SAMPLER_COST,
+                                 "one per distinct batch-row count of the buckets above")]
 
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape:
-        """The (per-rank, under dp) bucket a batch runs in."""
-        if isinstance(batch, DPBatch):
-            return dp_shape(batch, self.buckets.bucket_for, self.buckets.decode_widths()[-1])
-        return self.buckets.bucket_for(batch)
+        """The bucket a batch runs in (per rank, under data-parallel attention)."""
+        for path in self.paths.values():
+            if (shape := path.bucket_for(batch)) is not None:
+                return shape
+        raise ValueError(f"no execution path has a bucket for a {batch.mode.value} batch")
 
     @property
     def max_seq_len(self) -> int:
@@ -215,81 +155,31 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
 
     # ---- compilation ---------------------------------------------------------------------
 
-    def _forward_fn(self, key: StepKey) -> Callable:
-        shape = key.shape
-        te, be = shape.num_extend_tokens, shape.num_extend_seqs
-        cfg, backend, dummy = self.model_cfg, self.cfg.attention_backend, self.max_running
-        model, mesh = self.model, self.mesh
-
-        dp = self.dp
-
-        layout = input_layout(shape, dp)
-
-        def forward(params, kv, last_tokens, flat):
-            arrays = unflatten_inputs(flat, layout)  # flat: [sum of the layout's sizes]
-            row_slots = arrays.pop("row_slots")  # [B]
-            # Decode inputs of -1 are the tokens this slot sampled in the previous step,
-            # which the host has not read back yet (overlap scheduling).
-            if dp == 1:
-                tok_slot = jnp.concatenate([jnp.full(te, dummy, jnp.int32), row_slots[be:]])
-            else:  # rank after rank: [extend tokens | decode rows] of each   # [T]
-                per_rank = row_slots.reshape(dp, -1)[:, be:]
-                tok_slot = jnp.concatenate([jnp.full((dp, te), dummy, jnp.int32), per_rank],
-                                           axis=1).reshape(-1)
-            ids = jnp.where(arrays["input_ids"] < 0, last_tokens[tok_slot],
-                            arrays["input_ids"])
-            batch = ForwardBatch(**{**arrays, "input_ids": ids}, mode=key.mode,
-                                 num_extend_tokens=te, num_extend_seqs=be)
-            return model.forward(params, kv, batch, cfg, backend, mesh=mesh)  # [B, V], pool
-
-        return jax.jit(forward, donate_argnums=(1,), **self._out(self._replicated, self._kv_sh))
-
-    def _abstract_inputs(self, shape: BucketShape) -> tuple[dict, jax.ShapeDtypeStruct]:
+    def abstract_inputs(self, shape: BucketShape) -> tuple[dict, jax.ShapeDtypeStruct]:
         """The ForwardBatch arrays of `shape` and the row slots, as the split, fused and
-        two-batch-overlap programs take them (a plain step takes them flat: _flat_input)."""
-        arrays = {name: jax.ShapeDtypeStruct(s, jnp.int32, sharding=self._replicated)
-                  for name, s in input_layout(shape, self.dp)}
+        two-batch-overlap programs take them (a plain step takes them flat: flat_input)."""
+        arrays = {name: self.placement.i32(*s) for name, s in input_layout(shape, self.dp)}
         return arrays, arrays.pop("row_slots")
 
-    def _flat_input(self, shape: BucketShape) -> jax.ShapeDtypeStruct:
-        n = sum(math.prod(s) for _, s in input_layout(shape, self.dp))
-        return jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._replicated)
+    def flat_input(self, shape: BucketShape) -> jax.ShapeDtypeStruct:
+        return self.placement.i32(sum(math.prod(s) for _, s in input_layout(shape, self.dp)))
 
     def _lowerings(self) -> Iterator[tuple[str, Callable[[], Any]]]:
         """(name, lower) for every executable of the plan, in compile order."""
         abstract = functools.partial(jax.tree.map, lambda a: jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=getattr(a, "sharding", None)))
         params, kv, state = abstract(self.params), abstract(self.kv), abstract(self.state)
-        for key in self.step_keys():
-            yield key_name(key), functools.partial(
-                self._forward_fn(key).lower, params, kv, state.last_tokens,
-                self._flat_input(key.shape))
-        if self.split is not None:
-            yield from self.split.lowerings(params, kv, lambda s: self._abstract_inputs(s)[0],
-                                            jnp.dtype(self.cfg.activation_dtype))
-        if self.fused is not None:
-            yield from self.fused.lowerings(params, kv, state.last_tokens,
-                                            lambda s: self._abstract_inputs(s)[0],
-                                            jnp.dtype(self.cfg.activation_dtype))
-        if self.tbo is not None:
-            yield from self.tbo.lowerings(params, kv, state.last_tokens, self._abstract_inputs,
-                                          lambda n: jax.ShapeDtypeStruct(
-                                              (n,), jnp.int32, sharding=self._replicated))
-        if self.multi is not None:
-            yield from self.multi.lowerings(
-                self._multi_step_fn, params, kv, state,
-                lambda n: jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._replicated),
-                lambda b: self._abstract_sample_inputs(b)[1])
+        for path in self.paths.values():
+            yield from path.lowerings(params, kv, state)
         sample = self._sample_fn()
         for b in self.sampler_sizes():
             yield f"sample/B{b}", functools.partial(sample.lower, state,
-                                                    *self._abstract_sample_inputs(b))
-        init = jax.jit(init_slot, donate_argnums=(0,), **self._out(self._replicated))
+                                                    *self.abstract_sample_inputs(b))
+        place = self.placement
+        init = jax.jit(init_slot, donate_argnums=(0,), **place.out(place.replicated))
         for n in self.cfg.kv_len_buckets:
-            i32 = jax.ShapeDtypeStruct((n,), jnp.int32, sharding=self._replicated)
-            yield f"init_slot/N{n}", functools.partial(
-                init.lower, state, jax.ShapeDtypeStruct((), jnp.int32,
-                                                        sharding=self._replicated), i32, i32)
+            yield f"init_slot/N{n}", functools.partial(init.lower, state, place.i32(),
+                                                       place.i32(n), place.i32(n))
 
     def warmup(self, progress: bool = True) -> float:
         """Check the plan against the budget, then compile every executable (persistent
@@ -307,8 +197,8 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         self.compiled = compile_all(self._lowerings(), total, self.exec_stats, progress)
         self.install_executables()
         self._warm_compiles = compile_counter().count
-        if self.split is not None:
-            self._seed_costs()
+        for path in self.paths.values():
+            path.after_warmup()
         secs = time.perf_counter() - t0
         fp = footprint()
         logger.info("compiled %d executables in %.1f s; process: %d memory mappings "
@@ -322,18 +212,16 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         find them; `wrap(name, exe)`, if given, stands in for each (runtime/multihost.py
         mirrors every call to the other processes of a multi-process mesh this way)."""
         exes = {n: wrap(n, e) if wrap else e for n, e in self.compiled.items()}
-        self._executables = {k: exes[key_name(k)] for k in self.step_keys()}
+        for path in self.paths.values():
+            path.install(exes)
         self._samplers = {b: exes[f"sample/B{b}"] for b in self.sampler_sizes()}
-        for group in (self.split, self.fused, self.tbo, self.multi):
-            if group is not None:
-                group.install(exes)
         self._init_slot_exec = {n: exes[f"init_slot/N{n}"] for n in self.cfg.kv_len_buckets}
 
     def device_state(self) -> tuple[Any, Any, Any]:
         """The runner's long-lived device arrays: weights, KV pool, sampler slot state."""
         return self.params, self.kv, self.state
 
-    def _cost_seed_inputs(self, shape: BucketShape) -> tuple[dict[str, np.ndarray], np.ndarray]:
+    def cost_seed_inputs(self, shape: BucketShape) -> tuple[dict[str, np.ndarray], np.ndarray]:
         """Inputs that fill `shape` with real tokens (the CPU fast path skips padding, so
         a padded step would time as nearly free): one extend row over every extend token
         and decode rows at their first position, all writing to the padding page (page
@@ -351,9 +239,10 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
 
     @property
     def num_executables(self) -> int:
-        extra = sum(len(g.names) for g in (self.split, self.fused, self.tbo, self.multi)
-                    if g and self._executables)
-        return len(self._executables) + len(self._samplers) + len(self._init_slot_exec) + extra
+        if not self._samplers:  # not installed yet
+            return 0
+        return (sum(len(p.names) for p in self.paths.values()) + len(self._samplers)
+                + len(self._init_slot_exec))
 
     @property
     def compiles_after_warmup(self) -> int:
@@ -371,110 +260,29 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
     # ---- execution -----------------------------------------------------------------------
 
     def launch(self, batch: ScheduleBatch) -> PendingStep:
-        """Dispatch one step asynchronously; the returned PendingStep reads it back. A
-        SPLIT_PREFILL batch too small to split (can_split) runs whole as an EXTEND step.
-        With two-batch overlap, a batch it splits runs as two micro-batches (launch_tbo)."""
-        if batch.steps > 1:
-            return self.launch_multi_step(batch)
-        if self.tbo is not None and (pending := self.launch_tbo(batch)) is not None:
-            return pending
+        """Dispatch one step asynchronously; the returned PendingStep reads it back. The
+        first path that claims the batch whole runs it, else the first that claims its
+        forward, followed by the shared sampler."""
+        for path in self.paths.values():
+            if (pending := path.launch(batch)) is not None:
+                return pending
         return self.launch_sample(self.launch_forward(batch))
 
     def launch_forward(self, batch: ScheduleBatch) -> LaunchedForward:
         """The forward half of `launch`. The sampling half (launch_sample) may follow once
         the host knows the rows' grammar masks, i.e. after the previous step's tokens are
         consumed: the device runs this forward meanwhile."""
-        shape = self.bucket_for(batch)
-        mode = ForwardMode.EXTEND if batch.mode is ForwardMode.SPLIT_PREFILL else batch.mode
-        self.init_slots(batch.extend_rows)
-        row_slots = self._row_slots(batch, shape)[0]
-        key = StepKey(mode, shape)
-        if isinstance(batch, DPBatch):
-            logits = self.run_forward(key, dp_pack(batch, shape, self.cache_cfg.page_size),
-                                      row_slots)
-            self.step_counts[ForwardMode.IDLE] += batch.num_idle
-        else:
-            logits = self._run_flat(key, pack_flat(batch.extend_rows, batch.decode_rows,
-                                                   shape, self.cache_cfg.page_size, row_slots))
-        self.step_counts[mode] += 1
-        return LaunchedForward(batch, shape, logits)
-
-    def run_forward(self, key: StepKey, arrays: dict[str, np.ndarray],
-                    row_slots: np.ndarray) -> jax.Array:
-        """Run the plain step program `key` on packed arrays (pack_rows; dp_pack under dp)
-        and the rows' slots: its logits [B, V]; the pool is updated in place."""
-        return self._run_flat(key, flatten_inputs(arrays, row_slots,
-                                                  input_layout(key.shape, self.dp)))
-
-    def _run_flat(self, key: StepKey, flat: np.ndarray) -> jax.Array:
-        logits, self.kv = self._executables[key](self.params, self.kv,
-                                                 self.state.last_tokens, flat)
-        return logits
+        for path in self.paths.values():
+            if (fwd := path.forward(batch)) is not None:
+                return fwd
+        raise ValueError(f"no execution path runs a {batch.mode.value} batch")
 
     def launch_sample(self, fwd: LaunchedForward) -> PendingStep:
-        pending = self._sample(fwd.batch, fwd.shape, fwd.logits)
-        mode = (ForwardMode.EXTEND if fwd.batch.mode is ForwardMode.SPLIT_PREFILL
-                else fwd.batch.mode)
-        self.costs.watch(cost_key(mode, fwd.shape), pending.out.next_tokens)
-        return pending
-
-    def _multi_step_fn(self, key: StepKey) -> Callable:
-        model, cfg, mesh = self.model, self.model_cfg, self.mesh
-        backend = self.cfg.attention_backend
-        b = key.shape.num_decode_seqs
-        layout = sampling.word_layout(b, mask_width(cfg.vocab_size), MAX_LOGIT_BIAS)
-        program = multi_step_fn(
-            key, self.cfg.num_scheduler_steps, self.cache_cfg.page_size,
-            lambda params, kv, batch: model.forward(params, kv, batch, cfg, backend, mesh=mesh),
-            self._sample_body(), 2 * b + layout["step"][0])
-        return jax.jit(program, donate_argnums=(1, 2),
-                       **self._out(self._replicated, self._kv_sh, self._replicated))
-
-    def launch_multi_step(self, batch: ScheduleBatch) -> PendingStep:
-        """Run a DECODE batch's `steps` decode steps in one program (runtime/multi_step.py);
-        its results carry a step axis."""
-        shape = self.bucket_for(batch)
-        key = StepKey(ForwardMode.DECODE, shape)
-        rows = batch.decode_rows
-        row_slots, _, padded = self._row_slots(batch, shape)
-        page = self.cache_cfg.page_size
-        flat = pack_steps(pack_flat([], rows, shape, page, row_slots), rows, shape, page)
-        out, self.kv, self.state = self.multi(key, self.params, self.kv, self.state, flat,
-                                              self._sample_words(padded))
-        self.check_no_compiles()
-        self.step_counts[ForwardMode.DECODE] += batch.steps
-        return PendingStep(batch, out, np.arange(len(rows)), self.cfg.max_top_logprobs,
-                           steps=batch.steps)
-
-    def launch_tbo(self, batch: ScheduleBatch) -> PendingStep | None:
-        """Run `batch` as two overlapped micro-batches (runtime/two_batch_overlap.py); None
-        when it is not split (too few tokens, or no TBO program for its children's
-        bucket), for the plain path to run."""
-        split = two_batch_overlap.split_batch(batch, self.cfg.tbo_token_distribution_threshold,
-                                              self.cfg.tbo_min_tokens)
-        if split is None:
-            return None
-        shape = two_batch_overlap.common_shape(split, self.bucket_for)
-        key = StepKey(batch.mode, shape)
-        if not self.tbo.has(key):
-            return None
-        self.init_slots(batch.extend_rows)
-        children = (split.a, split.b)
-        arrays = [pack_rows(c.extend_rows, c.decode_rows, shape, self.cache_cfg.page_size)
-                  for c in children]
-        slots = [self._row_slots(c, shape)[0] for c in children]
-        order = np.asarray(split.merge_order(shape), np.int32)
-        logits, self.kv = self.tbo(key, self.params, self.kv, self.state.last_tokens, *arrays,
-                                   *slots, order)
-        self.step_counts[batch.mode] += 1
-        padded = [*batch.rows, *[None] * (self.tbo.rows(key) - len(batch.rows))]
-        pending = self._sample_rows(batch, padded, logits, np.arange(len(batch.rows)))
-        pending.tbo = TboSplit(split.tokens(), split.rows(), split.point.seq_index,
-                               split.point.two_chunk)
-        pending.padded_shape = BucketShape(*(2 * getattr(shape, f) for f in (
-            "num_extend_tokens", "num_extend_seqs", "num_decode_seqs")),
-            shape.num_pages_per_seq)
-        self.costs.watch(self.tbo.names[self.tbo.keys.index(key)], pending.out.next_tokens)
+        """Sample a launched forward's logits with the shared sampler of its row count."""
+        pending = self._sample_rows(fwd.batch, fwd.padded, fwd.logits, fwd.order)
+        pending.shape, pending.detail = fwd.shape, fwd.detail
+        if fwd.cost is not None:
+            self.costs.watch(fwd.cost, pending.out.next_tokens)
         return pending
 
     def step_cost(self, batch: ScheduleBatch) -> float | None:
@@ -482,22 +290,7 @@ class ModelRunner(SplitLaunch, SamplingLaunch):
         return self.costs.get(cost_key(batch.mode, self.bucket_for(batch)))
 
 
-
-def _check_tbo(model_cfg: ModelConfig, cfg: RunnerConfig, mesh: Mesh | None) -> None:
-    """What two-batch overlap needs, as a start-up error."""
-    if not model_cfg.is_moe:
-        raise ValueError("enable_two_batch_overlap is for MoE models (it overlaps the "
-                         "expert-"
-                         f"parallel all_to_all); {model_cfg.architecture} is dense")
-    if cfg.per_layer_weights:
-        raise ValueError("enable_two_batch_overlap runs the stacked layer weights: "
-                         "per_layer_weights=False")
-    if mesh is not None and mesh.shape.get("tp", 1) > 1:
-        raise ValueError("enable_two_batch_overlap runs on an ep mesh without tp (tp="
-                         f"{mesh.shape['tp']})")
-
-
-def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None, cache: CacheConfig) -> None:
+def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None) -> None:
     """What does not run on a mesh yet, as a start-up error."""
     if mesh is None:
         return
@@ -509,22 +302,3 @@ def _check_mesh(cfg: RunnerConfig, mesh: Mesh | None, cache: CacheConfig) -> Non
         raise ValueError("fuse_projections under tensor parallelism: a column shard of the "
                          "fused wq|wk|wv would not be one device's heads (fuse_projections="
                          "False)")
-    dp = mesh.shape.get("dp", 1)
-    if dp > 1:
-        if cache.num_pages % dp:
-            raise ValueError(f"dp={dp}: the KV pool's {cache.num_pages} pages must split "
-                             "evenly over the data-parallel ranks")
-        off = [flag for flag, on in (("enable_split_prefill / multiplexing",
-                                      cfg.enable_split_prefill),
-                                     ("multiplex_fused", cfg.multiplex_fused),
-                                     ("enable_two_batch_overlap",
-                                      cfg.enable_two_batch_overlap),
-                                     ("num_scheduler_steps > 1",
-                                      cfg.num_scheduler_steps > 1)) if on]
-        if off:
-            raise ValueError(f"dp={dp} (data-parallel attention) does not run with "
-                             f"{', '.join(off)} yet")
-        if not cfg.enable_mixed:
-            raise ValueError(f"dp={dp}: a step may hold one rank's prefill and another's "
-                             "decode rows, so the runner needs the MIXED buckets "
-                             "(enable_mixed)")

@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.forward_batch import ForwardBatch, ForwardMode
 from runtime.batch_builder import PAD_POSITION, BucketShape, input_layout, unflatten_inputs
 from runtime.bucket_plan import StepKey
-from runtime.forward_batch import ForwardBatch, ForwardMode
 from runtime.schedule_batch import BatchRow
 
 

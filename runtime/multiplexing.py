@@ -1,12 +1,13 @@
 """Prefill/decode multiplexing: the engine loop that, every iteration, launches one decode
 step of the running batch and one layer interval of the split prefill in flight, so a
 long prompt never freezes the streams that are already decoding. Host only (no jax):
-it calls the scheduler's verbs and the runner's launches, and is tested with a fake.
+it calls the scheduler's verbs, the runner's launches and the split-prefill path's
+(runtime/paths/split.py), and is tested with a fake.
 
-    iteration:  [split = runner.start_split(scheduler.next_prefill())]   when none in flight
+    iteration:  [split = splitter.start_split(scheduler.next_prefill())]   when none in flight
                 decode = runner.launch(scheduler.next_decode())
-                runner.run_interval(split, k)          k from IntervalPolicy
-                [runner.finish_split(split); scheduler.release_prefill()]   after the last
+                splitter.run_interval(split, k)        k from IntervalPolicy
+                [splitter.finish_split(split); scheduler.release_prefill()]   after the last
                 read back the previous iteration's launches (overlap) or this one's
 
 How many layers an interval runs (IntervalPolicy): a fixed k with --split_prefill_layers
@@ -48,6 +49,7 @@ from __future__ import annotations
 import time
 from typing import Protocol
 
+from models.forward_mode import ForwardMode
 from runtime.exec_trace import ExecutionTrace, SplitInterval, step_record
 from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler
@@ -55,19 +57,29 @@ from runtime.split_prefill import SplitPrefill, next_interval
 from runtime.traced_launch import Pending, TracedRunner, TracedStep, launch_traced, read_back
 
 
-class SplitRunner(TracedRunner, Protocol):
+class CostedRunner(TracedRunner, Protocol):
     """What the loop needs of a runner (ModelRunner, or a fake in tests)."""
+
+    def step_cost(self, batch: ScheduleBatch) -> float | None: ...
+
+
+class Splitter(Protocol):
+    """What the loop needs of the split-prefill path (runtime/paths/split.py, or a fake)."""
 
     def can_split(self, batch: ScheduleBatch) -> bool: ...
     def start_split(self, batch: ScheduleBatch) -> SplitPrefill: ...
     def run_interval(self, split: SplitPrefill, k: int) -> None: ...
     def finish_split(self, split: SplitPrefill) -> Pending: ...
-    def launch_fused(self, decode: ScheduleBatch, split: SplitPrefill,
-                     k: int) -> Pending | None: ...
-    def step_cost(self, batch: ScheduleBatch) -> float | None: ...
     def layer_cost(self, split: SplitPrefill) -> float | None: ...
     @property
     def interval_sizes(self) -> list[int]: ...
+
+
+class Fuser(Protocol):
+    """What the loop needs of the fused-step path (runtime/paths/fused.py, or a fake)."""
+
+    def launch_fused(self, decode: ScheduleBatch, split: SplitPrefill,
+                     k: int) -> Pending | None: ...
 
 
 class IntervalPolicy:
@@ -110,13 +122,15 @@ class IntervalPolicy:
 class MultiplexLoop:
     """The engine loop with split prefill; `interleave=False` runs each split prefill to
     its end before decoding (prefill priority, as the plain loop), for --enable_split_prefill
-    without --enable_multiplexing; `fused` runs decode + interval as one executable where
-    the runner has one for the shapes (runtime/fused_step.py), else as two calls."""
+    without --enable_multiplexing. `splitter` runs the split prefill's intervals; `fused`,
+    if given, runs decode + interval as one executable where it has one for the shapes
+    (runtime/fused_step.py), else they run as two calls."""
 
-    def __init__(self, scheduler: Scheduler, runner: SplitRunner, policy: IntervalPolicy,
-                 overlap: bool, interleave: bool = True, fused: bool = False,
-                 trace: ExecutionTrace | None = None) -> None:
-        self.scheduler, self.runner, self.policy = scheduler, runner, policy
+    def __init__(self, scheduler: Scheduler, runner: CostedRunner, splitter: Splitter,
+                 policy: IntervalPolicy, overlap: bool, interleave: bool = True,
+                 fused: Fuser | None = None, trace: ExecutionTrace | None = None) -> None:
+        self.scheduler, self.runner, self.splitter, self.policy = (scheduler, runner,
+                                                                   splitter, policy)
         self.overlap, self.interleave, self.fused = overlap, interleave, fused
         self.trace = trace if trace is not None else ExecutionTrace(capacity=0)
         self.split: SplitPrefill | None = None
@@ -135,10 +149,11 @@ class MultiplexLoop:
         launched: list[TracedStep] = []
         if self.split is None:
             batch = sched.next_prefill()
-            if batch is not None and self.runner.can_split(batch):
-                self.split = self.runner.start_split(batch)
-            elif batch is not None:  # too small to be worth splitting: one call
-                launched.append(launch_traced(self.trace, self.runner, batch, t0))
+            if batch is not None and self.splitter.can_split(batch):
+                self.split = self.splitter.start_split(batch)
+            elif batch is not None:  # too small to be worth splitting: one EXTEND step
+                launched.append(launch_traced(self.trace, self.runner, batch, t0,
+                                              mode=ForwardMode.EXTEND))
                 sched.release_prefill()
                 t0 = time.perf_counter()
         decode = None
@@ -182,7 +197,7 @@ class MultiplexLoop:
     def _launch(self, decode: ScheduleBatch | None, t0: float) -> list[TracedStep]:
         """This iteration's decode step and interval(s) of the split in flight; t0: when
         its scheduling began."""
-        split, sizes = self.split, self.runner.interval_sizes
+        split, sizes = self.split, self.splitter.interval_sizes
         if split is None:
             return [launch_traced(self.trace, self.runner, decode, t0)] if decode else []
         if decode is None:
@@ -191,21 +206,21 @@ class MultiplexLoop:
                 self._run(split, next_interval(split.remaining, want, sizes), None)
             return []
         want = self.policy.layers(split.remaining, self.runner.step_cost(decode),
-                                  self.runner.layer_cost(split))
+                                  self.splitter.layer_cost(split))
         k = next_interval(split.remaining, want, sizes)
-        if self.fused:
-            fused = self._launch_fused(decode, split, k, t0)
+        if self.fused is not None:
+            fused = self._launch_fused(decode, self.fused, split, k, t0)
             if fused is not None:
                 return [fused]
         pending = launch_traced(self.trace, self.runner, decode, t0)
         self._run(split, k, pending.record.step)
         return [pending]
 
-    def _launch_fused(self, decode: ScheduleBatch, split: SplitPrefill, k: int,
+    def _launch_fused(self, decode: ScheduleBatch, fuser: Fuser, split: SplitPrefill, k: int,
                       t0: float) -> TracedStep | None:
         """The fused executable, recorded as one decode step carrying the interval."""
         start, index, sched_end = split.next_layer, len(split.intervals), time.perf_counter()
-        fused = self.runner.launch_fused(decode, split, k)
+        fused = fuser.launch_fused(decode, split, k)
         if fused is None:
             return None
         self._count(split, start, k)
@@ -219,9 +234,9 @@ class MultiplexLoop:
     def _run(self, split: SplitPrefill, k: int, decode_step: int | None) -> None:
         t0, start, index = time.perf_counter(), split.next_layer, len(split.intervals)
         self._count(split, start, k)
-        self.runner.run_interval(split, k)
+        self.splitter.run_interval(split, k)
         # Nobody reads an interval back: the trace places its end by the measured cost.
-        per_layer = self.runner.layer_cost(split)
+        per_layer = self.splitter.layer_cost(split)
         self.trace.record(step_record(
             split.batch, split.shape, t0, t0, time.perf_counter(),
             self.runner.compiles_after_warmup,
@@ -231,7 +246,7 @@ class MultiplexLoop:
     def _finish(self, split: SplitPrefill) -> TracedStep:
         """The prefill's logits and sampling, after its last interval."""
         t0 = time.perf_counter()
-        pending = self.runner.finish_split(split)
+        pending = self.splitter.finish_split(split)
         rec = step_record(split.batch, split.shape, t0, t0, time.perf_counter(),
                           self.runner.compiles_after_warmup)
         return TracedStep(pending, self.trace.record(rec))

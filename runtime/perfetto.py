@@ -21,7 +21,7 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from runtime.exec_trace import ExecutionTrace, RequestSpan, StepRecord
+from runtime.exec_trace import ExecutionTrace, RequestSpan, StepRecord, TboSplit
 
 HOST, DEVICE, MICRO, REQUESTS = 1, 2, 3, 4
 _HOST_LANES = {"scheduling": 1, "launch": 2, "results": 3}
@@ -76,18 +76,18 @@ def _step_events(r: StepRecord, t0: float) -> Iterable[dict[str, Any]]:
     if r.idle_before > 0:
         yield _slice("bubble", DEVICE, _BUBBLE_LANE, r.device_start - r.idle_before,
                      r.device_start, t0, step=r.step, mode=r.mode)
-    if r.tbo is not None:
-        yield from _micro_batches(r, t0)
+    if isinstance(r.detail, TboSplit):
+        yield from _micro_batches(r, r.detail, t0)
 
 
-def _micro_batches(r: StepRecord, t0: float) -> Iterable[dict[str, Any]]:
-    assert r.tbo is not None and r.ready is not None and r.device_start is not None
-    a, b = r.tbo.tokens
+def _micro_batches(r: StepRecord, tbo: TboSplit, t0: float) -> Iterable[dict[str, Any]]:
+    assert r.ready is not None and r.device_start is not None
+    a, b = tbo.tokens
     cut = r.device_start + (r.ready - r.device_start) * (a / (a + b) if a + b else 0.5)
-    common = dict(step=r.step, split_index=r.tbo.split_index, two_chunk=r.tbo.two_chunk,
+    common = dict(step=r.step, split_index=tbo.split_index, two_chunk=tbo.two_chunk,
                   timing="device time split by token share, not measured")
-    yield _slice(f"A {r.tbo.rows[0]}r/{a}t", MICRO, 1, r.device_start, cut, t0, **common)
-    yield _slice(f"B {r.tbo.rows[1]}r/{b}t", MICRO, 2, cut, r.ready, t0, **common)
+    yield _slice(f"A {tbo.rows[0]}r/{a}t", MICRO, 1, r.device_start, cut, t0, **common)
+    yield _slice(f"B {tbo.rows[1]}r/{b}t", MICRO, 2, cut, r.ready, t0, **common)
 
 
 def _request_events(spans: Sequence[RequestSpan], t0: float) -> list[dict[str, Any]]:

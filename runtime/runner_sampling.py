@@ -1,12 +1,13 @@
 """The ModelRunner's sampling half: the sampler executable (one per batch-row count B,
-shared by every mode and bucket with B rows), the per-slot penalty state it reads, and
-PendingStep, a launched step's device results. A mixin of ModelRunner
+shared by every path, mode and bucket with B rows), the per-slot penalty state it reads,
+and PendingStep, a launched step's device results. A mixin of ModelRunner
 (runtime/model_runner.py), which owns the state it uses.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +16,6 @@ import numpy as np
 from runtime import sampling
 from runtime.batch_builder import BucketShape
 from runtime.bucket_plan import smallest_fitting
-from runtime.dp_attention import DPBatch, dp_order, dp_padded_shape, padded_rows
-from runtime.exec_trace import TboSplit
 from runtime.grammar import mask_width
 from runtime.request import MAX_LOGIT_BIAS
 from runtime.schedule_batch import BatchRow, ScheduleBatch, StepOutput
@@ -32,10 +31,10 @@ class PendingStep:
         # steps > 1: a multi-step program's results, each array with a leading [K] axis.
         self.batch, self.out, self._order, self._top_n = batch, out, order, top_n
         self._steps = steps
-        # A two-batch-overlap step: its split, and the shape it computed (both children's
-        # padded rows and tokens), for the execution trace.
-        self.tbo: TboSplit | None = None
-        self.padded_shape: BucketShape | None = None
+        # For the execution trace: the padded step the launch computed (None: the batch's
+        # bucket), and the launching path's own record (StepRecord.detail).
+        self.shape: BucketShape | None = None
+        self.detail: Any = None
 
     def is_ready(self) -> bool:
         """Whether the device has finished this step (readback would not block)."""
@@ -57,12 +56,13 @@ class SamplingLaunch:
     """Sampling of ModelRunner (`self` is the runner)."""
 
     def _sample_fn(self) -> Callable:
-        return jax.jit(self._sample_body(), donate_argnums=(0,),
-                       **self._out(self._replicated, self._replicated))
+        place = self.placement
+        return jax.jit(self.sample_body(), donate_argnums=(0,),
+                       **place.out(place.replicated, place.replicated))
 
-    def _sample_body(self) -> Callable:
+    def sample_body(self) -> Callable:
         """sample(state, logits [B, V], words) -> (SampleOutput, state): the sampler
-        program's body, also run inside the multi-step programs (runtime/multi_step.py)."""
+        program's body, which a path may also run inside its own programs."""
         top_n, dummy = self.cfg.max_top_logprobs, self.max_running
         mask_w = mask_width(self.model_cfg.vocab_size)
 
@@ -84,8 +84,8 @@ class SamplingLaunch:
 
         return sample
 
-    def _abstract_sample_inputs(self, b: int) -> tuple:
-        rep = self._replicated
+    def abstract_sample_inputs(self, b: int) -> tuple:
+        rep = self.placement.replicated
         words = 2 * b + sampling.word_count(b, mask_width(self.model_cfg.vocab_size),
                                             MAX_LOGIT_BIAS)
         return (jax.ShapeDtypeStruct((b, self.model_cfg.vocab_size), jnp.float32, sharding=rep),
@@ -108,14 +108,8 @@ class SamplingLaunch:
             self.state = self._init_slot_exec[n](self.state, np.int32(req.req_slot), ids,
                                                  is_out)
 
-    def _row_slots(self, batch: ScheduleBatch, shape: BucketShape
-                   ) -> tuple[np.ndarray, np.ndarray, list[BatchRow | None]]:
-        """Each padded row's slot (padding: the spare last slot), whether it samples, and
-        the rows in padded order (extend rows, then decode rows from num_extend_seqs)."""
-        padded = padded_rows(batch.parts if isinstance(batch, DPBatch) else [batch], shape)
-        return (*self._slots_of(padded), padded)
-
-    def _slots_of(self, padded: list[BatchRow | None]) -> tuple[np.ndarray, np.ndarray]:
+    def slots_of(self, padded: list[BatchRow | None]) -> tuple[np.ndarray, np.ndarray]:
+        """Each padded row's slot (padding: the spare last slot) and whether it samples."""
         row_slots = np.full(len(padded), self.max_running, np.int32)
         sample_mask = np.zeros(len(padded), bool)
         for i, r in enumerate(padded):
@@ -123,33 +117,22 @@ class SamplingLaunch:
                 row_slots[i], sample_mask[i] = r.req.req_slot, r.sample
         return row_slots, sample_mask
 
-    def _sample(self, batch: ScheduleBatch, shape: BucketShape, logits: jax.Array
-                ) -> PendingStep:
-        padded = self._row_slots(batch, shape)[2]
-        # Rows come back in padded order; compact them to extend rows then decode rows
-        # (under dp: so, rank after rank).
-        order = dp_order(batch.parts if isinstance(batch, DPBatch) else [batch], shape)
-        pending = self._sample_rows(batch, padded, logits, order)
-        if isinstance(batch, DPBatch):  # the trace shows the whole step's padded size
-            pending.padded_shape = dp_padded_shape(shape, self.dp)
-        return pending
-
     def _sample_rows(self, batch: ScheduleBatch, padded: list[BatchRow | None],
                      logits: jax.Array, order: np.ndarray) -> PendingStep:
         """Sample logits [len(padded), V] whose row i is padded[i] (None: padding)."""
         out, self.state = self._samplers[len(padded)](self.state, logits,
-                                                      self._sample_words(padded))
+                                                      self.sample_words(padded))
         self.check_no_compiles()
         return PendingStep(batch, out, order, self.cfg.max_top_logprobs)
 
-    def _sample_words(self, padded: list[BatchRow | None]) -> np.ndarray:
+    def sample_words(self, padded: list[BatchRow | None]) -> np.ndarray:
         """The sampler's one host input: [row_slots | sample_mask | the rows' SamplingBatch
         .to_words()]. Rows that hold the same requests as last step's (every decode step
         of a steady batch) reuse its vector: only the steps and grammar masks are new."""
         key = [None if r is None else (r.req, r.sample, r.req.req_slot) for r in padded]
         cached = self._words_cache
         if cached is None or not _same_rows(cached[0], key):
-            row_slots, sample_mask = self._slots_of(padded)
+            row_slots, sample_mask = self.slots_of(padded)
             words = np.concatenate([row_slots, sample_mask.astype(np.int32),
                                     self._sampling_batch(len(padded), padded).to_words()])
             self._words_cache = (key, words)

@@ -10,7 +10,7 @@ import dataclasses
 
 import numpy as np
 
-from runtime.forward_mode import ForwardMode
+from models.forward_mode import ForwardMode
 from runtime.request import Req
 
 # input_ids entry meaning "the token the device sampled for this row's req_slot last step".

@@ -20,8 +20,8 @@ import dataclasses
 from collections import deque
 from collections.abc import Callable, Iterable
 
+from models.forward_mode import ForwardMode
 from runtime.config import SchedulerConfig
-from runtime.forward_mode import ForwardMode
 from runtime.kv_cache import PageAllocator, pages_for
 from runtime.prefix_cache import make_prefix_cache
 from runtime.request import FinishReason, Req, ReqStatus

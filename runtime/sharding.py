@@ -11,14 +11,17 @@ shared expert follow the dense rules.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models.config import ModelConfig
 from models.registry import model_module
-from runtime.config import ModelConfig
 
 # Logical name of every dimension of every parameter (see models/params_layout.md).
 PARAM_AXES: dict[str, tuple[str | None, ...]] = {
@@ -157,3 +160,30 @@ def serving_mesh(cfg: ModelConfig, dp: int = 1, tp: int = 1, ep: int = 1) -> Mes
     if dp * tp * ep == 1:
         return None
     return make_mesh(dp=dp, tp=tp, ep=ep)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshPlacement:
+    """Where a runner's executables put what they take and return: nothing pinned on one
+    device; on a mesh, host inputs and hidden states replicated, the KV pool on its
+    sharding (an output pinned to an input's placement keeps a donated pool in place, and
+    every call sees the shardings it was compiled for)."""
+
+    mesh: Mesh | None = None
+    kv: Any = None  # KVPool of NamedShardings on a mesh
+
+    @property
+    def replicated(self) -> NamedSharding | None:
+        return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
+
+    def abstract(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
+
+    def i32(self, *shape: int) -> jax.ShapeDtypeStruct:
+        return self.abstract(shape, jnp.int32)
+
+    def out(self, *shardings: Any) -> dict:
+        """jax.jit's out_shardings for these outputs (none off a mesh)."""
+        if self.mesh is None:
+            return {}
+        return {"out_shardings": shardings if len(shardings) > 1 else shardings[0]}

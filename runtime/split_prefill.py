@@ -9,7 +9,7 @@ interval sizes k are the even numbers from 2 to 8 below the depth, the depth and
 optional fixed size (1 only where parity needs it), so any remaining run of layers is a
 sum of compiled sizes and no remainder needs a trace of its own. Extend buckets below
 RunnerConfig.split_min_tokens get no split programs: such a prefill is cheap enough to
-run whole (ModelRunner.launch).
+run whole (MultiplexLoop launches it as an EXTEND step).
 
 `SplitPrefill` is the carried state of one batch in flight: the host's packed inputs,
 the device handle of the hidden state, and where it stands. It belongs to the loop that
@@ -24,15 +24,14 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch, ForwardMode, real_row_mask
 from models.registry import model_module
 from runtime.batch_builder import BucketShape
-from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch, ForwardMode, real_row_mask
 from runtime.schedule_batch import ScheduleBatch
+from runtime.sharding import MeshPlacement
 
 # Largest interval compiled besides the depth: while streams decode, an interval is sized
 # to fit beside a decode step, which on SmolLM2 at 256-512 prefill tokens per chunk is 2-8
@@ -217,33 +216,6 @@ class SplitExecutables:
         exe = self._exe[f"split_head/te{s.num_extend_tokens}_be{s.num_extend_seqs}"]
         return exe(params, split.hidden, split.arrays["logits_indices"],
                    split.arrays["seq_lens"])  # [B, V]
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshPlacement:
-    """Where a runner's executables put what they take and return: nothing pinned on one
-    device; on a mesh, host inputs and hidden states replicated, the KV pool on its
-    sharding (an output pinned to an input's placement keeps a donated pool in place, and
-    every call sees the shardings it was compiled for)."""
-
-    mesh: Mesh | None = None
-    kv: Any = None  # KVPool of NamedShardings on a mesh
-
-    @property
-    def replicated(self) -> NamedSharding | None:
-        return None if self.mesh is None else NamedSharding(self.mesh, PartitionSpec())
-
-    def abstract(self, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.replicated)
-
-    def i32(self, *shape: int) -> jax.ShapeDtypeStruct:
-        return self.abstract(shape, jnp.int32)
-
-    def out(self, *shardings: Any) -> dict:
-        """jax.jit's out_shardings for these outputs (none off a mesh)."""
-        if self.mesh is None:
-            return {}
-        return {"out_shardings": shardings if len(shardings) > 1 else shardings[0]}
 
 
 def _interval_name(s: BucketShape, k: int) -> str:

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from models import moe_overlap
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch, ForwardMode
 from runtime.bucket_plan import StepKey
-from runtime.config import ModelConfig
-from runtime.forward_batch import ForwardBatch, ForwardMode
 
 
 class TboExecutables:

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Protocol
+from typing import Any, Protocol
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape
 from runtime.exec_trace import ExecutionTrace, StepRecord, step_record
-from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import ScheduleBatch, StepOutput
 
 
@@ -17,6 +17,8 @@ class Pending(Protocol):
     """A launched step (the runner's PendingStep, or a fake)."""
 
     batch: ScheduleBatch
+    shape: BucketShape | None  # the padded step it computed; None: the batch's bucket
+    detail: Any  # the launching path's own trace record (StepRecord.detail)
 
     def is_ready(self) -> bool: ...
     def result(self) -> StepOutput: ...
@@ -40,19 +42,14 @@ class TracedStep:
 
 
 def launch_traced(trace: ExecutionTrace, runner: TracedRunner, batch: ScheduleBatch,
-                  sched_start: float) -> TracedStep:
-    """runner.launch(batch), recorded (scheduling ran from sched_start until now)."""
+                  sched_start: float, mode: ForwardMode | None = None) -> TracedStep:
+    """runner.launch(batch), recorded (scheduling ran from sched_start until now); `mode`:
+    what ran, where it is not the batch's mode."""
     sched_end = time.perf_counter()
     pending = runner.launch(batch)
-    # A two-batch-overlap step (the runner's PendingStep.tbo) computed both micro-batches
-    # at its own padded shape; a fake runner's pending has neither attribute.
-    shape = getattr(pending, "padded_shape", None) or runner.bucket_for(batch)
-    # A split-prefill batch too small to split runs whole, as an EXTEND step
-    # (ModelRunner.launch): count it as one, not as a layer interval of a split prefill.
-    ran = ForwardMode.EXTEND if batch.mode is ForwardMode.SPLIT_PREFILL else None
+    shape = pending.shape or runner.bucket_for(batch)
     rec = step_record(batch, shape, sched_start, sched_end, time.perf_counter(),
-                      runner.compiles_after_warmup, tbo=getattr(pending, "tbo", None),
-                      mode=ran)
+                      runner.compiles_after_warmup, detail=pending.detail, mode=mode)
     return TracedStep(pending, trace.record(rec))
 
 

@@ -24,8 +24,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape
-from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import BatchRow, ScheduleBatch
 
 DEFAULT_THRESHOLD = 0.48

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 from jax.sharding import Mesh
 
-from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
+from models.config import ModelConfig
+from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.model_runner import ModelRunner
 
 PAGE = 4

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter, defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from runtime.forward_mode import ForwardMode
-from runtime.kv_cache import PAD_PAGE, cache_slots, pages_for
+from models.forward_mode import ForwardMode
+from runtime.kv_cache import PAD_PAGE, pages_for
 from runtime.prefix_cache import PrefixCache
 from runtime.request import ReqStatus
 from runtime.schedule_batch import PREV_TOKEN, ScheduleBatch, StepOutput
@@ -26,6 +26,12 @@ EOS = 2
 EOS_EVERY = 23  # about one token in 23 is EOS, so finish-on-EOS is exercised
 MAX_POS = 1 << 14
 _MULT = np.random.default_rng(0).integers(1, 1 << 62, MAX_POS, dtype=np.uint64) | np.uint64(1)
+
+
+def cache_slots(pages: Sequence[int], start: int, end: int, page_size: int) -> np.ndarray:
+    """Cache slots of positions [start, end) of a request with this page list."""
+    pos = np.arange(start, end)  # [end - start]
+    return np.asarray(pages, np.int64)[pos // page_size] * page_size + pos % page_size
 
 
 def next_token(seq: np.ndarray) -> int:

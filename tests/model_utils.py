@@ -9,10 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from models.config import ModelConfig, RopeScaling
+from models.forward_batch import ForwardBatch, ForwardMode
 from models.layers import rope_inv_freq
 from runtime.batch_builder import BucketShape, pack_rows
-from runtime.config import ModelConfig, RopeScaling
-from runtime.forward_batch import ForwardBatch, ForwardMode
 
 TINY = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
                    num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=10000.0,
@@ -80,9 +80,9 @@ def all_position_logits(params: dict, cfg: ModelConfig, ids: list[int], page_siz
                         ) -> np.ndarray:
     """Our forward over one sequence in a single EXTEND call -> logits [T, V] (f32);
     `kv_dtype`: the pool's (its dtype rounds this step's K/V, see layers.attend)."""
+    from models.kv_pool import init_kv_pool
     from models.registry import model_module
     from runtime.config import CacheConfig
-    from runtime.kv_pool import init_kv_pool
 
     t = len(ids)
     n_pages = -(-t // page_size)

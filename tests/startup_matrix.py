@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from runtime.config import ModelConfig
+from models.config import ModelConfig
 
 # SmolLM2's attention layout (9 / 3 heads) at toy width. Two layers, so split prefill has
 # intervals to cut; 128 tokens of vocabulary keep the sampler and the head cheap.

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from runtime.kv_cache import PAD_PAGE, PageAllocator, cache_slots, page_table, pages_for
+from runtime.kv_cache import PAD_PAGE, PageAllocator, page_table, pages_for
+from tests.fake_runner import cache_slots
 
 HOST_MODULES = (
     "runtime.request",

@@ -23,10 +23,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 from safetensors.numpy import load_file, save_file
 
+from models.config import ModelConfig
 from models.llama import param_shapes
 from runtime import checkpoint, sharding
 from runtime.checkpoint import CheckpointError, load_gguf, load_hf_safetensors
-from runtime.config import ModelConfig
 
 FIXTURES = Path(__file__).parent / "fixtures"
 TINY = FIXTURES / "tiny_models"

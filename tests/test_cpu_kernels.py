@@ -18,9 +18,9 @@ import pytest
 import cpu_kernels
 from cpu_kernels import isa
 from models import llama
+from models.forward_batch import ForwardMode, real_token_mask
 from runtime.config import RunnerConfig, ServerArgs
 from runtime.engine_setup import default_attention_backend, default_cpu_matmul
-from runtime.forward_batch import ForwardMode, real_token_mask
 from tests.model_utils import TINY
 
 
@@ -317,9 +317,9 @@ def test_padding_tokens_do_not_change_the_real_ones(monkeypatch):
     rows in its matmuls: the real rows' logits are bitwise those of the same batch with
     the padding computed, the padding rows' logits zero."""
     from models import layers
+    from models.kv_pool import init_kv_pool
     from runtime.batch_builder import BucketShape
     from runtime.config import CacheConfig
-    from runtime.kv_pool import init_kv_pool
     from tests.model_utils import SimpleRow, make_batch
 
     params = llama.pack_for_cpu(llama.init_params(TINY, jax.random.key(5)))
@@ -625,9 +625,9 @@ def test_out_of_range_page_ids_stay_inside_the_pool():
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_write_kv_matches_the_scatter(dtype):
-    """The kernel-side pool write equals runtime.kv_pool.write_kv bitwise (values rounded
+    """The kernel-side pool write equals models.kv_pool.write_kv bitwise (values rounded
     to the pool's dtype, out-of-pool slots dropped), in place under a donating jit."""
-    from runtime.kv_pool import KVPool, write_kv
+    from models.kv_pool import KVPool, write_kv
 
     rng = np.random.default_rng(6)
     shape = (3, 2, 5, 4, 64)  # [L, Hkv, P, S, Dh]

@@ -6,17 +6,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from runtime.batch_builder import BucketShape
+from models.forward_mode import ForwardMode
+from runtime.batch_builder import BucketShape, padded_rows, row_order
 from runtime.config import CacheConfig, SchedulerConfig
 from runtime.dp_attention import (
     DPBatch,
     DPScheduler,
-    dp_order,
     dp_pack,
-    padded_rows,
     split_output,
 )
-from runtime.forward_mode import ForwardMode
 from runtime.schedule_batch import StepOutput
 from tests.fake_runner import EOS, FakeRunner, drive, fake_decode, reference_output
 from tests.test_scheduler import PS, req, workload
@@ -118,9 +116,9 @@ def test_output_split_and_row_order():
         sched.add(req(f"r{i}", [3 + i] * 5))
     batch = sched.next_batch()  # rank 0: two extend rows, rank 1: one
     shape = BucketShape(64, 4, 0, 0)
-    assert dp_order(batch.parts, shape).tolist() == [0, 1, 4]
+    assert row_order(batch.parts, shape).tolist() == [0, 1, 4]
     padded = padded_rows(batch.parts, shape)
-    assert [padded[i] for i in dp_order(batch.parts, shape)] == batch.rows
+    assert [padded[i] for i in row_order(batch.parts, shape)] == batch.rows
     packed = dp_pack(batch, shape, PS)
     assert packed["input_ids"].shape == (128,) and packed["query_start"].shape == (10,)
     assert packed["logits_indices"][4] == 64 + 4  # rank 1's first row, 5 tokens in

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from models import llama
+from models.forward_mode import ForwardMode
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
-from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from tests.cpu_isa import needs_x12
@@ -306,13 +306,16 @@ def test_the_kv_pool_never_moves(runner):
 
 def _count_multi_steps(runner: ModelRunner, monkeypatch) -> list[int]:
     """Record the steps of each multi-step launch."""
-    calls, launch = [], runner.launch_multi_step
+    path = runner.paths["multi_step"]
+    calls, launch = [], path.launch
 
     def counted(batch):
-        calls.append(batch.steps)
-        return launch(batch)
+        pending = launch(batch)
+        if pending is not None:  # the path claimed it
+            calls.append(batch.steps)
+        return pending
 
-    monkeypatch.setattr(runner, "launch_multi_step", counted)
+    monkeypatch.setattr(path, "launch", counted)
     return calls
 
 

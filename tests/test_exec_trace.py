@@ -64,7 +64,7 @@ def test_split_prefill_and_tbo_records_reach_requests_and_perfetto():
         recs += [dec, trace.record(make_record("split_prefill", 1.5 + i, ("long",), extend_rows=1,
                                         extend_tokens=300, split=split))]
     tbo = trace.record(make_record("decode", 5.0, ("short", "long"), decode_rows=2,
-                            tbo=TboSplit(tokens=(1, 3), rows=(1, 1), split_index=1)))
+                            detail=TboSplit(tokens=(1, 3), rows=(1, 1), split_index=1)))
     for r, t in zip([*recs, tbo], [1.4, 1.9, 2.4, 2.9, 3.4, 3.9, 7.0], strict=True):
         trace.ready(r, t, waited=True)
     # A fused decode + interval executable: one step, only the prefill counts an interval.

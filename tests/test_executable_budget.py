@@ -12,11 +12,11 @@ import jax
 import pytest
 
 from models import llama
+from models.forward_mode import ForwardMode
 from runtime import executable_budget as eb
 from runtime import model_runner
 from runtime.compile_counter import compile_counter
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
-from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner
 from tests.model_utils import TINY
 
@@ -139,9 +139,10 @@ def test_warmup_seeds_split_costs_at_an_even_depth():
                         enable_split_prefill=True)
     r = ModelRunner(cfg, llama.init_params(cfg, jax.random.key(0)),
                     CacheConfig(page_size=16, num_pages=64), rcfg, max_running_requests=4)
-    assert r.interval_sizes == [2, 4]
+    assert r.paths["split_prefill"].interval_sizes == [2, 4]
     r.warmup(progress=False)
     r.costs.close()  # drains the watcher: every seeded cost is in
     keys = r.costs.snapshot()
     assert any(k.startswith("decode/") for k in keys)
-    assert sum(k.startswith("split_prefill/") for k in keys) == len(r.split.shapes)
+    shapes = r.paths["split_prefill"].programs.shapes
+    assert sum(k.startswith("split_prefill/") for k in keys) == len(shapes)

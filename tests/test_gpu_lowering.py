@@ -18,13 +18,13 @@ import jax.numpy as jnp
 import pytest
 
 from models import layers, llama
+from models.forward_batch import ForwardBatch
+from models.forward_mode import ForwardMode
+from models.kv_pool import init_kv_pool
 from pallas_kernels.ragged_paged_attention import paged_attention
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig
-from runtime.forward_batch import ForwardBatch
-from runtime.forward_mode import ForwardMode
 from runtime.fused_step import FusedExecutables
-from runtime.kv_pool import init_kv_pool
 from runtime.split_prefill import SplitExecutables
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "bench"))
@@ -134,7 +134,7 @@ def test_llama8b_multi_step_decode_lowers_for_cuda():
     words = sampling.word_layout(b, mask_width(v), MAX_LOGIT_BIAS)
     program = multi_step_fn(
         key, 4, PAGE, functools.partial(llama.forward, cfg=CFG, attention_backend="pallas"),
-        SamplingLaunch._sample_body(runner), 2 * b + words["step"][0])
+        SamplingLaunch.sample_body(runner), 2 * b + words["step"][0])
     state = SlotState(last_tokens=sds((b + 1,), jnp.int32),
                       token_counts=sds((b + 1, v), jnp.int32),
                       prompt_mask=sds((b + 1, v), jnp.bool_))

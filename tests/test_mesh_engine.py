@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from models import llama, registry
+from models.config import ModelConfig
+from models.forward_mode import ForwardMode
 from runtime import checkpoint
-from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
+from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
 from runtime.engine_setup import runner_config
-from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from runtime.sharding import serving_mesh
@@ -60,7 +61,7 @@ def test_tensor_parallel_dense_matches_one_device(tp):
     assert runner.params["layer_list"][0]["wq"].sharding.spec[-1] == "tp"
     # Attention runs on each device's own heads and pages: no step gathers the pool.
     pool = "f32[" + ",".join(map(str, runner.kv.k.shape)) + "]"
-    for exe in runner._executables.values():
+    for exe in runner.paths["plain"]._exe.values():
         assert not re.search(re.escape(pool) + r"\S* all-gather", exe.as_text())
     _check_same(_generate(runner, disable_prefix_cache=True, chunked_prefill_size=None), want)
     # The invariance matrix on the mesh: chunked prefill and the prefix cache, and
@@ -112,7 +113,7 @@ def test_multiplexing_on_the_mesh_matches_plain(tp):
     reference = _dense_reference()  # first: a warm-up later would count as our compilation
     runner = _runner(DENSE, llama.init_params(DENSE, jax.random.key(3)), tp=tp, **SPLIT)
     pool = "f32[" + ",".join(map(str, runner.kv.k.shape)) + "]"
-    for name in runner.split.names + runner.fused.names:
+    for name in runner.paths["split_prefill"].names + runner.paths["fused"].names:
         assert not re.search(re.escape(pool) + r"\S* all-gather",
                              runner.compiled[name].as_text()), name
     want = _generate(runner, disable_prefix_cache=True, chunked_prefill_size=None)

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from models import llama
+from models.forward_batch import ForwardMode
+from models.kv_pool import init_kv_pool
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig
-from runtime.forward_batch import ForwardMode
-from runtime.kv_pool import init_kv_pool
 from tests.model_utils import TINY, SimpleRow, dense_llama_logits, make_batch
 
 PAGE = 4

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 
 from models import moe, registry
+from models.config import ModelConfig
 from runtime import checkpoint
-from runtime.config import ModelConfig, ServerArgs
+from runtime.config import ServerArgs
 from runtime.engine_setup import default_cpu_matmul
 from tests.model_utils import all_position_logits
 

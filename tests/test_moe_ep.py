@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from models import moe, registry
+from models.forward_batch import ForwardMode
+from models.kv_pool import init_kv_pool
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig
-from runtime.forward_batch import ForwardMode
-from runtime.kv_pool import init_kv_pool
 from runtime.sharding import make_mesh
 from tests.model_utils import SimpleRow, make_batch
 

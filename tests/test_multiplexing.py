@@ -16,14 +16,20 @@ import numpy as np
 import pytest
 
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.kv_cache import cache_slots
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch, StepOutput
 from runtime.scheduler import Scheduler
 from runtime.split_prefill import SplitPrefill, interval_sizes
 from runtime.step_costs import DeviceCosts
-from tests.fake_runner import EOS, FakeRunner, check_invariants, next_token, reference_output
+from tests.fake_runner import (
+    EOS,
+    FakeRunner,
+    cache_slots,
+    check_invariants,
+    next_token,
+    reference_output,
+)
 
 LAYERS = 5  # odd: one-layer intervals are compiled (split_prefill.interval_sizes)
 
@@ -31,6 +37,8 @@ LAYERS = 5  # odd: one-layer intervals are compiled (split_prefill.interval_size
 class _Done:
     def __init__(self, batch: ScheduleBatch, out: StepOutput) -> None:
         self.batch, self._out = batch, out
+
+    shape, detail = None, None  # the fake pads nothing and keeps no path record
 
     def result(self) -> StepOutput:
         return self._out
@@ -115,8 +123,8 @@ def _setup(num_pages=200, chunk=None, overlap=True, prefix=True, policy=None,
     sched = Scheduler(cfg, eos_token_ids=[EOS])
     runner = FakeSplitRunner(sched, num_pages, 4, max_running + 1)
     # Slowdown 2 at the fake's costs: two-layer intervals, which the fake also runs fused.
-    loop = MultiplexLoop(sched, runner, policy or IntervalPolicy(None, 0.0, 2.0), overlap,
-                         interleave, fused)
+    loop = MultiplexLoop(sched, runner, runner, policy or IntervalPolicy(None, 0.0, 2.0),
+                         overlap, interleave, runner if fused else None)
     return sched, runner, loop
 
 

@@ -18,15 +18,16 @@ import numpy as np
 import pytest
 
 from models import layers, llama
+from models.config import ModelConfig
+from models.forward_batch import ForwardBatch
+from models.forward_mode import ForwardMode
+from models.kv_pool import init_kv_pool
 from pallas_kernels import get_paged_attention_fn
 from pallas_kernels import ragged_paged_attention as rpa
 from pallas_kernels.kv_schedule import NEW_START
 from pallas_kernels.ragged_paged_attention import paged_attention, paged_attention_ref
 from runtime.batch_builder import BucketShape
-from runtime.config import CacheConfig, ModelConfig
-from runtime.forward_batch import ForwardBatch
-from runtime.forward_mode import ForwardMode
-from runtime.kv_pool import init_kv_pool
+from runtime.config import CacheConfig
 from tests.model_utils import TINY, SimpleRow, make_batch
 
 HKV, DH, LAYERS, LAYER = 2, 64, 2, 1

@@ -30,7 +30,7 @@ def _trace_file(tmp_path: Path) -> Path:
     split = trace.record(make_record("split_prefill", 1.001, split=SplitInterval(
         prefill_id=1, interval=0, start_layer=0, num_layers=4, total_layers=8,
         decode_step=dec.step)))
-    tbo = trace.record(make_record("decode", 1.02, ("r",), tbo=TboSplit((2, 2), (1, 1), 1)))
+    tbo = trace.record(make_record("decode", 1.02, ("r",), detail=TboSplit((2, 2), (1, 1), 1)))
     for rec, t in ((dec, 1.005), (split, 1.010), (tbo, 1.03)):
         trace.ready(rec, t, waited=True)
         trace.processed(rec, t + 0.001)

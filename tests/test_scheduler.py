@@ -11,8 +11,8 @@ import random
 import numpy as np
 import pytest
 
+from models.forward_mode import ForwardMode
 from runtime.config import CacheConfig, SchedulerConfig
-from runtime.forward_mode import ForwardMode
 from runtime.kv_cache import pages_for
 from runtime.request import FinishReason, Req, ReqStatus, SamplingParams
 from runtime.schedule_batch import PREV_TOKEN, StepOutput

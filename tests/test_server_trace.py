@@ -42,7 +42,7 @@ def test_execution_trace_endpoint_and_bubble_metrics(http):
         assert s["padded_tokens"] >= s["tokens"] >= 1 and s["padded_rows"] >= s["rows"]
         assert s["launch_end"] >= s["sched_end"] >= s["sched_start"]
         assert s["ready"] >= s["device_start"]
-        assert s["split"] is None and s["tbo"] is None
+        assert s["split"] is None and s["detail"] is None
     # The counter is process-wide (other test modules compile after the shared runner's
     # warm-up): what must hold is that nothing compiled while these steps ran.
     assert len({s["compiles_after_warmup"] for s in body["steps"]}) == 1

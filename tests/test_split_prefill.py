@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from models import llama
-from runtime.batch_builder import BucketShape, pack_rows
+from models.forward_mode import ForwardMode
+from runtime.batch_builder import BucketShape, pack_rows, padded_rows
 from runtime.config import CacheConfig, RunnerConfig
-from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner, StepKey
 from runtime.request import Req, ReqStatus, SamplingParams
 from runtime.schedule_batch import BatchRow, ScheduleBatch
@@ -83,16 +83,17 @@ def _rows(lengths: list[int], prefix: int, first_page: int, seed: int) -> list[B
 def _extend_logits(r: ModelRunner, batch: ScheduleBatch) -> np.ndarray:
     shape = r.bucket_for(batch)
     arrays = pack_rows(batch.extend_rows, [], shape, PAGE)
-    logits = r.run_forward(StepKey(ForwardMode.EXTEND, shape), arrays,
-                           r._row_slots(batch, shape)[0])
+    logits = r.paths["plain"].run_forward(StepKey(ForwardMode.EXTEND, shape), arrays,
+                           r.slots_of(padded_rows([batch], shape))[0])
     return np.asarray(logits)
 
 
 def _split_logits(r: ModelRunner, batch: ScheduleBatch, want: int) -> tuple[np.ndarray, list]:
-    split = r.start_split(batch)
+    path = r.paths["split_prefill"]
+    split = path.start_split(batch)
     while not split.done:
-        r.run_interval(split, next_interval(split.remaining, want, r.split.sizes))
-    return np.asarray(r.split.logits(r.params, split)), split.intervals
+        path.run_interval(split, next_interval(split.remaining, want, path.interval_sizes))
+    return np.asarray(path.programs.logits(r.params, split)), split.intervals
 
 
 def _pool(r: ModelRunner) -> tuple[np.ndarray, np.ndarray]:
@@ -126,11 +127,12 @@ def test_aborted_row_writes_only_the_padding_page(runner):
     rows = _rows([12, 9], 0, 1, seed=3)
     batch = ScheduleBatch(ForwardMode.EXTEND, rows, [])
     before_k, _ = _pool(runner)
-    split = runner.start_split(batch)
-    runner.run_interval(split, 1)
+    path = runner.paths["split_prefill"]
+    split = path.start_split(batch)
+    path.run_interval(split, 1)
     rows[1].req.status = ReqStatus.FINISHED  # aborted: its pages went back to the pool
     while not split.done:
-        runner.run_interval(split, next_interval(split.remaining, 4, runner.split.sizes))
+        path.run_interval(split, next_interval(split.remaining, 4, path.interval_sizes))
     after_k, _ = _pool(runner)
     pages = [p - 1 for p in rows[1].pages]  # _pool drops page 0
     # Layer 0 ran before the abort; layers 1.. never touch the aborted row's pages.
@@ -144,9 +146,9 @@ def test_fused_step_equals_decode_then_interval(runner, start, k):
     """Decode rows through all layers and the split's [start, start + k) in one program
     give the two calls' decode logits, split hidden state and pool."""
     rows = _rows([20, 9], 0, 1, seed=4)
-    split = runner.start_split(ScheduleBatch(ForwardMode.EXTEND, rows, []))
+    split = runner.paths["split_prefill"].start_split(ScheduleBatch(ForwardMode.EXTEND, rows, []))
     while split.next_layer < start:
-        runner.run_interval(split, 1)
+        runner.paths["split_prefill"].run_interval(split, 1)
     hidden0 = split.hidden
     dec_rows = []
     for i, row in enumerate(_rows([1, 1], 13, 30, seed=5)):
@@ -155,16 +157,18 @@ def test_fused_step_equals_decode_then_interval(runner, start, k):
     decode = ScheduleBatch(ForwardMode.DECODE, [], dec_rows)
     dec_shape = runner.bucket_for(decode)
     dec_arrays = pack_rows([], dec_rows, dec_shape, PAGE)
-    want_logits = runner.run_forward(StepKey(ForwardMode.DECODE, dec_shape), dec_arrays,
-                                     runner._row_slots(decode, dec_shape)[0])
-    want_hidden, runner.kv = runner.split.interval(runner.params, runner.kv, split, k)
+    want_logits = runner.paths["plain"].run_forward(
+        StepKey(ForwardMode.DECODE, dec_shape), dec_arrays,
+        runner.slots_of(padded_rows([decode], dec_shape))[0])
+    want_hidden, runner.kv = runner.paths["split_prefill"].programs.interval(
+        runner.params, runner.kv, split, k)
     want_pool = _pool(runner)
     mixed = ScheduleBatch(ForwardMode.MIXED, rows, dec_rows)
     shape = BucketShape(64, split.shape.num_extend_seqs, 2, dec_shape.num_pages_per_seq)
     arrays = pack_rows(rows, dec_rows, shape, PAGE)
-    got_logits, got_hidden, runner.kv = runner.fused(
+    got_logits, got_hidden, runner.kv = runner.paths["fused"].programs(
         shape, k, runner.params, runner.kv, runner.state.last_tokens, hidden0, arrays,
-        runner._row_slots(mixed, shape)[0], np.int32(start))
+        runner.slots_of(padded_rows([mixed], shape))[0], np.int32(start))
     np.testing.assert_allclose(np.asarray(got_logits), np.asarray(want_logits), atol=1e-5, rtol=0)
     real = sum(len(r.input_ids) for r in rows)  # padding tokens' states mean nothing
     np.testing.assert_allclose(np.asarray(got_hidden)[:real], np.asarray(want_hidden)[:real],
@@ -180,7 +184,8 @@ def test_launch_whole_is_the_extend_step(runner):
     plain = runner.launch(ScheduleBatch(ForwardMode.EXTEND, rows, [])).result()
     whole = runner.launch(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, [])).result()
     np.testing.assert_array_equal(whole.next_token_ids, plain.next_token_ids)
-    assert runner.can_split(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, []))
+    path = runner.paths["split_prefill"]
+    assert path.can_split(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, []))
 
 
 def test_layer_work_charges_a_chunk_its_prefix():
@@ -205,10 +210,10 @@ def test_cost_seeds_run_real_tokens_into_the_padding_page(runner):
     """Warm-up times each step full of tokens, not of padding (which the CPU fast path
     skips: a padded seed would tell the multiplexing policy a step is nearly free), and
     those tokens write only page 0."""
-    from runtime.forward_batch import ForwardBatch, real_token_mask
+    from models.forward_batch import ForwardBatch, real_token_mask
 
     for shape in (BucketShape(0, 0, 4, 2), BucketShape(32, 2, 0, 2), BucketShape(16, 1, 2, 2)):
-        arrays, slots = runner._cost_seed_inputs(shape)
+        arrays, slots = runner.cost_seed_inputs(shape)
         batch = ForwardBatch(**arrays, mode=ForwardMode.MIXED,
                              num_extend_tokens=shape.num_extend_tokens,
                              num_extend_seqs=shape.num_extend_seqs)
@@ -221,10 +226,11 @@ def test_a_splits_layer_work_counts_the_tokens_its_matmuls_run(runner):
     """The packed CPU matmul skips the bucket's padding, so a split there is charged its
     real tokens; on XLA's dot every padded token is computed and charged."""
     rows = _rows([17, 30, 5], 0, 1, seed=4)
-    split = runner.start_split(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, []))
+    path = runner.paths["split_prefill"]
+    split = path.start_split(ScheduleBatch(ForwardMode.SPLIT_PREFILL, rows, []))
     tokens = 52 if runner.cfg.cpu_matmul == "packed" else split.shape.num_extend_tokens
     assert split.shape.num_extend_tokens == 64
-    assert runner._layer_work(split) == layer_work(CFG, tokens, rows)
+    assert path.layer_work(split) == layer_work(CFG, tokens, rows)
 
 
 def test_no_executable_copies_the_kv_pool():

@@ -28,7 +28,8 @@ from jax.experimental.compilation_cache import compilation_cache
 
 import cpu_kernels
 from models import registry
-from runtime.config import ModelConfig, ServerArgs
+from models.config import ModelConfig
+from runtime.config import ServerArgs
 from runtime.engine import Engine
 from runtime.request import SamplingParams
 from runtime.server import build_server

@@ -98,7 +98,7 @@ def _fake_fill(grammars, vocab_size):
 
 
 class _Launch(runner_sampling.SamplingLaunch):
-    """The attributes of ModelRunner that _sample_words reads."""
+    """The attributes of ModelRunner that sample_words reads."""
 
     def __init__(self) -> None:
         self.model_cfg = dataclasses.make_dataclass("Cfg", ["vocab_size"])(VOCAB)
@@ -107,7 +107,7 @@ class _Launch(runner_sampling.SamplingLaunch):
 
 
 def _fresh(launch: _Launch, padded: list[BatchRow | None]) -> np.ndarray:
-    slots, mask = launch._slots_of(padded)
+    slots, mask = launch.slots_of(padded)
     return np.concatenate([slots, mask.astype(np.int32),
                            launch._sampling_batch(len(padded), padded).to_words()])
 
@@ -128,7 +128,7 @@ def test_cached_sampler_words_equal_fresh_ones_step_after_step(monkeypatch):
     def step(pos: int, order: str, sample: bool = True) -> list[BatchRow | None]:
         padded = [None if c == "-" else BatchRow(rows[c], [-1], pos, [1, 2], sample)
                   for c in order]
-        got = launch._sample_words(padded)
+        got = launch.sample_words(padded)
         np.testing.assert_array_equal(got, _fresh(launch, padded))
         return got
 
@@ -159,9 +159,9 @@ def test_multi_step_inputs_list_every_page_their_steps_write():
     """A multi-step batch (runtime/multi_step.py): each row's page table covers the
     positions of all its steps, its step count follows the plain vector, and the bucket's
     sequence length fits its last step's context."""
+    from models.forward_mode import ForwardMode
     from runtime.bucket_plan import BucketPlan
     from runtime.config import RunnerConfig
-    from runtime.forward_mode import ForwardMode
     from runtime.multi_step import pack_steps
     from runtime.schedule_batch import ScheduleBatch
 

@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 
 from models import layers, moe_overlap, registry
+from models.forward_mode import ForwardMode
+from models.kv_pool import init_kv_pool
 from pallas_kernels.ragged_paged_attention import paged_attention
 from runtime import two_batch_overlap
 from runtime.batch_builder import BucketShape
 from runtime.bucket_plan import StepKey
 from runtime.config import CacheConfig, RunnerConfig
 from runtime.exec_trace import ExecutionTrace
-from runtime.forward_mode import ForwardMode
-from runtime.kv_pool import init_kv_pool
 from runtime.model_runner import ModelRunner
 from runtime.perfetto import chrome_trace
 from runtime.request import Req, SamplingParams
@@ -128,11 +128,11 @@ def _run(runner: ModelRunner, batch: ScheduleBatch, tbo: bool,
         for n, sample in runner._samplers.items():
             m.setitem(runner._samplers, n, lambda st, lg, *a, f=sample: (
                 seen.append(lg), f(st, lg, *a))[1])
-        if not tbo:
-            m.setattr(runner, "tbo", None)
+        if not tbo:  # the TBO path claims no batch: the plain path runs it
+            m.setattr(runner.paths["tbo"], "forward", lambda batch: None)
         pending = runner.launch(batch)
         tokens = pending.result().next_token_ids
-    assert (pending.tbo is not None) == tbo
+    assert (pending.detail is not None) == tbo
     logits = np.asarray(seen[0])[pending._order]
     return tokens, logits
 
@@ -201,7 +201,7 @@ def test_micro_batches_are_independent_chains_in_the_compiled_program(ep4_runner
     """In the compiled layer loop, none of A's ops (attention, MoE compute, all-to-alls)
     reads anything of B's; B's MoE ops read nothing of A's MoE, only A's attention (B's
     attention reads A's K/V of the layer: the two-chunk continuation)."""
-    text = ep4_runner.tbo._exe["tbo/mixed/te16_be2_bd4_np16"].as_text()
+    text = ep4_runner.paths["tbo"].programs._exe["tbo/mixed/te16_be2_bd4_np16"].as_text()
     comps = hlo_graph.parse(text)
     body = [c for c, ins in comps.items() if any(i.opcode == "all-to-all" for i in ins.values())]
     assert len(body) == 1, body
@@ -260,8 +260,8 @@ def test_no_tbo_program_writes_or_copies_the_pool_in_its_layer_loop(runner):
     loop, and nothing anywhere copies one."""
     pool = f"{runner.kv.k.dtype}[{math.prod(runner.kv.k.shape)}]"
     passing = {"parameter", "get-tuple-element", "bitcast", "tuple", "while"}
-    for name in runner.tbo.names:
-        comps = hlo_graph.parse(runner.tbo._exe[name].as_text())
+    for name in runner.paths["tbo"].names:
+        comps = hlo_graph.parse(runner.paths["tbo"].programs._exe[name].as_text())
         loops = _loops(comps)
         assert loops, name
         for comp, instrs in comps.items():
@@ -284,8 +284,8 @@ def test_cpu_kernels_attend_in_the_loop_and_write_the_pool_in_place(runners):
         return [i for c, ins in comps.items() if (c in loops) == inside
                 for i in ins.values() if f'custom_call_target="{target}"' in i.text]
 
-    for name in runner.tbo.names:
-        comps = hlo_graph.parse(runner.tbo._exe[name].as_text())
+    for name in runner.paths["tbo"].names:
+        comps = hlo_graph.parse(runner.paths["tbo"].programs._exe[name].as_text())
         kernels = {"decode": ("decode",), "extend": ("extend",),
                    "mixed": ("extend", "decode")}[name.split("/")[1]]
         for k in kernels:  # one call of A's attention and one of B's
@@ -301,7 +301,7 @@ def test_trace_shows_both_micro_batches(runner, decoding):
     step = launch_traced(trace, runner, batch, time.perf_counter())
     read_back(trace, step)
     rec = trace.steps()[-1]
-    assert rec.tbo is not None and rec.tbo.rows == (2, 2) and rec.tbo.tokens == (2, 2)
+    assert rec.detail is not None and rec.detail.rows == (2, 2) and rec.detail.tokens == (2, 2)
     assert (rec.padded_rows, rec.padded_tokens) == (4, 4)  # two children of 2 rows
     doc = json.loads(json.dumps(chrome_trace(trace.steps(), trace.requests(), trace.t0)))
     names = lanes(doc)
@@ -311,7 +311,7 @@ def test_trace_shows_both_micro_batches(runner, decoding):
 
 def test_plan_counts_tbo_executables_and_gpu_options(runner):
     (part,) = [p for p in runner.plan() if p.name == "TBO"]
-    assert part.count == len(runner.tbo.names) == len(runner.step_keys())
+    assert part.count == len(runner.paths["tbo"].names) == len(runner.step_keys())
     assert runner.num_executables == len(runner.exec_stats)
     assert compiler_options("gpu") == {"xla_gpu_enable_latency_hiding_scheduler": True}
     assert compiler_options("cpu") == {}

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
+from models.forward_mode import ForwardMode
 from runtime import two_batch_overlap as tbo
 from runtime.batch_builder import BucketShape
-from runtime.forward_mode import ForwardMode
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import BatchRow, ScheduleBatch
 

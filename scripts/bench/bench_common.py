@@ -37,7 +37,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import cpu_kernels  # noqa: E402
-from runtime.config import ModelConfig, ServerArgs  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
+from runtime.config import ServerArgs  # noqa: E402
 from runtime.request import SamplingParams  # noqa: E402
 
 # A random model small enough that --smoke / --tiny runs compile and run in seconds.

@@ -39,7 +39,8 @@ from absl import app, flags
 from gpu_shapes import KV_LEN, LLAMA3_8B
 
 from models import registry
-from runtime.config import ModelConfig, ServerArgs
+from models.config import ModelConfig
+from runtime.config import ServerArgs
 from runtime.engine import Engine
 
 FLAGS = flags.FLAGS

@@ -18,7 +18,7 @@ an entry in "errors"), the JSON rewritten after each one so a run cut short keep
                with the XLA reference (paged gather) and jax.nn.dot_product_attention
                on the same K/V laid out densely
   prefill      TFLOP/s of causal extend attention, same three contenders
-  kv_write     runtime.kv_pool.write_kv against the pool size (in place or copying?)
+  kv_write     models.kv_pool.write_kv against the pool size (in place or copying?)
   sweep        Mosaic block_kv x num_slots, and num_splits, on two decode shapes
 Every timing loops over the pool's layers inside one jit, so each call reads distinct
 memory (no L2 reuse) and dispatch costs are amortized; contenders alternate A B A B and
@@ -43,12 +43,12 @@ from jax import lax
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from models.kv_pool import KVPool, write_kv  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_ref,
 )
 from runtime.batch_builder import BucketShape, pack_rows  # noqa: E402
-from runtime.kv_pool import KVPool, write_kv  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "bench_kernels.json", "JSON results path")
@@ -107,7 +107,7 @@ def _batch(extend, decode, page_size, pages_per_seq, rng):
 
 
 def _pools(key, layers, num_pages, page_size, hkv, dh, dtype):
-    shape = (layers, hkv, num_pages, page_size, dh)  # runtime.kv_pool layout
+    shape = (layers, hkv, num_pages, page_size, dh)  # models.kv_pool layout
     k1, k2 = jax.random.split(key)
     make = jax.jit(lambda k: jax.random.normal(k, shape, dtype))
     return make(k1), make(k2)

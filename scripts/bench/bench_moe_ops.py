@@ -37,8 +37,8 @@ from jax import shard_map  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from models import moe, registry  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
 from runtime import checkpoint  # noqa: E402
-from runtime.config import ModelConfig  # noqa: E402
 from runtime.sharding import make_mesh  # noqa: E402
 
 FLAGS = flags.FLAGS

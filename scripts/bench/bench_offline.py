@@ -50,7 +50,8 @@ import offline_summary as osum
 from absl import app, flags
 
 import cpu_kernels
-from runtime.config import ModelConfig, ServerArgs
+from models.config import ModelConfig
+from runtime.config import ServerArgs
 from runtime.engine import Engine
 
 FLAGS = flags.FLAGS

@@ -50,12 +50,13 @@ import bench_common as bc
 import numpy as np
 from absl import app, flags
 
+from models.config import ModelConfig
+from models.forward_mode import ForwardMode
 from runtime import two_batch_overlap
 from runtime.batch_builder import BucketShape
 from runtime.bucket_plan import BucketPlan
-from runtime.config import CacheConfig, ModelConfig, RunnerConfig, ServerArgs
+from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.engine_setup import load_model, runner_config, serving_mesh, size_kv_pool
-from runtime.forward_mode import ForwardMode
 from runtime.model_runner import ModelRunner, StepKey
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import BatchRow, ScheduleBatch
@@ -288,7 +289,7 @@ def _time_point(runner: ModelRunner, batch: ScheduleBatch, iters: int,
         pending = runner.launch(batch)
         host.append(time.perf_counter() - t0)
         pending.result()
-        ran_tbo.append(pending.tbo is not None)
+        ran_tbo.append(pending.detail is not None)
 
     total = bc.time_calls(call, iters, warmup)
     if runner.cfg.enable_two_batch_overlap and not all(ran_tbo):

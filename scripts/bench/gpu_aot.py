@@ -115,8 +115,8 @@ def perfect_bytes(runner, name: str, context: int) -> float | None:
     import jax
     import jax.numpy as jnp
 
+    from models.kv_pool import kv_bytes_per_token
     from runtime.bucket_plan import key_name
-    from runtime.kv_pool import kv_bytes_per_token
 
     keys = {key_name(k): k for k in runner.step_keys()}
     if runner.multi is not None:  # K decode steps: K steps' worth
@@ -133,7 +133,7 @@ def perfect_bytes(runner, name: str, context: int) -> float | None:
         weights += (tokens - cfg.vocab_size) * cfg.hidden_size * size
     per_token = kv_bytes_per_token(cfg, jnp.dtype(runner.cfg.kv_dtype))
     kv_read = rows * context * per_token if s.num_pages_per_seq else 0
-    io = 4 * (runner._flat_input(s).shape[0] + runner.max_running + 1) + 4 * rows * cfg.vocab_size
+    io = 4 * (runner.flat_input(s).shape[0] + runner.max_running + 1) + 4 * rows * cfg.vocab_size
     return weights + kv_read + tokens * per_token + io
 
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from runtime.config import ModelConfig  # noqa: E402
+from models.config import ModelConfig  # noqa: E402
 
 # Llama-3-8B (Meta-Llama-3-8B config.json): the shape only, weights are random.
 LLAMA3_8B = ModelConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,

@@ -35,10 +35,10 @@ from absl import app, flags  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
 from models import moe_overlap, registry  # noqa: E402
+from models.forward_batch import ForwardMode  # noqa: E402
+from models.kv_pool import init_kv_pool  # noqa: E402
 from runtime.batch_builder import BucketShape  # noqa: E402
 from runtime.config import CacheConfig  # noqa: E402
-from runtime.forward_batch import ForwardMode  # noqa: E402
-from runtime.kv_pool import init_kv_pool  # noqa: E402
 from runtime.sharding import make_mesh  # noqa: E402
 from runtime.tbo_step import compiler_options  # noqa: E402
 from tests import hlo_graph  # noqa: E402

@@ -20,8 +20,7 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from runtime.batch_builder import PAD_POSITION
-from runtime.forward_mode import ForwardMode
+from models.forward_mode import PAD_POSITION, ForwardMode
 
 __all__ = ["ForwardBatch", "ForwardMode"]
 

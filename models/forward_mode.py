@@ -1,8 +1,13 @@
-"""Forward modes. Host-side (no jax) so the scheduler can name them."""
+"""Forward modes and the padding position: the host-side (no jax) half of the forward
+batch's contract, so the scheduler and the batch packer can name them."""
 
 from __future__ import annotations
 
 import enum
+
+# Position of padding tokens: past any real position, so a causal mask keeps every real
+# query from attending to padding keys that share its row's slice of the token axis.
+PAD_POSITION = 1 << 30
 
 
 class ForwardMode(enum.Enum):

@@ -7,11 +7,23 @@ tokens write their K/V there, so a padded batch never touches a live page.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from runtime.config import CacheConfig, ModelConfig
+from models.config import ModelConfig
+
+
+class PoolGeometry(Protocol):
+    """The pool's page geometry (runtime.config.CacheConfig is one)."""
+
+    @property
+    def page_size(self) -> int: ...
+
+    @property
+    def num_pages(self) -> int: ...
 
 
 @struct.dataclass
@@ -35,7 +47,7 @@ class KVPool:
         return self.k.shape[2]
 
 
-def kv_pool_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
+def kv_pool_shape(model: ModelConfig, cache: PoolGeometry) -> tuple[int, ...]:
     return (model.num_layers, model.num_kv_heads, cache.num_pages, cache.page_size, model.head_dim)
 
 
@@ -44,7 +56,7 @@ def kv_bytes_per_token(model: ModelConfig, dtype: jnp.dtype) -> int:
     return 2 * model.num_layers * model.kv_size * jnp.dtype(dtype).itemsize
 
 
-def init_kv_pool(model: ModelConfig, cache: CacheConfig, dtype: jnp.dtype,
+def init_kv_pool(model: ModelConfig, cache: PoolGeometry, dtype: jnp.dtype,
                  sharding: jax.sharding.Sharding | None = None) -> KVPool:
     shape = kv_pool_shape(model, cache)
     zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
