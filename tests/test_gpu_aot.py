@@ -182,3 +182,19 @@ def test_tbo_ep8_all_to_alls_overlap_the_other_micro_batch():
     assert report["sync_all_to_all"] == 0, report
     assert report["async_pairs"] >= 6, f"{report} (want 3 async pairs per micro-batch)"
     assert all(report["overlapped_pairs"].values()), report
+
+
+@needs_plugin
+def test_70b_tp8_one_row_decode_reads_each_weight_shard_once():
+    """Llama-3-70B's one-row DECODE for eight H100s (tp=8, runtime/sharding.py's placements):
+    each GPU moves within 1.05x its perfect bytes (its eighth of the weights and KV), and the
+    collectives are the two all-reduces of every layer (after wo and w_down), one for the
+    embedding's vocab-split lookup and the logits' gather: no weight is all-gathered (a
+    one-token lookup folded into a dynamic-slice once gathered the whole 2.1 GB table)."""
+    import gpu_aot
+
+    (r,) = gpu_aot.run("h100", "70b", ["default"], [1], r"^decode/", context=512,
+                       kv_tokens=131072, log=lambda _: None, tp=8)
+    assert r["devices"] == 8 and r["weight_copies"] == 0, r
+    assert r["ratio"] <= 1.05, r
+    assert r["collectives"] == {"all-gather-start": 1.0, "all-reduce-start": 161.0}, r
