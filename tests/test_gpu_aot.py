@@ -198,3 +198,19 @@ def test_70b_tp8_one_row_decode_reads_each_weight_shard_once():
     assert r["devices"] == 8 and r["weight_copies"] == 0, r
     assert r["ratio"] <= 1.05, r
     assert r["collectives"] == {"all-gather-start": 1.0, "all-reduce-start": 161.0}, r
+
+
+@needs_plugin
+def test_qwen3_moe_ep8_decode_compiles_with_three_all_to_alls_a_layer():
+    """Qwen3-30B-A3B shapes, 32-row DECODE for eight H100s (ep=8: each GPU holds 16 of the
+    128 experts, attention and the KV pool whole): the expert-parallel exchange compiles to
+    the three all-to-alls of each of the 48 layers (models/moe.py: tokens out, their local
+    expert ids, results back) and no weight-sized copy. docs/gpu.md has its bytes: XLA's GPU
+    compiler turns the experts' ragged_dot into a dense product of every received row with
+    every local expert, so each step reads all 16 local experts whatever the routing."""
+    import gpu_aot
+
+    (r,) = gpu_aot.run("h100", "qwen3-moe", ["default"], [32], r"^decode/", context=512,
+                       kv_tokens=131072, log=lambda _: None, ep=8)
+    assert r["devices"] == 8 and r["weight_copies"] == 0, r
+    assert r["collectives"]["all-to-all-start"] == 3 * 48, r
