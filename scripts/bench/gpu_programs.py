@@ -174,14 +174,19 @@ def shard_bytes(a: Any) -> int:
 
 
 def placed(args: Any, mesh: Any) -> Any:
-    """`args` (arrays' shapes) as ShapeDtypeStructs on `mesh`: where they carry a
-    placement (a mesh runner's), that one; otherwise replicated."""
+    """`args` (arrays' shapes, or arrays) as ShapeDtypeStructs on `mesh`: where they carry
+    a placement on `mesh` (a mesh runner's), that one; otherwise replicated."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     rep = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(
-        a.shape, a.dtype, sharding=getattr(a, "sharding", None) or rep), args)
+
+    def place(a: Any) -> Any:
+        sh = getattr(a, "sharding", None)
+        on_mesh = isinstance(sh, NamedSharding) and sh.mesh == mesh
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh if on_mesh else rep)
+
+    return jax.tree.map(place, args)
 
 
 def compile_lowering(lower: functools.partial, mesh: Any,
