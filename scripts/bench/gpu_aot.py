@@ -4,6 +4,12 @@ a perfect program must move. Predictions from the compiled programs, not timings
 
     JAX_PLATFORMS=cpu python scripts/bench/gpu_aot.py --target=h100 --json=out/h100.json
     make gpu-aot        # DECODE at 1 / 32 / 128 rows, Llama-3-8B shapes, H100 and H200
+    ... gpu_aot.py --model=70b --tp=8 --programs='^decode/'      # eight GPUs of one host
+    ... gpu_aot.py --model=qwen3-moe --ep=8 --programs='^decode/'
+
+With --tp / --ep the runner's weights, KV pool and inputs are placed by runtime/sharding.py's
+rules on a mesh of compile-only GPUs; every byte below is then one GPU's, and each record
+also counts the step's collectives (launches per step, and their bytes).
 
 Per program (one JSON record each, and a table on stdout):
   bytes          bytes its kernels read and write (scripts/bench/hlo_traffic.py: loop trip counts
