@@ -67,7 +67,8 @@ $(GPU_STAMP): pyproject.toml
 	rm -f $(GPU_VENV)/.installed-* && touch $@
 
 gpu-aot: $(GPU_STAMP)
-	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q -rsx tests/test_gpu_aot.py
+	JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python -m pytest -q -rsx tests/test_gpu_aot.py \
+		tests/test_gpu_startup_matrix.py
 	for t in h100 h200; do JAX_PLATFORMS=cpu $(GPU_VENV)/bin/python scripts/bench/gpu_aot.py \
 		--target=$$t --layers=stacked,per_layer+unfused,default --rows=1,32,128 \
 		--json=$(GPU_AOT_OUT)/$$t.json || exit 1; done

@@ -173,6 +173,11 @@ def fuse_projections(params: dict) -> dict:
 
 def embed(params: dict, input_ids: jax.Array) -> jax.Array:
     """input_ids [T] -> hidden [T, D] (f32 on the packed CPU path, whose table is f32)."""
+    if input_ids.shape[0] == 1:
+        # XLA folds a one-index gather into a dynamic-slice, and a dynamic-slice of a
+        # vocab-split table (tp) all-gathers the whole table first; two indices stay a
+        # gather, which each shard answers for its own rows.
+        return params["embed"][jnp.concatenate([input_ids, input_ids])][:1]  # [1, D]
     return params["embed"][input_ids]
 
 

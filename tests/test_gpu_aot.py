@@ -182,3 +182,35 @@ def test_tbo_ep8_all_to_alls_overlap_the_other_micro_batch():
     assert report["sync_all_to_all"] == 0, report
     assert report["async_pairs"] >= 6, f"{report} (want 3 async pairs per micro-batch)"
     assert all(report["overlapped_pairs"].values()), report
+
+
+@needs_plugin
+def test_70b_tp8_one_row_decode_reads_each_weight_shard_once():
+    """Llama-3-70B's one-row DECODE for eight H100s (tp=8, runtime/sharding.py's placements):
+    each GPU moves within 1.05x its perfect bytes (its eighth of the weights and KV), and the
+    collectives are the two all-reduces of every layer (after wo and w_down), one for the
+    embedding's vocab-split lookup and the logits' gather: no weight is all-gathered (a
+    one-token lookup folded into a dynamic-slice once gathered the whole 2.1 GB table)."""
+    import gpu_aot
+
+    (r,) = gpu_aot.run("h100", "70b", ["default"], [1], r"^decode/", context=512,
+                       kv_tokens=131072, log=lambda _: None, tp=8)
+    assert r["devices"] == 8 and r["weight_copies"] == 0, r
+    assert r["ratio"] <= 1.05, r
+    assert r["collectives"] == {"all-gather-start": 1.0, "all-reduce-start": 161.0}, r
+
+
+@needs_plugin
+def test_qwen3_moe_ep8_decode_compiles_with_three_all_to_alls_a_layer():
+    """Qwen3-30B-A3B shapes, 32-row DECODE for eight H100s (ep=8: each GPU holds 16 of the
+    128 experts, attention and the KV pool whole): the expert-parallel exchange compiles to
+    the three all-to-alls of each of the 48 layers (models/moe.py: tokens out, their local
+    expert ids, results back) and no weight-sized copy. docs/gpu.md has its bytes: XLA's GPU
+    compiler turns the experts' ragged_dot into a dense product of every received row with
+    every local expert, so each step reads all 16 local experts whatever the routing."""
+    import gpu_aot
+
+    (r,) = gpu_aot.run("h100", "qwen3-moe", ["default"], [32], r"^decode/", context=512,
+                       kv_tokens=131072, log=lambda _: None, ep=8)
+    assert r["devices"] == 8 and r["weight_copies"] == 0, r
+    assert r["collectives"]["all-to-all-start"] == 3 * 48, r

@@ -4,6 +4,12 @@ a perfect program must move. Predictions from the compiled programs, not timings
 
     JAX_PLATFORMS=cpu python scripts/bench/gpu_aot.py --target=h100 --json=out/h100.json
     make gpu-aot        # DECODE at 1 / 32 / 128 rows, Llama-3-8B shapes, H100 and H200
+    ... gpu_aot.py --model=70b --tp=8 --programs='^decode/'      # eight GPUs of one host
+    ... gpu_aot.py --model=qwen3-moe --ep=8 --programs='^decode/'
+
+With --tp / --ep the runner's weights, KV pool and inputs are placed by runtime/sharding.py's
+rules on a mesh of compile-only GPUs; every byte below is then one GPU's, and each record
+also counts the step's collectives (launches per step, and their bytes).
 
 Per program (one JSON record each, and a table on stdout):
   bytes          bytes its kernels read and write (scripts/bench/hlo_traffic.py: loop trip counts
@@ -22,7 +28,6 @@ copy structure is decided before autotuning, so it is what the device would run.
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import sys
@@ -40,7 +45,10 @@ FLAGS = flags.FLAGS
 PROGRAMS = r"^(decode|extend|multi_decode|sample)/"
 flags.DEFINE_enum("target", "h100", sorted(gpu_programs.TARGETS), "GPU to compile for")
 flags.DEFINE_string("json", None, "write one JSON record per program here")
-flags.DEFINE_enum("model", "8b", ["8b"], "model shape (scripts/bench/gpu_shapes.py)")
+flags.DEFINE_enum("model", "8b", ["8b", "70b", "qwen3-moe"], "model shape "
+                  "(scripts/bench/gpu_shapes.py): Llama-3-8B, Llama-3-70B, Qwen3-30B-A3B")
+flags.DEFINE_integer("tp", 1, "tensor-parallel GPUs (runtime/sharding.py's rules)")
+flags.DEFINE_integer("ep", 1, "expert-parallel GPUs (a MoE model's experts split over them)")
 flags.DEFINE_list("rows", ["1", "32", "128"], "decode buckets (rows) of the plan")
 flags.DEFINE_list("extend", ["2048x1", "2048x16"], "EXTEND buckets of the plan, as "
                   "tokens x rows")
@@ -59,13 +67,15 @@ flags.DEFINE_string("hlo_dir", None, "write each optimized HLO here")
 def model_config(name: str):
     import gpu_shapes
 
-    return {"8b": gpu_shapes.LLAMA3_8B}[name]
+    return {"8b": gpu_shapes.LLAMA3_8B, "70b": gpu_shapes.LLAMA3_70B,
+            "qwen3-moe": gpu_shapes.QWEN3_30B_A3B}[name]
 
 
 def build_runner(model_cfg, layers: str, rows: list[int], kv_tokens: int,
-                 extend: tuple[tuple[int, int], ...] = (), steps: int = 1):
+                 extend: tuple[tuple[int, int], ...] = (), steps: int = 1, mesh=None):
     """The runner a GPU engine would build for these shapes (weights abstract). `layers`:
-    see --layers; `extend`: (tokens, rows) EXTEND buckets; `steps`: multi-step decode."""
+    see --layers; `extend`: (tokens, rows) EXTEND buckets; `steps`: multi-step decode;
+    `mesh`: gpu_programs.runner_mesh's (weights, pool and inputs placed by its rules)."""
     import dataclasses
 
     from runtime import engine_setup
@@ -89,9 +99,9 @@ def build_runner(model_cfg, layers: str, rows: list[int], kv_tokens: int,
                                                                            extend})))
     if fused is None:  # as on a GPU (this process's backend is the CPU)
         rcfg = dataclasses.replace(rcfg, fuse_projections=engine_setup.default_fuse_projections(
-            args, rcfg.cpu_matmul, gpu=True))
+            args, rcfg.cpu_matmul, gpu=True) and (mesh is None or mesh.shape["tp"] == 1))
     cache = CacheConfig(page_size=args.page_size, num_pages=kv_tokens // args.page_size + 1)
-    return gpu_programs.abstract_runner(model_cfg, cache, rcfg, max(rows))
+    return gpu_programs.abstract_runner(model_cfg, cache, rcfg, max(rows), mesh)
 
 
 def weight_shapes(runner) -> list[tuple[int, ...]]:
@@ -111,7 +121,10 @@ def weight_shapes(runner) -> list[tuple[int, ...]]:
 
 
 def perfect_bytes(runner, name: str, context: int) -> float | None:
-    """What a perfect forward step `name` must move; None for programs it does not model."""
+    """What a perfect forward step `name` must move through one device's memory (on a mesh:
+    its shard of the weights and KV; inputs and logits whole); None for programs it does
+    not model. A MoE step reads only the experts its rows route to: under uniform routing
+    E * (1 - (1 - k/E)^rows) of each layer's E, spread evenly over the ep GPUs."""
     import jax
     import jax.numpy as jnp
 
@@ -128,13 +141,43 @@ def perfect_bytes(runner, name: str, context: int) -> float | None:
     s, cfg = keys[name].shape, runner.model_cfg
     tokens, rows = s.num_extend_tokens + s.num_decode_seqs, s.num_extend_seqs + s.num_decode_seqs
     size = jnp.dtype(runner.cfg.dtype).itemsize
-    weights = sum(math.prod(a.shape) * a.dtype.itemsize for a in jax.tree.leaves(runner.params))
+    experts = 0.0
+    if cfg.is_moe:
+        e, k = cfg.num_experts, cfg.num_experts_per_tok
+        experts = 1 - (1 - k / e) ** tokens  # fraction of the experts a step reads
+
+    def held(path, a) -> float:
+        keys = [p.key for p in path if isinstance(p, jax.tree_util.DictKey)]
+        b = gpu_programs.shard_bytes(a)
+        return b * experts if keys and keys[-1].startswith("we_") else b
+
+    weights = sum(jax.tree.leaves(jax.tree_util.tree_map_with_path(held, runner.params)))
+    vocab_split = _split(runner, "vocab", cfg.vocab_size)
     if "lm_head" in runner.params:  # untied: the lookup reads only the step's rows
-        weights += (tokens - cfg.vocab_size) * cfg.hidden_size * size
-    per_token = kv_bytes_per_token(cfg, jnp.dtype(runner.cfg.kv_dtype))
+        weights += (tokens - cfg.vocab_size // vocab_split) * cfg.hidden_size * size
+    per_token = kv_bytes_per_token(cfg, jnp.dtype(runner.cfg.kv_dtype)) / _kv_split(runner)
     kv_read = rows * context * per_token if s.num_pages_per_seq else 0
     io = 4 * (runner.flat_input(s).shape[0] + runner.max_running + 1) + 4 * rows * cfg.vocab_size
     return weights + kv_read + tokens * per_token + io
+
+
+def _split(runner, logical: str, size: int) -> int:
+    """Devices runtime/sharding.py splits a dim named `logical` over (1: whole)."""
+    from runtime import sharding
+
+    if runner.mesh is None:
+        return 1
+    spec = sharding.logical_to_spec((logical,), (size,), runner.mesh, runner.model_cfg)
+    return runner.mesh.shape[spec[0]] if spec[0] else 1
+
+
+def _kv_split(runner) -> int:
+    """Devices one token's KV is split over (its KV heads, under tp)."""
+    return _split(runner, "kv_heads", runner.model_cfg.kv_size)
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
+               "collective-permute", "ragged-all-to-all")
 
 
 def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: str,
@@ -153,10 +196,10 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: 
     key = {key_name(k): k for k in runner.step_keys()}.get(name)
     s = key.shape if key else None
     rows = (s.num_extend_seqs + s.num_decode_seqs) if s else None
-    kv = runner.kv.k
-    pool = math.prod(kv.shape) * kv.dtype.itemsize
+    pool = gpu_programs.shard_bytes(runner.kv.k)  # one device's share of the K pool
     kv_item = jnp.dtype(runner.cfg.kv_dtype).itemsize
-    read = (rows or 0) * context * cfg.kv_size * kv_item if s and s.num_pages_per_seq else 0
+    read = ((rows or 0) * context * cfg.kv_size * kv_item / _kv_split(runner)
+            if s and s.num_pages_per_seq else 0)
     traffic = hlo_traffic.TrafficModel(text, pool, read, weight_shapes(runner)).run()
     perfect = perfect_bytes(runner, name, context)
     mem = compiled.memory_analysis()
@@ -169,18 +212,27 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: 
                 predicted_ms=1e3 * traffic.bytes / tgt.bandwidth,
                 perfect_ms=1e3 * perfect / tgt.bandwidth if perfect else None,
                 unknown_trip_loops=traffic.unknown_trip_loops, compile_s=compile_s,
+                devices=1 if runner.mesh is None else runner.mesh.size,
+                collectives={k: traffic.runs[k] for k in sorted(traffic.runs)
+                             if k.startswith(COLLECTIVES) and not k.endswith("-done")},
+                collective_bytes=sum(v for k, v in traffic.kernels.items()
+                                     if k.startswith(COLLECTIVES)),
                 kernels={k: v for k, v in sorted(traffic.kernels.items(), key=lambda kv: -kv[1])})
 
 
 def run(target: str, model: str, layers_list: list[str], rows: list[int], programs: str,
         context: int, kv_tokens: int, log=print, hlo_dir: str | None = None,
-        extend: tuple[tuple[int, int], ...] = (), steps: int = 1) -> list[dict]:
-    """Compile and analyse the selected programs, one compilation at a time."""
+        extend: tuple[tuple[int, int], ...] = (), steps: int = 1, tp: int = 1,
+        ep: int = 1) -> list[dict]:
+    """Compile and analyse the selected programs, one compilation at a time; with tp or
+    ep > 1, for that many GPUs of one host (bytes per device)."""
     tgt = gpu_programs.target(target)
-    mesh = gpu_programs.compile_only_mesh(tgt)
+    runner_mesh = gpu_programs.runner_mesh(tgt, tp=tp, ep=ep)
+    mesh = runner_mesh or gpu_programs.compile_only_mesh(tgt)
     records = []
     for layers in layers_list:
-        runner = build_runner(model_config(model), layers, rows, kv_tokens, extend, steps)
+        runner = build_runner(model_config(model), layers, rows, kv_tokens, extend, steps,
+                              runner_mesh)
         with gpu_programs.compiled_pallas():
             for name, lower in runner._lowerings():
                 if not re.search(programs, name):
@@ -191,6 +243,7 @@ def run(target: str, model: str, layers_list: list[str], rows: list[int], progra
                               time.perf_counter() - t0, hlo_dir)
                 rec["per_layer_weights"] = runner.cfg.per_layer_weights
                 rec["fuse_projections"] = runner.cfg.fuse_projections
+                rec["tp"], rec["ep"] = tp, ep
                 records.append(rec)
                 log(_row(rec))
     return records
@@ -202,7 +255,9 @@ def _row(r: dict) -> str:
     return (f"{r['target']:5s} {r['layers']:17s} {r['program']:34s} rows={r['rows']!s:4s} "
             f"{r['bytes'] / 1e9:7.2f} GB / {perfect:>6s} GB = {ratio:>6s}  copies="
             f"{r['weight_copies']:4.0f}  temp={r['temp_bytes'] / 2**20:7.1f} MiB  "
-            f"{r['predicted_ms']:6.2f} ms  compile {r['compile_s']:.1f} s")
+            f"{r['predicted_ms']:6.2f} ms  compile {r['compile_s']:.1f} s"
+            + (f"  x{r['devices']} GPUs, collectives {r['collectives']} "
+               f"{r['collective_bytes'] / 1e6:.1f} MB" if r["devices"] > 1 else ""))
 
 
 def main(argv: list[str]) -> None:
@@ -212,7 +267,7 @@ def main(argv: list[str]) -> None:
     extend = tuple(tuple(int(x) for x in e.split("x")) for e in FLAGS.extend)
     records = run(FLAGS.target, FLAGS.model, FLAGS.layers, [int(r) for r in FLAGS.rows],
                   FLAGS.programs, FLAGS.context, FLAGS.kv_tokens, hlo_dir=FLAGS.hlo_dir,
-                  extend=extend, steps=FLAGS.steps)
+                  extend=extend, steps=FLAGS.steps, tp=FLAGS.tp, ep=FLAGS.ep)
     if FLAGS.json:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
         with open(FLAGS.json, "w") as f:

@@ -114,20 +114,96 @@ def abstract_runner(model_cfg: Any, cache_cfg: Any, runner_cfg: Any, max_running
     shapes = jax.eval_shape(build)
     runner = box["runner"]
     runner.params, runner.kv, runner.state = shapes
+    if mesh is not None:  # eval_shape drops the placements the constructor asked for
+        runner.params, runner.kv, runner.state = mesh_placed(runner)
     return runner
 
 
+def runner_mesh(tgt: Target, dp: int = 1, tp: int = 1, ep: int = 1) -> Any:
+    """The runner's (dp, tp, ep) mesh (runtime/sharding.make_mesh) over compile-only GPUs
+    of `tgt`; None for one GPU, as sharding.serving_mesh gives."""
+    from runtime import sharding
+
+    if dp * tp * ep == 1:
+        return None
+    devices = list(compile_only_mesh(tgt, (dp * tp * ep,)).devices.flat)
+    return sharding.make_mesh(dp=dp, tp=tp, ep=ep, devices=devices)
+
+
+def param_sharding(path: tuple, leaf: Any, mesh: Any, cfg: Any) -> Any:
+    """runtime/sharding.py's placement of one parameter, stacked [L, ...] or one layer's
+    slice of it (per_layer_weights); a name the rules do not know (fused wq|wk|wv, which
+    validate() refuses under tp) is replicated."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from runtime import sharding
+
+    keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
+    logical = sharding.PARAM_AXES.get(keys[-1]) if keys else None
+    if logical is not None and len(logical) == leaf.ndim + 1 and logical[0] == "layers":
+        logical = logical[1:]
+    if logical is None or len(logical) != leaf.ndim:
+        return NamedSharding(mesh, PartitionSpec())
+    return NamedSharding(mesh, sharding.logical_to_spec(logical, leaf.shape, mesh, cfg))
+
+
+def mesh_placed(runner: Any) -> tuple[Any, Any, Any]:
+    """The abstract runner's params, KV pool and slot state as ShapeDtypeStructs with the
+    placements its constructor gives them on its mesh (runtime/sharding.py's rules)."""
+    import jax
+
+    def sds(a: Any, sh: Any) -> Any:
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh)
+
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, a: sds(a, param_sharding(p, a, runner.mesh, runner.model_cfg)),
+        runner.params)
+    kv = jax.tree.map(sds, runner.kv, runner._kv_sh)
+    state = jax.tree.map(lambda a: sds(a, runner._replicated), runner.state)
+    return params, kv, state
+
+
+def shard_bytes(a: Any) -> int:
+    """Bytes of one device's shard of `a` (a ShapeDtypeStruct, placed or not)."""
+    import math
+
+    sh = getattr(a, "sharding", None)
+    shape = sh.shard_shape(a.shape) if sh is not None else a.shape
+    return math.prod(shape) * a.dtype.itemsize
+
+
 def placed(args: Any, mesh: Any) -> Any:
-    """`args` (arrays' shapes) as replicated ShapeDtypeStructs on `mesh`."""
+    """`args` (arrays' shapes, or arrays) as ShapeDtypeStructs on `mesh`: where they carry
+    a placement on `mesh` (a mesh runner's), that one; otherwise replicated."""
     import jax
     from jax.sharding import NamedSharding, PartitionSpec
 
     rep = NamedSharding(mesh, PartitionSpec())
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), args)
+
+    def place(a: Any) -> Any:
+        sh = getattr(a, "sharding", None)
+        on_mesh = isinstance(sh, NamedSharding) and sh.mesh == mesh
+        return jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh if on_mesh else rep)
+
+    return jax.tree.map(place, args)
 
 
 def compile_lowering(lower: functools.partial, mesh: Any,
                      options: dict[str, Any] | None = None) -> Any:
-    """A runner lowering (partial(jitted.lower, *args)) compiled for the mesh's GPUs."""
+    """A runner lowering (partial(jitted.lower, *args)) compiled for the mesh's GPUs (a
+    mesh runner's lowerings carry their own placements on its mesh)."""
     jitted = lower.func.__self__
     return jitted.trace(*placed(lower.args, mesh)).lower().compile(compiler_options=options)
+
+
+def compile_placed(lower: Callable[[], Any], options: dict[str, Any] | None = None) -> Any:
+    """A mesh runner's lowering compiled as its arguments are placed (on compile-only GPUs:
+    for them). Its TBO programs carry the options of this process's backend (a CPU's:
+    none), so `options` replaces them."""
+    from runtime.tbo_step import _WithOptions
+
+    lowered = lower()
+    if isinstance(lowered, _WithOptions):
+        lowered = lowered.lowered
+    return lowered.compile(compiler_options=options)

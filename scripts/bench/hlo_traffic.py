@@ -157,6 +157,7 @@ class Traffic:
     copies: list[Copy] = dataclasses.field(default_factory=list)
     unknown_trip_loops: int = 0
     kernels: dict[str, float] = dataclasses.field(default_factory=dict)  # op kind -> bytes
+    runs: dict[str, float] = dataclasses.field(default_factory=dict)  # op kind -> launches
     by_name: dict[str, float] = dataclasses.field(default_factory=dict)  # instruction -> bytes
 
     @property
@@ -181,9 +182,10 @@ class TrafficModel:
     def _shape(self, comp: Computation, name: str) -> str:
         return comp.instrs[name].shape if name in comp.instrs else ""
 
-    def _add(self, t: Traffic, kind: str, b: float, name: str = "") -> None:
+    def _add(self, t: Traffic, kind: str, b: float, name: str = "", runs: float = 1.0) -> None:
         t.bytes += b
         t.kernels[kind] = t.kernels.get(kind, 0.0) + b
+        t.runs[kind] = t.runs.get(kind, 0.0) + runs
         t.by_name[name] = t.by_name.get(name, 0.0) + b
 
     def _walk(self, comp: Computation, mult: float, t: Traffic) -> None:
@@ -210,6 +212,8 @@ class TrafficModel:
                 t.unknown_trip_loops += worst.unknown_trip_loops
                 for k, v in worst.kernels.items():
                     t.kernels[k] = t.kernels.get(k, 0.0) + v
+                for k, v in worst.runs.items():
+                    t.runs[k] = t.runs.get(k, 0.0) + v
                 for k, v in worst.by_name.items():
                     t.by_name[k] = t.by_name.get(k, 0.0) + v
             elif ins.op in ("call", "async-start") and _called(ins.attrs, "to_apply|calls"):
@@ -229,7 +233,7 @@ class TrafficModel:
             kind = "gemm fusion" if compute else "fusion"
             if not compute and writes == out:
                 self._maybe_copy(ins, mult, t)
-            self._add(t, kind, mult * (reads + writes), ins.name)
+            self._add(t, kind, mult * (reads + writes), ins.name, mult)
         elif ins.op == "custom-call":
             target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
             target = target.group(1) if target else ""
@@ -243,16 +247,16 @@ class TrafficModel:
             if "cublas" in target:  # its s8 output is the workspace, not data
                 out = sum(nbytes(f"{d}[{','.join(map(str, s))}]")
                           for d, s in arrays(ins.shape) if d != "s8")
-            self._add(t, kind, mult * (reads + out), ins.name)
+            self._add(t, kind, mult * (reads + out), ins.name, mult)
         elif ins.op in _SLICING:
             self._maybe_copy(ins, mult, t)
-            self._add(t, ins.op, mult * 2 * out, ins.name)
+            self._add(t, ins.op, mult * 2 * out, ins.name, mult)
         elif ins.op in _IN_PLACE:
-            self._add(t, ins.op, mult * 2 * ins_bytes[_IN_PLACE[ins.op]], ins.name)
+            self._add(t, ins.op, mult * 2 * ins_bytes[_IN_PLACE[ins.op]], ins.name, mult)
         else:
             if ins.op == "copy":
                 self._maybe_copy(ins, mult, t)
-            self._add(t, ins.op, mult * (sum(ins_bytes) + out), ins.name)
+            self._add(t, ins.op, mult * (sum(ins_bytes) + out), ins.name, mult)
 
     def _maybe_copy(self, ins: Instr, mult: float, t: Traffic) -> None:
         if any(_norm(dims) in self.weight_shapes for _, dims in arrays(ins.shape)):
