@@ -62,7 +62,7 @@ def test_mesh_row_compiles_for_eight_h100s(row: Row):
     tgt = gpu_programs.target("h100")
     runner = _runner(row, tgt)
     names, t0 = [], time.perf_counter()
-    tbo = set(runner.tbo.names) if runner.tbo is not None else set()
+    tbo = set(runner.paths["tbo"].names) if "tbo" in runner.paths else set()
     with gpu_programs.compiled_pallas():
         for name, lower in runner._lowerings():
             compiled = gpu_programs.compile_placed(

@@ -132,10 +132,11 @@ def perfect_bytes(runner, name: str, context: int) -> float | None:
     from runtime.bucket_plan import key_name
 
     keys = {key_name(k): k for k in runner.step_keys()}
-    if runner.multi is not None:  # K decode steps: K steps' worth
-        for k in runner.multi.keys:
-            if runner.multi.name(k) == name:
-                return runner.multi.steps * perfect_bytes(runner, key_name(k), context)
+    multi = runner.paths.get("multi_step")
+    if multi is not None:  # K decode steps: K steps' worth
+        for k in multi.programs.keys:
+            if multi.programs.name(k) == name:
+                return multi.programs.steps * perfect_bytes(runner, key_name(k), context)
     if name not in keys:
         return None
     s, cfg = keys[name].shape, runner.model_cfg
