@@ -336,7 +336,7 @@ def test_padding_tokens_do_not_change_the_real_ones(monkeypatch):
 
     got = logits()
     monkeypatch.setattr(layers, "real_token_mask", lambda b: jnp.ones_like(b.input_ids))
-    monkeypatch.setattr(llama, "real_row_mask", jnp.ones_like)
+    monkeypatch.setattr(layers, "real_row_mask", jnp.ones_like)
     want = logits()
     np.testing.assert_array_equal(got[real], want[real])
     assert not got[~real].any() and want[~real].any()

@@ -51,7 +51,7 @@ from typing import Any
 from absl import app, flags
 
 REPO = Path(__file__).resolve().parents[2]
-SCRIPTS = REPO / "scripts"
+SCRIPTS = REPO / "scripts" / "bench"
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "gpu_suite_out"), "where the JSON goes")
