@@ -31,6 +31,7 @@ from runtime.exec_trace import ExecutionTrace
 from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import LaunchedForward, ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
+from runtime.policy_setup import build_policy
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler, SchedulerStats
@@ -151,7 +152,8 @@ class Engine:
     """Continuous-batching generation engine (offline API; the HTTP server wraps it).
 
     Its loop is one object chosen at start-up: StepLoop, or with --enable_split_prefill /
-    --enable_multiplexing the MultiplexLoop of runtime/multiplexing.py."""
+    --enable_multiplexing the MultiplexLoop of runtime/multiplexing.py. In the StepLoop the
+    scheduler puts decode first by default (`policy`, runtime/prefill_policy.py)."""
 
     def __init__(self, args: ServerArgs, *, model: tuple[ModelConfig, dict] | None = None,
                  tokenizer: Tokenizer | None = None, runner: ModelRunner | None = None) -> None:
@@ -200,10 +202,14 @@ class Engine:
             args, CacheConfig(page_size=runner.cache_cfg.page_size, num_pages=num_pages),
             runner.max_seq_len, dp)
         decode_fn = tokenizer.decode if tokenizer else None
+        # Decode first by default (runtime/prefill_policy.py), sized from step costs
+        # measured now; None: prefill first, or the path a flag picked.
+        self.policy = build_policy(args, runner)
         self.scheduler: Scheduler | DPScheduler = (
-            Scheduler(config, eos_token_ids=eos, decode_fn=decode_fn) if dp == 1 else
-            DPScheduler(config, dp, eos, decode_fn))
+            Scheduler(config, eos_token_ids=eos, decode_fn=decode_fn, policy=self.policy)
+            if dp == 1 else DPScheduler(config, dp, eos, decode_fn))
         self.trace = ExecutionTrace(args.trace_buffer_steps)
+        self.trace.policy = None if self.policy is None else self.policy.to_json()
         self._profile_dir: str | None = None
         self._profile_start = 0.0
         overlap = not args.disable_overlap_schedule

@@ -1,0 +1,96 @@
+"""The decode-first prefill policy of an engine, from the runner's measured step costs.
+
+At start-up, after warm-up, a DECODE step of the full batch and the policy's MIXED step at
+its smallest and a larger chunk bucket are each run on real tokens that write only the
+padding page (the runner's cost-seed inputs: padding would time as free on the packed CPU
+path), once to warm and twice timed, the faster kept. The two MIXED points give the cost
+per token of extend work and the step's fixed part (prefill_policy.StepCosts); the target
+is --itl_target_ms or, by default, prefill_policy.default_target. Both are logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from runtime import prefill_policy
+from runtime.bucket_plan import StepKey
+from runtime.forward_mode import ForwardMode
+from runtime.prefill_policy import PrefillPolicy, StepCosts
+from runtime.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from runtime.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def _time_step(runner: ModelRunner, key: StepKey, repeats: int = 2) -> float:
+    """Seconds of the fastest of `repeats` runs of `key`'s program, after one to warm."""
+    arrays, slots = runner._cost_seed_inputs(key.shape)
+    best = float("inf")
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        runner.run_forward(key, arrays, slots).block_until_ready()
+        if i:
+            best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_costs(runner: ModelRunner) -> StepCosts:
+    """StepCosts of `runner`, whose plan holds the policy's MIXED programs."""
+    keys = runner.step_keys()
+    decode = max((k for k in keys if k.mode is ForwardMode.DECODE),
+                 key=lambda k: k.shape.num_decode_seqs)
+    one_row = sorted((k for k in keys if k.mode is ForwardMode.MIXED
+                      and k.shape.num_extend_seqs == 1),
+                     key=lambda k: (k.shape.num_extend_tokens, k.shape.num_pages_per_seq))
+    small = one_row[0]
+    # A larger point 4x the smallest where there is one: far enough apart for the slope,
+    # cheaper to time than the largest.
+    te = small.shape.num_extend_tokens
+    larger = [k for k in one_row if k.shape.num_extend_tokens > te]
+    big = next((k for k in larger if k.shape.num_extend_tokens >= 4 * te),
+               larger[-1] if larger else None)
+    weight = prefill_policy.pair_weight(runner.model_cfg)
+    d = _time_step(runner, decode)
+    m_small = _time_step(runner, small)
+    w_small = prefill_policy.extend_work(small.shape.num_extend_tokens, 0, weight)
+    if big is None:  # one chunk bucket: all of the step beyond decode is per token
+        return StepCosts(d, 0.0, max(m_small - d, 1e-6) / w_small, weight)
+    m_big = _time_step(runner, big)
+    w_big = prefill_policy.extend_work(big.shape.num_extend_tokens, 0, weight)
+    token_s = max(m_big - m_small, 1e-6) / (w_big - w_small)
+    return StepCosts(d, m_small - d - token_s * w_small, token_s, weight)
+
+
+def build_policy(args: ServerArgs, runner: ModelRunner) -> PrefillPolicy | None:
+    """The policy `args` ask for, or None (prefill first) where they turn it off or the
+    runner was built without its MIXED programs."""
+    if not args.decode_first:
+        return None
+    shapes = runner.cfg.mixed_shapes
+    if not shapes or runner.cfg.enable_mixed:
+        logger.info("prefill policy off: the runner has no policy MIXED programs "
+                    "(RunnerConfig.mixed_shapes)")
+        return None
+    t0 = time.perf_counter()
+    costs = measure_costs(runner)
+    smallest = min(te for te, _, _ in shapes)
+    if args.itl_target_ms is None:
+        target, source = prefill_policy.default_target(costs, smallest), "default"
+    else:
+        target, source = args.itl_target_ms / 1000, "--itl_target_ms"
+    policy = PrefillPolicy(target, costs, shapes)
+    logger.info("prefill policy: decode first, itl target %.0f ms (%s: %.1fx the %d-row "
+                "decode step of %.1f ms); MIXED step = %.1f ms + %.3f ms per token of "
+                "extend work; chunk of %d from 0 predicted %.0f ms, of %d %.0f ms; measured "
+                "in %.1f s", 1e3 * target, source, target / costs.decode_s,
+                max(bd + be for _, be, bd in shapes), 1e3 * costs.decode_s,
+                1e3 * (costs.decode_s + costs.step_s), 1e3 * costs.token_s, smallest,
+                1e3 * costs.mixed_s(smallest, 0), max(te for te, _, _ in shapes),
+                1e3 * costs.mixed_s(max(te for te, _, _ in shapes), 0),
+                time.perf_counter() - t0)
+    return policy
+
