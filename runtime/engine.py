@@ -27,7 +27,7 @@ from runtime.config import CacheConfig, ModelConfig, SchedulerConfig, ServerArgs
 from runtime.dp_attention import DPScheduler
 from runtime.engine_info import EngineInfo
 from runtime.engine_setup import RunnerSetup, load_model, platform
-from runtime.exec_trace import ExecutionTrace
+from runtime.exec_trace import ExecutionTrace, StepRecord
 from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import LaunchedForward, ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
@@ -114,7 +114,19 @@ class StepLoop:
     def _process(self, done: TracedStep) -> list[ReqEvent]:
         events = self.scheduler.process_results(done.pending.batch, read_back(self.trace, done))
         self.trace.processed(done.record, time.perf_counter())
+        self._observe(done.record)
         return events
+
+    def _observe(self, rec: StepRecord) -> None:
+        """Tell the prefill policy what a MIXED step it sized took on the device: known
+        where the host waited for it (else the device finished earlier by an unknown
+        amount) and the trace placed its start."""
+        policy, decision = getattr(self.scheduler, "policy", None), rec.decision
+        if (policy is None or decision is None or decision.predicted_ms is None
+                or not rec.waited or rec.ready is None or rec.device_start is None):
+            return
+        policy.observe(decision.predicted_ms / 1e3 / decision.scale,
+                       rec.ready - rec.device_start)
 
     def _step_deferred(self, batch: ScheduleBatch, t0: float) -> list[ReqEvent]:
         """Overlap with grammar rows: their masks need the tokens of the step in flight.

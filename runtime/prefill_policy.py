@@ -21,7 +21,9 @@ padding) and every shape has max_running_requests rows, so all of them share the
 DECODE bucket's sampler.
 
 Host only (no jax): the scheduler calls `plan` each step; the engine builds the policy
-from the runner's measured step costs (runtime/policy_setup.py).
+from the runner's measured step costs (runtime/policy_setup.py) and, as MIXED steps are
+read back, tells it what each took on the device (`observe`): predictions are scaled by
+the moving ratio of measured to predicted.
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ YOUNG_STREAM_TOKENS = 8
 DEFAULT_DECODE_MULTIPLE = 4.0
 # Chunk buckets of the MIXED programs (those up to the chunked-prefill size).
 CHUNK_BUCKETS = (64, 128, 256, 512)
+# The measured / predicted correction: an exponential moving average, bounded.
+SCALE_SMOOTHING = 0.2
+SCALE_BOUND = 3.0
 
 
 def pair_weight(cfg: ModelConfig) -> float:
@@ -91,6 +96,7 @@ class PrefillDecision:
     max_rows: int  # prefill rows it may carry
     target_ms: float
     predicted_ms: float | None  # the cost model's MIXED step at the chunk's position
+    scale: float = 1.0  # the measured / predicted correction in it (PrefillPolicy.observe)
 
 
 def policy_shapes(token_buckets: tuple[int, ...], max_extend_seqs: int,
@@ -121,6 +127,16 @@ class PrefillPolicy:
         if not shapes:
             raise ValueError("the policy needs MIXED programs (policy_shapes)")
         self.target_s, self.costs, self.shapes = target_s, costs, shapes
+        # Measured over predicted device time of the MIXED steps run so far (observe):
+        # the start-up costs drift with the machine's load and the attention's real cost.
+        self.scale = 1.0
+
+    def observe(self, predicted_s: float, measured_s: float) -> None:
+        """A MIXED step that the start-up costs predicted at predicted_s (unscaled) took
+        measured_s on the device."""
+        if predicted_s > 0 and measured_s > 0:
+            ratio = min(max(measured_s / predicted_s, 1 / SCALE_BOUND), SCALE_BOUND)
+            self.scale += SCALE_SMOOTHING * (ratio - self.scale)
 
     def plan(self, decode_rows: int, young: bool, start_pos: int,
              remaining: int | None) -> PrefillDecision:
@@ -149,13 +165,13 @@ class PrefillPolicy:
 
     def _predict(self, te: int, start_pos: int, remaining: int | None) -> float:
         tokens = te if remaining is None else min(te, remaining)
-        return self.costs.mixed_s(tokens, start_pos)
+        return self.scale * self.costs.mixed_s(tokens, start_pos)
 
     def _decision(self, path: str, reason: str, decode_rows: int, tokens: int, rows: int,
                   predicted: float | None) -> PrefillDecision:
         return PrefillDecision(path, reason, decode_rows, tokens, rows,
                                1e3 * self.target_s,
-                               None if predicted is None else 1e3 * predicted)
+                               None if predicted is None else 1e3 * predicted, self.scale)
 
     @staticmethod
     def whole(decode_rows: int, tokens: int, target_s: float) -> PrefillDecision:
@@ -165,6 +181,7 @@ class PrefillPolicy:
 
     def to_json(self) -> dict:
         return {"itl_target_ms": 1e3 * self.target_s, "costs": self.costs.to_json(),
+                "scale": self.scale,
                 "mixed_shapes": [list(s) for s in self.shapes],
                 "young_stream_tokens": YOUNG_STREAM_TOKENS}
 

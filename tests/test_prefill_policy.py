@@ -222,3 +222,16 @@ def test_the_trace_says_which_path_each_prefill_took():
     rec = trace.last(1)[0]
     assert rec["decision"]["path"] == "mixed" and rec["decision"]["target_ms"] == 50.0
     assert trace.prefill_paths()["mixed"] == meta["prefill_paths"]["mixed"]
+
+
+def test_measured_steps_correct_the_predictions():
+    """Steps measured at twice their prediction shrink the chunk that fits."""
+    p = policy(target_s=0.050)
+    assert p.plan(3, False, 0, None).chunk_tokens == 32
+    for _ in range(30):
+        p.observe(COSTS.mixed_s(32, 0), 2 * COSTS.mixed_s(32, 0))
+    assert p.scale == pytest.approx(2.0, rel=0.01)
+    decision = p.plan(3, False, 0, None)
+    assert decision.chunk_tokens == 16 and decision.scale == p.scale
+    p.observe(1.0, 100.0)  # one wild measurement moves it a bounded step
+    assert p.scale < 2.5
