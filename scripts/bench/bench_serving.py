@@ -96,6 +96,9 @@ flags.DEFINE_enum("prompt_kind", "ids", list(wl.PROMPT_KINDS), "random token ids
 flags.DEFINE_enum("length_dist", "random", list(wl.LENGTH_DISTS), "poisson lengths")
 flags.DEFINE_float("range_ratio", 0.5, "random lengths are uniform in [ratio * L, L]")
 flags.DEFINE_integer("input_len", 128, "prompt tokens (mean for random / sharegpt)")
+flags.DEFINE_integer("concurrent_input_len", 0, "the concurrent scenario's prompt tokens "
+                     "(0: --input_len), so a burst of short prompts and a Poisson load of "
+                     "long ones run side by side")
 flags.DEFINE_integer("output_len", 128, "new tokens (mean for random / sharegpt)")
 flags.DEFINE_integer("num_prompts", 64, "requests per Poisson rate")
 flags.DEFINE_list("request_rates", ["1", "2", "4", "inf"], "Poisson rates (req/s; inf: "
@@ -194,7 +197,8 @@ class Bench:
 
     async def concurrent(self) -> list[dict[str, Any]]:
         out = []
-        lengths = wl.LengthSpec(self.load.input_len, self.load.output_len)
+        lengths = wl.LengthSpec(FLAGS.concurrent_input_len or self.load.input_len,
+                                self.load.output_len)
         for i, c in enumerate(self.load.concurrency):
             specs = wl.requests(self._rng(100 + i), lengths, c, FLAGS.prompt_kind,
                                 FLAGS.vocab_size)
