@@ -28,6 +28,7 @@ from runtime.dp_attention import DPScheduler
 from runtime.engine_info import EngineInfo
 from runtime.engine_setup import RunnerSetup, load_model, platform
 from runtime.exec_trace import ExecutionTrace, StepRecord
+from runtime.forward_mode import ForwardMode
 from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import LaunchedForward, ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
@@ -118,15 +119,18 @@ class StepLoop:
         return events
 
     def _observe(self, rec: StepRecord) -> None:
-        """Tell the prefill policy what a MIXED step it sized took on the device: known
-        where the host waited for it (else the device finished earlier by an unknown
-        amount) and the trace placed its start."""
+        """Tell the prefill policy what a DECODE step, or a MIXED step it sized, took on
+        the device: known where the host waited for it (else the device finished earlier
+        by an unknown amount) and the trace placed its start."""
         policy, decision = getattr(self.scheduler, "policy", None), rec.decision
-        if (policy is None or decision is None or decision.predicted_ms is None
-                or not rec.waited or rec.ready is None or rec.device_start is None):
+        if (policy is None or not rec.waited or rec.ready is None
+                or rec.device_start is None):
             return
-        policy.observe(decision.predicted_ms / 1e3 / decision.scale,
-                       rec.ready - rec.device_start)
+        took = rec.ready - rec.device_start
+        if rec.mode == ForwardMode.DECODE.value:
+            policy.observe_decode(took)
+        elif decision is not None and decision.predicted_ms is not None:
+            policy.observe(decision.predicted_ms / 1e3 / decision.scale, took)
 
     def _step_deferred(self, batch: ScheduleBatch, t0: float) -> list[ReqEvent]:
         """Overlap with grammar rows: their masks need the tokens of the step in flight.

@@ -1,11 +1,13 @@
 """The decode-first prefill policy of an engine, from the runner's measured step costs.
 
-At start-up, after warm-up, a DECODE step of the full batch and the policy's MIXED step at
-its smallest and a larger chunk bucket are each run on real tokens that write only the
-padding page (the runner's cost-seed inputs: padding would time as free on the packed CPU
-path), once to warm and twice timed, the faster kept. The two MIXED points give the cost
-per token of extend work and the step's fixed part (prefill_policy.StepCosts); the target
-is --itl_target_ms or, by default, prefill_policy.default_target. Both are logged.
+At start-up, after warm-up, a DECODE step of the full batch (once to warm the process,
+then timed) and the policy's MIXED step at its two smallest chunk
+buckets (one run each) run on real tokens that write only the padding page (the runner's
+cost-seed inputs: padding would time as free on the packed CPU path). The two MIXED points
+give the cost per token of extend work and the step's fixed part (prefill_policy.
+StepCosts); the target is --itl_target_ms or, by default, prefill_policy.default_target of
+the decode step. Both are logged. Few runs, since start-up time counts: serving corrects
+both (PrefillPolicy.observe, observe_decode).
 """
 
 from __future__ import annotations
@@ -26,14 +28,16 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _time_step(runner: ModelRunner, key: StepKey, repeats: int = 2) -> float:
-    """Seconds of the fastest of `repeats` runs of `key`'s program, after one to warm."""
+def _time_step(runner: ModelRunner, key: StepKey, repeats: int = 1, warm: bool = False
+               ) -> float:
+    """Seconds of the fastest of `repeats` runs of `key`'s program (after one to warm the
+    process up). Few runs: start-up time counts, and serving corrects the costs."""
     arrays, slots = runner._cost_seed_inputs(key.shape)
     best = float("inf")
-    for i in range(repeats + 1):
+    for i in range(repeats + warm):
         t0 = time.perf_counter()
         runner.run_forward(key, arrays, slots).block_until_ready()
-        if i:
+        if i or not warm:
             best = min(best, time.perf_counter() - t0)
     return best
 
@@ -47,14 +51,11 @@ def measure_costs(runner: ModelRunner) -> StepCosts:
                       and k.shape.num_extend_seqs == 1),
                      key=lambda k: (k.shape.num_extend_tokens, k.shape.num_pages_per_seq))
     small = one_row[0]
-    # A larger point 4x the smallest where there is one: far enough apart for the slope,
-    # cheaper to time than the largest.
+    # The next larger bucket (2x): the cheapest second point for the slope.
     te = small.shape.num_extend_tokens
-    larger = [k for k in one_row if k.shape.num_extend_tokens > te]
-    big = next((k for k in larger if k.shape.num_extend_tokens >= 4 * te),
-               larger[-1] if larger else None)
+    big = next((k for k in one_row if k.shape.num_extend_tokens > te), None)
     weight = prefill_policy.pair_weight(runner.model_cfg)
-    d = _time_step(runner, decode)
+    d = _time_step(runner, decode, warm=True)
     m_small = _time_step(runner, small)
     w_small = prefill_policy.extend_work(small.shape.num_extend_tokens, 0, weight)
     if big is None:  # one chunk bucket: all of the step beyond decode is per token
@@ -78,11 +79,10 @@ def build_policy(args: ServerArgs, runner: ModelRunner) -> PrefillPolicy | None:
     t0 = time.perf_counter()
     costs = measure_costs(runner)
     smallest = min(te for te, _, _ in shapes)
-    if args.itl_target_ms is None:
-        target, source = prefill_policy.default_target(costs, smallest), "default"
-    else:
-        target, source = args.itl_target_ms / 1000, "--itl_target_ms"
-    policy = PrefillPolicy(target, costs, shapes)
+    fixed = None if args.itl_target_ms is None else args.itl_target_ms / 1000
+    policy = PrefillPolicy(fixed, costs, shapes)
+    target = policy.target_s
+    source = "default" if fixed is None else "--itl_target_ms"
     logger.info("prefill policy: decode first, itl target %.0f ms (%s: %.1fx the %d-row "
                 "decode step of %.1f ms); MIXED step = %.1f ms + %.3f ms per token of "
                 "extend work; chunk of %d from 0 predicted %.0f ms, of %d %.0f ms; measured "

@@ -15,8 +15,8 @@ inter-token-latency target (`--itl_target_ms`), goes to prefill:
   step (at most one largest MIXED step apart).
 
 The policy's MIXED programs are few (policy_shapes): one extend row and as many decode
-rows as fit the batch beside it, per chunk bucket, plus one with max_extend_seqs rows at
-the largest bucket; the decode rows are padded (free on the packed CPU path, which skips
+rows as fit the batch beside it, per chunk bucket but the largest, which has
+max_extend_seqs rows; the decode rows are padded (free on the packed CPU path, which skips
 padding) and every shape has max_running_requests rows, so all of them share the largest
 DECODE bucket's sampler.
 
@@ -34,8 +34,9 @@ from runtime.config import ModelConfig
 
 # A stream that has decoded fewer tokens than this does not bound the step (module doc).
 YOUNG_STREAM_TOKENS = 8
-# The default target: this many times a DECODE step of the full batch, measured at start-up
-# (a stream slows to 1/4 of its pace while a prompt prefills beside it).
+# The default target: this many times the running batch's DECODE step, measured at start-up
+# and followed while serving (a stream slows to 1/4 of its pace while a prompt prefills
+# beside it).
 DEFAULT_DECODE_MULTIPLE = 4.0
 # Chunk buckets of the MIXED programs (those up to the chunked-prefill size).
 CHUNK_BUCKETS = (64, 128, 256, 512)
@@ -105,11 +106,11 @@ def policy_shapes(token_buckets: tuple[int, ...], max_extend_seqs: int,
     has at most max_rows rows, so beside e extend rows at most max_rows - e decode."""
     if max_rows < 2 or not token_buckets:
         return ()
-    shapes = [(te, 1, max_rows - 1) for te in token_buckets]
+    # The largest bucket holds several rows; with more decode rows than fit beside them the
+    # plan falls back to the next bucket's one-row program.
     be = min(max_extend_seqs, token_buckets[-1], max_rows - 1)
-    if be > 1:
-        shapes.append((token_buckets[-1], be, max_rows - be))
-    return tuple(shapes)
+    *smaller, top = token_buckets
+    return tuple([(te, 1, max_rows - 1) for te in smaller] + [(top, be, max_rows - be)])
 
 
 def chunk_buckets(chunk_size: int) -> tuple[int, ...]:
@@ -120,16 +121,34 @@ def chunk_buckets(chunk_size: int) -> tuple[int, ...]:
 class PrefillPolicy:
     """Per step: how many prefill tokens and rows ride beside `decode_rows` decode rows."""
 
-    def __init__(self, target_s: float, costs: StepCosts,
+    def __init__(self, target_s: float | None, costs: StepCosts,
                  shapes: tuple[tuple[int, int, int], ...]) -> None:
-        if target_s <= 0:
+        """target_s: the per-step target; None: default_target of the decode step as
+        measured while serving (observe_decode), from costs.decode_s on."""
+        if target_s is not None and target_s <= 0:
             raise ValueError(f"itl target {target_s} s: must be > 0 (0 turns the policy off)")
         if not shapes:
             raise ValueError("the policy needs MIXED programs (policy_shapes)")
-        self.target_s, self.costs, self.shapes = target_s, costs, shapes
+        self.fixed_target_s, self.costs, self.shapes = target_s, costs, shapes
+        self.smallest_chunk = min(te for te, _, _ in shapes)
         # Measured over predicted device time of the MIXED steps run so far (observe):
         # the start-up costs drift with the machine's load and the attention's real cost.
         self.scale = 1.0
+        # The running batch's DECODE step, as the host last measured it (observe_decode).
+        self.decode_s = costs.decode_s
+
+    @property
+    def target_s(self) -> float:
+        if self.fixed_target_s is not None:
+            return self.fixed_target_s
+        return default_target(dataclasses.replace(self.costs, decode_s=self.decode_s),
+                              self.smallest_chunk, self.scale)
+
+    def observe_decode(self, measured_s: float) -> None:
+        """A DECODE step took measured_s on the device: the default target follows the
+        streams' own pace (a loaded or idle machine, a growing context)."""
+        if measured_s > 0:
+            self.decode_s += SCALE_SMOOTHING * (measured_s - self.decode_s)
 
     def observe(self, predicted_s: float, measured_s: float) -> None:
         """A MIXED step that the start-up costs predicted at predicted_s (unscaled) took
@@ -180,14 +199,18 @@ class PrefillPolicy:
                                1e3 * target_s, None)
 
     def to_json(self) -> dict:
-        return {"itl_target_ms": 1e3 * self.target_s, "costs": self.costs.to_json(),
+        return {"itl_target_ms": 1e3 * self.target_s,
+                "target": "fixed" if self.fixed_target_s else
+                f"{DEFAULT_DECODE_MULTIPLE}x the decode step as measured while serving",
+                "decode_ms_now": 1e3 * self.decode_s, "costs": self.costs.to_json(),
                 "scale": self.scale,
                 "mixed_shapes": [list(s) for s in self.shapes],
                 "young_stream_tokens": YOUNG_STREAM_TOKENS}
 
 
-def default_target(costs: StepCosts, smallest_chunk: int) -> float:
-    """The target when --itl_target_ms is not given: DEFAULT_DECODE_MULTIPLE x the full
-    batch's DECODE step, but at least the smallest chunk's MIXED step from position 0
-    (else no chunk would ever fit)."""
-    return max(DEFAULT_DECODE_MULTIPLE * costs.decode_s, costs.mixed_s(smallest_chunk, 0))
+def default_target(costs: StepCosts, smallest_chunk: int, scale: float = 1.0) -> float:
+    """The target when --itl_target_ms is not given: DEFAULT_DECODE_MULTIPLE x the DECODE
+    step, but at least the smallest chunk's MIXED step from position 0 (else no chunk
+    would ever fit; `scale`: the policy's measured / predicted correction)."""
+    return max(DEFAULT_DECODE_MULTIPLE * costs.decode_s,
+               scale * costs.mixed_s(smallest_chunk, 0))

@@ -155,7 +155,7 @@ def test_server_args_turn_the_policy_on_and_off():
 
 def test_policy_shapes_share_the_largest_sampler():
     shapes = policy_shapes(chunk_buckets(512), 4, 32)
-    assert shapes == ((64, 1, 31), (128, 1, 31), (256, 1, 31), (512, 1, 31), (512, 4, 28))
+    assert shapes == ((64, 1, 31), (128, 1, 31), (256, 1, 31), (512, 4, 28))
     assert {be + bd for _, be, bd in shapes} == {32}
     assert policy_shapes((64,), 4, 1) == ()  # one running request: nothing decodes beside
 
@@ -235,3 +235,15 @@ def test_measured_steps_correct_the_predictions():
     assert decision.chunk_tokens == 16 and decision.scale == p.scale
     p.observe(1.0, 100.0)  # one wild measurement moves it a bounded step
     assert p.scale < 2.5
+
+
+def test_the_default_target_follows_the_decode_step():
+    """Without --itl_target_ms the target is 4x the decode step as measured while
+    serving, from the start-up figure on."""
+    p = PrefillPolicy(None, COSTS, SHAPES)
+    assert p.target_s == pytest.approx(0.040)
+    for _ in range(40):
+        p.observe_decode(0.020)
+    assert p.target_s == pytest.approx(0.080, rel=0.01)
+    assert p.plan(3, False, 0, None).target_ms == pytest.approx(80, rel=0.01)
+    assert p.to_json()["decode_ms_now"] == pytest.approx(20, rel=0.01)
