@@ -1,13 +1,13 @@
 """The decode-first prefill policy of an engine, from the runner's measured step costs.
 
 At start-up, after warm-up, a DECODE step of the full batch (once to warm the process,
-then timed) and the policy's MIXED step at its two smallest chunk
-buckets (one run each) run on real tokens that write only the padding page (the runner's
-cost-seed inputs: padding would time as free on the packed CPU path). The two MIXED points
-give the cost per token of extend work and the step's fixed part (prefill_policy.
-StepCosts); the target is --itl_target_ms or, by default, prefill_policy.default_target of
-the decode step. Both are logged. Few runs, since start-up time counts: serving corrects
-both (PrefillPolicy.observe, observe_decode).
+then timed) and the policy's MIXED step at its smallest chunk (one run) run on real tokens
+that write only the padding page (the runner's cost-seed inputs: padding would time as
+free on the packed CPU path). What the MIXED step takes beyond the DECODE step, per token
+of extend work, is the cost per token (prefill_policy.StepCosts); the target is
+--itl_target_ms or, by default, prefill_policy.default_target of the decode step. Both are
+logged. Few runs, since start-up time counts and a loaded machine's timings are noisy:
+serving corrects both (PrefillPolicy.observe, observe_decode).
 """
 
 from __future__ import annotations
@@ -43,27 +43,20 @@ def _time_step(runner: ModelRunner, key: StepKey, repeats: int = 1, warm: bool =
 
 
 def measure_costs(runner: ModelRunner) -> StepCosts:
-    """StepCosts of `runner`, whose plan holds the policy's MIXED programs."""
+    """StepCosts of `runner`, whose plan holds the policy's MIXED programs: the full
+    DECODE step, and what the smallest chunk's MIXED step adds to it, per token of work.
+    One MIXED run gives no fixed part (step_s 0): the level is what serving corrects."""
     keys = runner.step_keys()
     decode = max((k for k in keys if k.mode is ForwardMode.DECODE),
                  key=lambda k: k.shape.num_decode_seqs)
-    one_row = sorted((k for k in keys if k.mode is ForwardMode.MIXED
-                      and k.shape.num_extend_seqs == 1),
-                     key=lambda k: (k.shape.num_extend_tokens, k.shape.num_pages_per_seq))
-    small = one_row[0]
-    # The next larger bucket (2x): the cheapest second point for the slope.
-    te = small.shape.num_extend_tokens
-    big = next((k for k in one_row if k.shape.num_extend_tokens > te), None)
+    small = min((k for k in keys if k.mode is ForwardMode.MIXED),
+                key=lambda k: (k.shape.num_extend_tokens, k.shape.num_extend_seqs,
+                               k.shape.num_pages_per_seq))
     weight = prefill_policy.pair_weight(runner.model_cfg)
     d = _time_step(runner, decode, warm=True)
-    m_small = _time_step(runner, small)
-    w_small = prefill_policy.extend_work(small.shape.num_extend_tokens, 0, weight)
-    if big is None:  # one chunk bucket: all of the step beyond decode is per token
-        return StepCosts(d, 0.0, max(m_small - d, 1e-6) / w_small, weight)
-    m_big = _time_step(runner, big)
-    w_big = prefill_policy.extend_work(big.shape.num_extend_tokens, 0, weight)
-    token_s = max(m_big - m_small, 1e-6) / (w_big - w_small)
-    return StepCosts(d, m_small - d - token_s * w_small, token_s, weight)
+    m = _time_step(runner, small)
+    work = prefill_policy.extend_work(small.shape.num_extend_tokens, 0, weight)
+    return StepCosts(d, 0.0, max(m - d, 1e-6) / work, weight)
 
 
 def build_policy(args: ServerArgs, runner: ModelRunner) -> PrefillPolicy | None:

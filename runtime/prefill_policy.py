@@ -183,8 +183,11 @@ class PrefillPolicy:
         raise AssertionError("unreachable: the smallest bucket is always taken")
 
     def _predict(self, te: int, start_pos: int, remaining: int | None) -> float:
+        """The MIXED step of a te-token chunk from start_pos: the running batch's decode
+        step as last measured, plus the chunk's work, times the measured correction."""
         tokens = te if remaining is None else min(te, remaining)
-        return self.scale * self.costs.mixed_s(tokens, start_pos)
+        live = dataclasses.replace(self.costs, decode_s=self.decode_s)
+        return self.scale * live.mixed_s(tokens, start_pos)
 
     def _decision(self, path: str, reason: str, decode_rows: int, tokens: int, rows: int,
                   predicted: float | None) -> PrefillDecision:
