@@ -384,12 +384,15 @@ def main(argv: list[str]) -> None:
                               "backend": FLAGS.backend, "prompt_kind": FLAGS.prompt_kind,
                               "length_dist": FLAGS.length_dist, "targets": []}
     t0 = time.perf_counter()
+    name = f"bench_serving{'_' + FLAGS.tag if FLAGS.tag else ''}"
     for t in targets:
         result["targets"].append(run_target(t, load, out_dir))
+        # Written after every target too, so a run cut short keeps what it measured.
+        bc.write_json(out_dir, f"{name}.partial.json", result)
     result["wall_s"] = time.perf_counter() - t0
     result["machine"]["load_average_end"] = bc.load_average()
-    name = f"bench_serving{'_' + FLAGS.tag if FLAGS.tag else ''}"
     bc.write_json(out_dir, f"{name}.json", result)
+    (out_dir / f"{name}.partial.json").unlink(missing_ok=True)
     serving_plots.plot_all(result, out_dir, name)
 
 
