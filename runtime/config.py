@@ -117,6 +117,10 @@ class RunnerConfig:
     extend_seq_buckets: tuple[int, ...] = (1, 4)
     kv_len_buckets: tuple[int, ...] = (256, 1024, 8192)
     enable_mixed: bool = _ARGS.enable_mixed_chunk
+    # The decode-first policy's MIXED programs (runtime/prefill_policy.policy_shapes), as
+    # (extend tokens, extend rows, decode rows); only without enable_mixed, which compiles
+    # every MIXED bucket.
+    mixed_shapes: tuple[tuple[int, int, int], ...] = ()
     max_top_logprobs: int = 0
     strict_compile: bool = _ARGS.strict_compile
     # Keep layer weights as separate per-layer buffers picked by lax.switch instead of

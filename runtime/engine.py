@@ -22,17 +22,19 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from models.config import ModelConfig
+from models.forward_mode import ForwardMode
 from runtime import multihost
 from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, SchedulerConfig, ServerArgs
 from runtime.dp_attention import DPScheduler
 from runtime.engine_info import EngineInfo
 from runtime.engine_setup import RunnerSetup, load_model, platform
-from runtime.exec_trace import ExecutionTrace
+from runtime.exec_trace import ExecutionTrace, StepRecord
 from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.paths import LaunchedForward
+from runtime.policy_setup import build_policy
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler, SchedulerStats
@@ -115,7 +117,22 @@ class StepLoop:
     def _process(self, done: TracedStep) -> list[ReqEvent]:
         events = self.scheduler.process_results(done.pending.batch, read_back(self.trace, done))
         self.trace.processed(done.record, time.perf_counter())
+        self._observe(done.record)
         return events
+
+    def _observe(self, rec: StepRecord) -> None:
+        """Tell the prefill policy what a DECODE step, or a MIXED step it sized, took on
+        the device: known where the host waited for it (else the device finished earlier
+        by an unknown amount) and the trace placed its start."""
+        policy, decision = getattr(self.scheduler, "policy", None), rec.decision
+        if (policy is None or not rec.waited or rec.ready is None
+                or rec.device_start is None):
+            return
+        took = rec.ready - rec.device_start
+        if rec.mode == ForwardMode.DECODE.value:
+            policy.observe_decode(took)
+        elif decision is not None and decision.predicted_ms is not None:
+            policy.observe(decision.predicted_ms / 1e3 / decision.scale, took)
 
     def _step_deferred(self, batch: ScheduleBatch, t0: float) -> list[ReqEvent]:
         """Overlap with grammar rows: their masks need the tokens of the step in flight.
@@ -153,7 +170,8 @@ class Engine:
     """Continuous-batching generation engine (offline API; the HTTP server wraps it).
 
     Its loop is one object chosen at start-up: StepLoop, or with --enable_split_prefill /
-    --enable_multiplexing the MultiplexLoop of runtime/multiplexing.py."""
+    --enable_multiplexing the MultiplexLoop of runtime/multiplexing.py. In the StepLoop the
+    scheduler puts decode first by default (`policy`, runtime/prefill_policy.py)."""
 
     def __init__(self, args: ServerArgs, *, model: tuple[ModelConfig, dict] | None = None,
                  tokenizer: Tokenizer | None = None, runner: ModelRunner | None = None) -> None:
@@ -202,10 +220,14 @@ class Engine:
             args, CacheConfig(page_size=runner.cache_cfg.page_size, num_pages=num_pages),
             runner.max_seq_len, dp)
         decode_fn = tokenizer.decode if tokenizer else None
+        # Decode first by default (runtime/prefill_policy.py), sized from step costs
+        # measured now; None: prefill first, or the path a flag picked.
+        self.policy = build_policy(args, runner)
         self.scheduler: Scheduler | DPScheduler = (
-            Scheduler(config, eos_token_ids=eos, decode_fn=decode_fn) if dp == 1 else
-            DPScheduler(config, dp, eos, decode_fn))
+            Scheduler(config, eos_token_ids=eos, decode_fn=decode_fn, policy=self.policy)
+            if dp == 1 else DPScheduler(config, dp, eos, decode_fn))
         self.trace = ExecutionTrace(args.trace_buffer_steps)
+        self.trace.policy = None if self.policy is None else self.policy.to_json()
         self._profile_dir: str | None = None
         self._profile_start = 0.0
         overlap = not args.disable_overlap_schedule

@@ -15,7 +15,7 @@ import cpu_kernels
 from models import registry
 from models.config import ModelConfig
 from models.kv_pool import kv_bytes_per_token
-from runtime import sharding
+from runtime import prefill_policy, sharding
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.model_runner import ModelRunner
 from runtime.server_args import Platform
@@ -256,6 +256,9 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         extend_seq_buckets=tuple(sorted({1, args.max_extend_seqs})),
         kv_len_buckets=kv,
         enable_mixed=args.enable_mixed_chunk or args.dp > 1,
+        mixed_shapes=(prefill_policy.policy_shapes(
+            prefill_policy.chunk_buckets(max_extend), args.max_extend_seqs,
+            args.max_running_requests) if args.decode_first else ()),
         max_top_logprobs=args.max_top_logprobs,
         strict_compile=args.strict_compile,
         per_layer_weights=(default_per_layer_weights(args, cpu_matmul)

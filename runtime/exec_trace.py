@@ -47,6 +47,7 @@ from typing import Any
 
 from models.forward_mode import ForwardMode
 from runtime.batch_builder import BucketShape
+from runtime.prefill_policy import PrefillDecision
 from runtime.schedule_batch import ScheduleBatch
 
 
@@ -104,6 +105,9 @@ class StepRecord:
     # Decode steps the launch ran on the device (a multi-step program, mode
     # "multi_decode": runtime/multi_step.py); decode_rows of them each.
     decode_steps: int = 1
+    # The prefill policy's decision for the step's extend rows: path, why, and its inputs
+    # (runtime/prefill_policy.py); None without the policy or without extend rows.
+    decision: PrefillDecision | None = None
     # Filled by ExecutionTrace.
     step: int = -1
     ready: float | None = None  # when the readback returned
@@ -156,7 +160,16 @@ def step_record(batch: ScheduleBatch, shape: BucketShape | None, sched_start: fl
         padded_rows=rows, padded_tokens=tokens,
         sched_start=sched_start, sched_end=sched_end, launch_end=launch_end,
         compiles_after_warmup=compiles_after_warmup, split=split, detail=detail,
-        est_device_s=est_device_s, decode_steps=batch.steps)
+        est_device_s=est_device_s, decode_steps=batch.steps, decision=batch.decision)
+
+
+def prefill_path(rec: StepRecord) -> str | None:
+    """The path a step's extend rows took: the policy's decision, or without one the mode
+    the step ran in ("extend", "mixed", "split_prefill" with "(no policy)"); None for a
+    step without extend rows."""
+    if rec.decision is not None:
+        return rec.decision.path
+    return f"{rec.mode} (no policy)" if rec.extend_rows else None
 
 
 @dataclasses.dataclass
@@ -173,12 +186,18 @@ class RequestSpan:
     split_prefill_intervals: int = 0
     num_retractions: int = 0
     cached_tokens: int = 0
+    # Steps that prefilled this request, by path (prefill_path), and the policy's reason
+    # for its last prefill step.
+    prefill_paths: dict[str, int] = dataclasses.field(default_factory=dict)
+    prefill_reason: str | None = None
 
     def meta(self) -> dict[str, Any]:
         """The request's meta_info fields (its split-prefill intervals are there already,
         as prefill_intervals, counted by the request itself)."""
         queued = None if self.first_scheduled is None else self.first_scheduled - self.created
-        return {"steps_by_mode": dict(self.steps_by_mode), "queue_time": queued}
+        return {"steps_by_mode": dict(self.steps_by_mode), "queue_time": queued,
+                "prefill_paths": dict(self.prefill_paths),
+                "prefill_reason": self.prefill_reason}
 
     def to_json(self, t0: float) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -250,6 +269,9 @@ class ExecutionTrace:
         self._bubbles = _Bubbles()
         self._unready: collections.deque[StepRecord] = collections.deque()  # launch order
         self._counts: collections.Counter[str] = collections.Counter()
+        self._paths: collections.Counter[str] = collections.Counter()  # prefill steps
+        # The prefill policy's start-up inputs (target, measured costs); None: no policy.
+        self.policy: dict[str, Any] | None = None
         self._lock = threading.Lock()
         self.num_recorded = 0
 
@@ -261,8 +283,11 @@ class ExecutionTrace:
 
     def record(self, rec: StepRecord) -> StepRecord:
         """Append a launched step; returns it with its step number set."""
+        path = prefill_path(rec)
         with self._lock:
             self._counts[rec.mode] += 1
+            if path is not None:
+                self._paths[path] += 1
             if not self.enabled:
                 return rec
             rec.step = self.num_recorded
@@ -271,6 +296,9 @@ class ExecutionTrace:
             self._unready.append(rec)
             for rid in rec.rids:
                 self._tally(rid, rec.mode, rec)
+            if path is not None:
+                for rid in rec.rids[:rec.extend_rows]:
+                    self._tally_prefill(rid, path, rec.decision)
             split = rec.split
             if split is not None and split.rids is not None:
                 for rid in split.rids:  # a fused step's prefill rows: their own mode
@@ -288,6 +316,13 @@ class ExecutionTrace:
         split = rec.split
         span.split_prefill_intervals += split is not None and (
             split.rids is None or rid in split.rids)
+
+    def _tally_prefill(self, rid: str, path: str, decision: PrefillDecision | None) -> None:
+        span = self._live.get(rid)
+        if span is not None:
+            span.prefill_paths[path] = span.prefill_paths.get(path, 0) + 1
+            if decision is not None:
+                span.prefill_reason = decision.reason
 
     def ready(self, rec: StepRecord, t: float, waited: bool | None = None) -> None:
         """The step's results are back on the host (call in launch order)."""
@@ -358,6 +393,11 @@ class ExecutionTrace:
     def step_counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+    def prefill_paths(self) -> dict[str, int]:
+        """Steps with extend rows by the path they took (prefill_path), since start-up."""
+        with self._lock:
+            return dict(self._paths)
 
     def bubbles(self) -> dict[str, dict[str, float]]:
         """Per mode and "all": device busy seconds, idle seconds, idle fraction, and the

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from models.forward_mode import ForwardMode
+from runtime.prefill_policy import PrefillDecision
 from runtime.request import Req
 
 # input_ids entry meaning "the token the device sampled for this row's req_slot last step".
@@ -58,6 +59,9 @@ class ScheduleBatch:
     extend_rows: list[BatchRow]
     decode_rows: list[BatchRow]
     steps: int = 1
+    # The prefill policy's decision for this step's extend rows (runtime/prefill_policy.py;
+    # None without the policy): the execution trace keeps it.
+    decision: PrefillDecision | None = None
 
     @property
     def rows(self) -> list[BatchRow]:

@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterable
 from models.forward_mode import ForwardMode
 from runtime.config import SchedulerConfig
 from runtime.kv_cache import PageAllocator, pages_for
+from runtime.prefill_policy import YOUNG_STREAM_TOKENS, PrefillPolicy
 from runtime.prefix_cache import make_prefix_cache
 from runtime.request import FinishReason, Req, ReqStatus
 from runtime.schedule_batch import PREV_TOKEN, BatchRow, ScheduleBatch, StepOutput
@@ -62,8 +63,12 @@ class SchedulerStats:
 class Scheduler:
     """Decides what runs each step and owns every request's pages and slot.
 
-    Prefill has priority over decode (a step with extend rows has no decode rows) unless
-    `enable_mixed_chunk`, where the running decode rows ride along in a MIXED batch.
+    With a `policy` (runtime/prefill_policy.py, the engine's default) decode comes first:
+    every step carries the running decode rows and the policy sizes the prefill chunk
+    beside them; with nothing decoding a prefill runs as a whole EXTEND batch. Without
+    one, prefill has priority over decode (a step with extend rows has no decode rows)
+    unless `enable_mixed_chunk`, where the running decode rows ride along in a MIXED
+    batch whatever the chunk costs.
     """
 
     def __init__(
@@ -72,10 +77,15 @@ class Scheduler:
         eos_token_ids: Iterable[int],
         decode_fn: Callable[[list[int]], str] | None = None,
         first_slot: int = 0,
+        policy: PrefillPolicy | None = None,
     ):
         """first_slot: requests take slots [first_slot, first_slot + max_running_requests)
         (a data-parallel rank's share of the runner's slots, runtime/dp_attention.py)."""
+        if policy is not None and (config.enable_mixed_chunk or config.chunk_size is None):
+            raise ValueError("the prefill policy sizes token-axis chunks: it needs chunked "
+                             "prefill and no enable_mixed_chunk")
         self.config = config
+        self.policy = policy
         self.page_size = config.cache.page_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode_fn = decode_fn
@@ -155,6 +165,8 @@ class Scheduler:
                 return None
             self._inflight += 1
             return ScheduleBatch(ForwardMode.DECODE, [], rows, steps)
+        if self.policy is not None:
+            return self._decode_first_batch()
         if self.config.enable_mixed_chunk:
             decode = self._schedule_decode()
             extend = self._schedule_extend(len(decode))
@@ -169,6 +181,31 @@ class Scheduler:
             mode = ForwardMode.DECODE
         self._inflight += 1
         return ScheduleBatch(mode, extend, decode)
+
+    def _decode_first_batch(self) -> ScheduleBatch | None:
+        """The policy's step: the decode rows, and beside them the prefill the policy
+        budgets (a whole EXTEND batch when nothing decodes)."""
+        policy = self.policy
+        assert policy is not None
+        decode = self._schedule_decode()
+        if not decode:
+            extend = self._schedule_extend(0)
+            if not extend:
+                return None
+            decision = policy.whole(0, sum(len(r.input_ids) for r in extend), policy.target_s)
+            self._inflight += 1
+            return ScheduleBatch(ForwardMode.EXTEND, extend, [], decision=decision)
+        chunked = self._chunked
+        decision = policy.plan(
+            len(decode), all(r.req.num_generated <= YOUNG_STREAM_TOKENS for r in decode),
+            chunked.kv_len if chunked else 0,
+            chunked.fill_len - chunked.kv_len if chunked else None)
+        extend = (self._schedule_extend(0, decision.chunk_tokens, decision.max_rows)
+                  if decision.chunk_tokens else [])
+        self._inflight += 1
+        if not extend:
+            return ScheduleBatch(ForwardMode.DECODE, [], decode)
+        return ScheduleBatch(ForwardMode.MIXED, extend, decode, decision=decision)
 
     # ---- split prefill (runtime/multiplexing.py) ----
 
@@ -293,10 +330,17 @@ class Scheduler:
 
     # ---- extend ----
 
-    def _schedule_extend(self, decode_tokens: int) -> list[BatchRow]:
+    def _schedule_extend(self, decode_tokens: int, budget: int | None = None,
+                         max_rows: int | None = None) -> list[BatchRow]:
+        """Extend rows: the chunk under way first, then admissions. `budget`, `max_rows`:
+        the policy's token and row limits (default: the chunked-prefill budget less
+        `decode_tokens`, and max_extend_seqs)."""
         cfg = self.config
-        budget = min(cfg.max_prefill_tokens, cfg.chunk_size or cfg.max_prefill_tokens)
-        budget -= decode_tokens
+        if budget is None:
+            budget = min(cfg.max_prefill_tokens, cfg.chunk_size or cfg.max_prefill_tokens)
+            budget -= decode_tokens
+        max_rows = cfg.max_extend_seqs if max_rows is None else min(max_rows,
+                                                                    cfg.max_extend_seqs)
         rows: list[BatchRow] = []
         if self._chunked is not None:
             row = self._next_chunk(self._chunked, budget)
@@ -304,7 +348,7 @@ class Scheduler:
                 rows.append(row)
                 budget -= len(row.input_ids)
         for req in self._admission_order():
-            if budget <= 0 or len(rows) >= cfg.max_extend_seqs or not self._free_slots:
+            if budget <= 0 or len(rows) >= max_rows or not self._free_slots:
                 break
             if req.num_pending:  # retracted while its last token was in flight
                 continue

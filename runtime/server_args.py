@@ -101,7 +101,16 @@ class ServerArgs:
     chunked_prefill_size: int | None = option(512, "prefill chunk size; <= 0 turns chunking "
                                               "off", parse=_positive_or_off)
     max_extend_seqs: int = option(4, "prompts per prefill batch")
-    enable_mixed_chunk: bool = option(False, "run prefill chunks and decodes in one batch")
+    enable_mixed_chunk: bool = option(False, "run prefill chunks and decodes in one batch "
+                                      "(every bucket; overrides --itl_target_ms)")
+    itl_target_ms: float | None = option(
+        None, "decode first: every step carries the running decode rows and prefill fills it "
+        "up to this step time, as a MIXED chunk sized from the measured step costs (a whole "
+        "EXTEND when nothing decodes; runtime/prefill_policy.py). Default: 4x the full "
+        "batch's decode step, measured at start-up and logged; 0: prefill first (a prefill "
+        "step carries no decode rows). --enable_mixed_chunk, --enable_split_prefill, "
+        "--enable_multiplexing, --chunked_prefill_size<=0, --dp>1 and "
+        "--enable_two_batch_overlap override it")
     schedule_policy: str = option("fcfs", "admission order", choices=("fcfs", "lpm"))
     disable_prefix_cache: bool = option(False, "no radix prefix cache")
     disable_overlap_schedule: bool = option(False, "schedule step N+1 only after step N's "
@@ -198,6 +207,16 @@ class ServerArgs:
     def on_mesh(self) -> bool:
         return self.dp * self.tp * self.ep > 1
 
+    @property
+    def decode_first(self) -> bool:
+        """Whether the decode-first prefill policy (--itl_target_ms) schedules: on unless
+        --itl_target_ms=0 or a flag that picks another path overrides it."""
+        overridden = (self.enable_mixed_chunk or self.enable_split_prefill
+                      or self.enable_multiplexing or self.enable_two_batch_overlap
+                      or self.chunked_prefill_size is None or self.dp > 1
+                      or self.max_running_requests < 2)
+        return self.itl_target_ms != 0 and not overridden
+
     def validate(self, platform: Platform | None = None) -> None:
         """Every rule between options (and each option's range) as one ValueError naming
         the flags and the fix; with `platform`, also what this machine cannot run."""
@@ -221,7 +240,8 @@ def _ranges(a: ServerArgs) -> list[str]:
                 "dp": 1, "tp": 1, "ep": 1, "nnodes": 1, "dist_timeout": 1,
                 "dist_heartbeat_timeout": 1, "split_prefill_layers": 1,
                 "split_prefill_min_tokens": 0, "tbo_min_tokens": 0, "trace_buffer_steps": 0,
-                "multiplex_itl_target_ms": 0, "multiplex_max_stall_ms": 0}
+                "multiplex_itl_target_ms": 0, "multiplex_max_stall_ms": 0,
+                "itl_target_ms": 0}
     for name, low in at_least.items():
         value = getattr(a, name)
         if value is not None and value < low:

@@ -17,6 +17,7 @@ HOST_MODULES = (
     "runtime.kv_cache",
     "runtime.prefix_cache",
     "runtime.schedule_batch",
+    "runtime.prefill_policy",
     "runtime.scheduler",
     "tests.fake_runner",
 )

@@ -84,6 +84,10 @@ def test_generate_meta_info_says_which_path(http):
     assert meta["prefill_intervals"] == 0
     assert meta["retracted"] is False and meta["num_retractions"] == 0
     assert meta["queue_time"] >= 0 and meta["cached_tokens"] >= 0
+    # The tiny runner has no MIXED programs of the prefill policy: prefill first, said so.
+    assert meta["prefill_paths"] == {"extend (no policy)": 1}
+    body = http.get("/debug/execution_trace", params={"n": 1}).json()
+    assert body["prefill_policy"] is None and body["prefill_paths"]["extend (no policy)"] >= 1
 
 
 def test_start_and_stop_profile(http, tmp_path):

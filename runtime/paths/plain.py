@@ -57,7 +57,10 @@ class PlainPath(ExecPath):
             PlanPart("EXTEND", n[ForwardMode.EXTEND], FORWARD_COST, ext),
             PlanPart("MIXED", n[ForwardMode.MIXED], FORWARD_COST,
                      "--enable_mixed_chunk: extend buckets x "
-                     f"{len(c.decode_buckets)} decode_buckets x {kv}"),
+                     f"{len(c.decode_buckets)} decode_buckets x {kv}" if c.enable_mixed else
+                     "the decode-first policy (--itl_target_ms): one per chunk bucket "
+                     f"{sorted({s[0] for s in c.mixed_shapes})} + one of --max_extend_seqs "
+                     "rows"),
         ]
 
     def sampler_rows(self) -> set[int]:

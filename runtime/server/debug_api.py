@@ -1,9 +1,11 @@
 """Execution-path observability over HTTP.
 
 GET  /debug/execution_trace?n=64   the last n steps (mode, bucket, padding, timings, split
-                                   and TBO fields; `after=S`: only steps numbered above
-                                   S), their modes as run lengths (`path`), the last n
-                                   finished requests, step counts and
+                                   and TBO fields, the prefill policy's `decision`;
+                                   `after=S`: only steps numbered above S), their modes as
+                                   run lengths (`path`), the last n finished requests
+                                   (`prefill_paths`), prefill steps by path and the
+                                   policy's start-up inputs, step counts and
                                    device bubbles by mode, the scheduler state;
                                    `format=perfetto` returns the Chrome trace JSON instead.
 GET  /debug/trace                  the same (its older name).
@@ -54,7 +56,8 @@ async def execution_trace(request: Request, n: int = Query(64, ge=0, le=65536),
                 "scheduler": dataclasses.asdict(stats) if stats else None}
     return {"steps": trace.last(n, after), "path": mode_runs(trace.steps(n)),
             "requests": [s.to_json(trace.t0) for s in trace.requests(n)],
-            "step_counts": trace.step_counts(), "bubbles": trace.bubbles(),
+            "step_counts": trace.step_counts(), "prefill_paths": trace.prefill_paths(),
+            "prefill_policy": trace.policy, "bubbles": trace.bubbles(),
             "padding_waste": padding_waste(trace.steps(n)), "tracing": trace.enabled,
             "compiles_after_warmup": ctx.metrics.compiles_after_warmup,
             "scheduler": dataclasses.asdict(stats) if stats else None}

@@ -2,8 +2,8 @@
 SGLang-native streaming server, every streamed chunk's arrival recorded.
 
     # the ITL / TTFT frontier: xlaserve started with each config in turn (the default
-    # configs: plain, chunked at 128 and 512, chunked + mixed, multiplexing), long prompts
-    # during decode
+    # configs: plain, prefill first with chunks of 512 (--itl_target_ms=0), chunked +
+    # mixed, multiplexing, and the default flags: decode first), long prompts during decode
     .venv/bin/python scripts/bench/bench_serving.py --out_dir=bench_out
     # the same load against a server already running on this machine
     .venv/bin/python scripts/bench/bench_serving.py --base_url=http://127.0.0.1:30000 \
@@ -39,9 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import math
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -58,10 +60,10 @@ from serving_client import RequestResult, RequestSpec, make_client, new_result, 
 FLAGS = flags.FLAGS
 SCENARIOS = ("concurrent", "poisson", "shared_prefix", "long_during_decode", "constrained",
              "schema_ttft")
-DEFAULT_CONFIGS = ["plain=--chunked_prefill_size=-1", "chunk128=--chunked_prefill_size=128",
-                   "chunk512=--chunked_prefill_size=512",
+DEFAULT_CONFIGS = ["plain=--chunked_prefill_size=-1",
+                   "prefill_first=--chunked_prefill_size=512 --itl_target_ms=0",
                    "chunk512_mixed=--chunked_prefill_size=512 --enable_mixed_chunk",
-                   "mux=--enable_multiplexing"]
+                   "mux=--enable_multiplexing", "default="]
 
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON, PNGs and server logs go")
 flags.DEFINE_string("tag", "", "suffix of the output names (bench_serving_<tag>.json)")
@@ -94,6 +96,9 @@ flags.DEFINE_enum("prompt_kind", "ids", list(wl.PROMPT_KINDS), "random token ids
 flags.DEFINE_enum("length_dist", "random", list(wl.LENGTH_DISTS), "poisson lengths")
 flags.DEFINE_float("range_ratio", 0.5, "random lengths are uniform in [ratio * L, L]")
 flags.DEFINE_integer("input_len", 128, "prompt tokens (mean for random / sharegpt)")
+flags.DEFINE_integer("concurrent_input_len", 0, "the concurrent scenario's prompt tokens "
+                     "(0: --input_len), so a burst of short prompts and a Poisson load of "
+                     "long ones run side by side")
 flags.DEFINE_integer("output_len", 128, "new tokens (mean for random / sharegpt)")
 flags.DEFINE_integer("num_prompts", 64, "requests per Poisson rate")
 flags.DEFINE_list("request_rates", ["1", "2", "4", "inf"], "Poisson rates (req/s; inf: "
@@ -192,7 +197,8 @@ class Bench:
 
     async def concurrent(self) -> list[dict[str, Any]]:
         out = []
-        lengths = wl.LengthSpec(self.load.input_len, self.load.output_len)
+        lengths = wl.LengthSpec(FLAGS.concurrent_input_len or self.load.input_len,
+                                self.load.output_len)
         for i, c in enumerate(self.load.concurrency):
             specs = wl.requests(self._rng(100 + i), lengths, c, FLAGS.prompt_kind,
                                 FLAGS.vocab_size)
@@ -307,6 +313,30 @@ def _targets(load: Load) -> list[bs.Target]:
     return out
 
 
+def _engine_counts(base_url: str) -> dict[str, Any] | None:
+    """xlaserve's step counts by mode, prefill steps by path (the prefill policy's
+    decisions), compilations after warm-up and the policy's start-up inputs, from
+    /debug/execution_trace; None where the server has no such endpoint."""
+    try:
+        with urllib.request.urlopen(f"{base_url}/debug/execution_trace?n=0", timeout=30) as r:
+            d = json.load(r)
+    except (OSError, ValueError):
+        return None
+    return {k: d.get(k) for k in ("step_counts", "prefill_paths", "compiles_after_warmup",
+                                  "prefill_policy")}
+
+
+def _delta(after: dict[str, Any] | None, before: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The counts a scenario added (after - before)."""
+    if after is None or before is None:
+        return None
+    out = dict(after)
+    for k in ("step_counts", "prefill_paths"):
+        a, b = after.get(k) or {}, before.get(k) or {}
+        out[k] = {m: a[m] - b.get(m, 0) for m in a if a[m] - b.get(m, 0)}
+    return out
+
+
 async def _run_scenarios(srv: bs.Running, target: bs.Target, load: Load) -> dict[str, Any]:
     bench = Bench(srv.base_url, "openai" if target.kind == "llama-server" else target.backend,
                   load)
@@ -314,7 +344,17 @@ async def _run_scenarios(srv: bs.Running, target: bs.Target, load: Load) -> dict
     rec: dict[str, Any] = {}
     for name in FLAGS.scenarios:
         bc.log(f"{target.name}: {name}")
-        rec[name] = await getattr(bench, name)()
+        before = _engine_counts(srv.base_url) if target.kind != "llama-server" else None
+        res = await getattr(bench, name)()
+        after = _engine_counts(srv.base_url) if before is not None else None
+        load_avg = bc.load_average()
+        if isinstance(res, dict):
+            res["engine"], res["load_average"] = _delta(after, before), load_avg
+        else:
+            rec[f"{name}_engine"] = _delta(after, before)
+            rec[f"{name}_load_average"] = load_avg
+        rec[name] = res
+        bc.log(f"  {name}: load average {load_avg}")
     return rec
 
 
@@ -344,12 +384,15 @@ def main(argv: list[str]) -> None:
                               "backend": FLAGS.backend, "prompt_kind": FLAGS.prompt_kind,
                               "length_dist": FLAGS.length_dist, "targets": []}
     t0 = time.perf_counter()
+    name = f"bench_serving{'_' + FLAGS.tag if FLAGS.tag else ''}"
     for t in targets:
         result["targets"].append(run_target(t, load, out_dir))
+        # Written after every target too, so a run cut short keeps what it measured.
+        bc.write_json(out_dir, f"{name}.partial.json", result)
     result["wall_s"] = time.perf_counter() - t0
     result["machine"]["load_average_end"] = bc.load_average()
-    name = f"bench_serving{'_' + FLAGS.tag if FLAGS.tag else ''}"
     bc.write_json(out_dir, f"{name}.json", result)
+    (out_dir / f"{name}.partial.json").unlink(missing_ok=True)
     serving_plots.plot_all(result, out_dir, name)
 
 

@@ -25,6 +25,7 @@ from absl import app, flags
 # The documented flag combinations (README "Flags that matter"), as ServerArgs overrides.
 COMBOS: dict[str, dict[str, Any]] = {
     "default": {},
+    "prefill_first": {"itl_target_ms": 0},
     "mixed": {"enable_mixed_chunk": True},
     "xla": {"attention_backend": "xla", "cpu_matmul": "xla"},
     "unchunked": {"chunked_prefill_size": None, "max_prefill_tokens": 4096},
@@ -75,7 +76,7 @@ def _child(name: str) -> dict[str, Any]:
             for k, v in sorted(by_kind.items())},
         executables_detail=[dict(name=s.name, compile_s=round(s.compile_s, 3), maps=s.maps,
                                  resident_mb=round(s.resident_mb, 1)) for s in stats],
-        output_ids=[o.output_ids for o in outs],
+        output_ids=[o.output_ids for o in outs], prefill_policy=engine.trace.policy,
         compiles_after_warmup=runner.compiles_after_warmup)
 
 

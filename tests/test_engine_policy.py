@@ -1,0 +1,154 @@
+"""The decode-first prefill policy through the engine on a tiny random model: the same
+tokens as each prompt alone on the plain path, whatever the target, with the prefix
+cache, overlap, a small pool and multi-step decode; its MIXED programs are all it adds,
+and nothing compiles after warm-up."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from models import llama
+from models.forward_mode import ForwardMode
+from runtime.config import CacheConfig, RunnerConfig, ServerArgs
+from runtime.engine import Engine
+from runtime.engine_setup import runner_config
+from runtime.model_runner import ModelRunner
+from runtime.prefill_policy import policy_shapes
+from runtime.request import SamplingParams
+from tests.model_utils import TINY
+
+CFG = dataclasses.replace(TINY, max_position_embeddings=256)
+PAGE = 4
+NEAR_TIE = 1e-3
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, top_logprobs=2)
+
+
+@pytest.fixture(scope="module", params=[("packed", "cpu"), ("xla", "xla")],
+                ids=["cpu_kernels", "xla"])
+def runner(request) -> ModelRunner:
+    matmul, attention = request.param
+    params = llama.init_params(CFG, jax.random.key(7))
+    rcfg = RunnerConfig(decode_buckets=(4, 16), extend_token_buckets=(16, 64, 128),
+                        extend_seq_buckets=(1, 4), kv_len_buckets=(256,),
+                        mixed_shapes=policy_shapes((16, 64), 4, 16), max_top_logprobs=2,
+                        strict_compile=True, per_layer_weights=matmul == "xla",
+                        cpu_matmul=matmul, attention_backend=attention,
+                        num_scheduler_steps=4)
+    r = ModelRunner(CFG, params, CacheConfig(page_size=PAGE, num_pages=400), rcfg,
+                    max_running_requests=16)
+    r.warmup(progress=False)
+    return r
+
+
+def _args(**kw) -> ServerArgs:
+    base = dict(page_size=PAGE, max_running_requests=16, max_prefill_tokens=64,
+                chunked_prefill_size=64, max_extend_seqs=4, compilation_cache_dir=None)
+    return ServerArgs(**{**base, **kw})
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Mixed lengths up to 113 tokens; every third shares a 24-token system prefix."""
+    rng = np.random.default_rng(seed)
+    system = list(rng.integers(0, CFG.vocab_size, 24))
+    out = []
+    for i in range(n):
+        body = list(rng.integers(0, CFG.vocab_size, int(rng.integers(1, 90))))
+        out.append(system + body if i % 3 == 0 else body)
+    return out
+
+
+def _check_same(got, want) -> None:
+    """Equal tokens up to the first near-tie of the reference run."""
+    for g, w in zip(got, want, strict=True):
+        n = len(w.output_ids)
+        for step, (_, lps) in enumerate(w.meta_info["output_top_logprobs"]):
+            if lps[0] - lps[1] < NEAR_TIE:
+                n = step + 1
+                break
+        assert g.output_ids[:n] == w.output_ids[:n], (g.rid, g.output_ids, w.output_ids)
+
+
+@pytest.fixture(scope="module")
+def reference(runner):
+    """Each prompt alone, prefill first: no chunking, no prefix cache, no overlap."""
+    eng = Engine(_args(chunked_prefill_size=None, max_prefill_tokens=128,
+                       disable_prefix_cache=True, disable_overlap_schedule=True), runner=runner)
+    assert eng.policy is None
+    return [eng.generate([p], GREEDY)[0] for p in _prompts(16)]
+
+
+def _staggered(eng: Engine, prompts: list[list[int]]) -> list:
+    """Four prompts first, then one more every other step, so prompts prefill while
+    others decode."""
+    rids, done, queue, steps = [], {}, list(prompts), 0
+    while queue or len(done) < len(prompts):
+        if queue and (len(rids) < 4 or steps % 2 == 0):
+            rids.append(eng.add_request(queue.pop(0), GREEDY))
+        for out in eng.step():
+            if out.finished:
+                done[out.rid] = out
+        steps += 1
+    return [done[r] for r in rids]
+
+
+@pytest.mark.parametrize("target_ms", [None, 1e-3, 1e4], ids=["measured", "tiny", "huge"])
+@pytest.mark.parametrize("prefix_cache", [True, False])
+@pytest.mark.parametrize("overlap", [True, False])
+def test_policy_matches_alone(runner, reference, target_ms, prefix_cache, overlap):
+    eng = Engine(_args(itl_target_ms=target_ms, disable_prefix_cache=not prefix_cache,
+                       disable_overlap_schedule=not overlap), runner=runner)
+    assert eng.policy is not None
+    assert eng.trace.policy["itl_target_ms"] > 0
+    outs = _staggered(eng, _prompts(16))
+    _check_same(outs, reference)
+    paths = eng.trace.prefill_paths()
+    assert paths.get("mixed", 0) + paths.get("mixed_young", 0) > 0 and paths["extend"] > 0
+    assert all("prefill_paths" in o.meta_info for o in outs)
+    if target_ms == 1e-3:  # nothing fits: every chunk beside decode rows is the smallest
+        big = [(r.step, r.extend_tokens, r.extend_rows, r.decode_rows, r.decision)
+               for r in eng.trace.steps() if r.decision is not None
+               and r.decision.path == "mixed" and r.extend_tokens > 16]
+        assert not big, big[:3]
+    assert eng.scheduler.stats().num_running == 0
+    runner.check_no_compiles()
+    assert runner.compiles_after_warmup == 0
+
+
+def test_target_zero_is_prefill_first_with_the_same_tokens(runner, reference):
+    eng = Engine(_args(itl_target_ms=0), runner=runner)
+    assert eng.policy is None
+    _check_same(_staggered(eng, _prompts(16)), reference)
+    assert "mixed" not in eng.trace.step_counts()
+    assert set(eng.trace.prefill_paths()) == {"extend (no policy)"}
+
+
+def test_policy_under_a_small_pool_and_multi_step(runner, reference):
+    eng = Engine(_args(max_total_tokens=48 * PAGE, num_scheduler_steps=4), runner=runner)
+    _check_same(_staggered(eng, _prompts(16)), reference)
+    assert eng.scheduler.stats().num_retractions > 0
+    modes = eng.trace.step_counts()
+    assert modes.get("multi_decode", 0) > 0 and modes.get("mixed", 0) > 0
+    runner.check_no_compiles()
+
+
+def test_the_policy_adds_only_its_mixed_programs():
+    """At the default flags the policy compiles one MIXED program per chunk bucket and one
+    of max_extend_seqs rows, and no sampler beyond the DECODE buckets' ones."""
+    on = runner_config(ServerArgs(attention_backend="xla", cpu_matmul="xla"), CFG)
+    off = runner_config(ServerArgs(attention_backend="xla", cpu_matmul="xla",
+                                   itl_target_ms=0), CFG)
+    assert off.mixed_shapes == () and len(on.mixed_shapes) == 4
+    from runtime.bucket_plan import BucketPlan
+
+    keys_on, keys_off = BucketPlan(on, 16).step_keys(), BucketPlan(off, 16).step_keys()
+    mixed = [k for k in keys_on if k.mode is ForwardMode.MIXED]
+    assert len(keys_on) - len(keys_off) == len(mixed) == 4 * len(on.kv_len_buckets)
+
+    def rows(keys):
+        return {k.shape.num_extend_seqs + k.shape.num_decode_seqs for k in keys}
+
+    assert rows(keys_on) == rows(keys_off)
