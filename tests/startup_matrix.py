@@ -101,6 +101,8 @@ ROWS: tuple[Row, ...] = (
          disable_prefix_cache=True, schedule_policy="lpm", disable_overlap_schedule=True,
          trace_buffer_steps=0),
     _row("unchunked", "chunked_prefill_size", chunked_prefill_size=None),
+    _row("itl_target", "itl_target_ms", itl_target_ms=50.0),
+    _row("prefill_first", "itl_target_ms", itl_target_ms=0.0),
     _row("mixed_chunk", "enable_mixed_chunk", enable_mixed_chunk=True,
          slow="a MIXED program; dp2 (which needs them) runs MIXED programs in make test"),
     _row("kv_pool_from_memory", "mem_fraction max_total_tokens", max_total_tokens=None,
