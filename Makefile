@@ -33,11 +33,13 @@ lint: $(STAMP)
 # change that breaks the AVX2 build fails on an AVX-512 machine too.
 ISA_TESTS := tests/test_cpu_kernels.py tests/test_cpu_x12.py tests/test_engine.py \
 	-k "cpu_kernels or x12"
+# Two workers, a test file each at a time (module fixtures compile once per file): the
+# suite is mostly XLA compiles, one core each.
 test: setup lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 	for isa in $$($(PY) -c "from cpu_kernels import isa; print(*isa.levels_below())"); do \
 		echo "== CPU kernels capped at XLASERVE_CPU_ISA=$$isa"; \
-		XLASERVE_CPU_ISA=$$isa $(PY) -m pytest -q $(ISA_TESTS) || exit 1; \
+		XLASERVE_CPU_ISA=$$isa $(PY) -m pytest -q -n 2 --dist loadfile $(ISA_TESTS) || exit 1; \
 	done
 
 test-slow: setup
