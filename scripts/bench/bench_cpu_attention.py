@@ -30,19 +30,15 @@ from jax import lax
 import cpu_kernels
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "bench_out/cpu_attention", "where the JSON and PNG go")
-flags.DEFINE_bool("smoke", False, "tiny shapes, few iterations (CI)")
+bc.define_run_flags("bench_out/cpu_attention", "tiny shapes, few iterations (CI)")
 flags.DEFINE_list("decode", ["1:192", "32:192", "32:1024"], "decode points, ROWS:CONTEXT")
 flags.DEFINE_list("extend", ["512", "2048"], "extend points: prompt tokens (one row)")
 flags.DEFINE_list("kv_dtypes", ["float32", "bfloat16"], "pool dtypes")
 flags.DEFINE_integer("layers", 30, "layers of the pool, all read by each call")
-flags.DEFINE_integer("heads", 9, "Hq")
-flags.DEFINE_integer("kv_heads", 3, "Hkv")
-flags.DEFINE_integer("head_dim", 64, "Dh")
+bc.define_head_flags()
 flags.DEFINE_integer("page_size", 16, "tokens per page")
 flags.DEFINE_bool("scatter_pages", True, "decode rows' pages in random pool order")
 flags.DEFINE_integer("iters", 20, "timed calls per point (after 2 untimed)")
-flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 
 
 def _layers_loop(kernel: Any) -> Any:

@@ -40,8 +40,7 @@ from absl import app, flags
 import cpu_kernels
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "bench_out/cpu_matmul", "where the JSON and PNG go")
-flags.DEFINE_bool("smoke", False, "tiny shapes, few rounds (CI)")
+bc.define_run_flags("bench_out/cpu_matmul", "tiny shapes, few rounds (CI)")
 flags.DEFINE_list("rows", ["1", "32"], "M: rows of x (decode batch sizes)")
 flags.DEFINE_list("ops", ["qkv", "wo", "gate_up", "down", "lm_head"], "which shapes")
 flags.DEFINE_list("contenders", [], "f32, int8, bf16 (widening), bf16_dot, bf16_amx, x12, "
@@ -52,11 +51,8 @@ flags.DEFINE_integer("layers", 30, "distinct weights per call (lm_head: --head_c
 flags.DEFINE_integer("head_copies", 3, "distinct lm_head weights per call")
 flags.DEFINE_integer("hidden", 576, "D")
 flags.DEFINE_integer("intermediate", 1536, "F")
-flags.DEFINE_integer("heads", 9, "Hq")
-flags.DEFINE_integer("kv_heads", 3, "Hkv")
-flags.DEFINE_integer("head_dim", 64, "Dh")
+bc.define_head_flags()
 flags.DEFINE_integer("vocab", 49152, "V")
-flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 
 
 def _shapes() -> dict[str, tuple[int, int]]:
