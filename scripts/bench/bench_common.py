@@ -75,6 +75,12 @@ def define_run_flags(out_dir: str, smoke: str, *, out_help: str = "where the JSO
                             "see ServerArgs; '' off")
 
 
+def set_flags(values: dict[str, Any]) -> None:
+    """Set these flags over what the command line said (e.g. a script's --smoke sizes)."""
+    for name, value in values.items():
+        flags.FLAGS[name].value = value
+
+
 def define_head_flags() -> None:
     """--heads, --kv_heads, --head_dim: SmolLM2-135M's attention layout by default."""
     flags.DEFINE_integer("heads", 9, "Hq")
@@ -431,6 +437,20 @@ def pyplot() -> Any | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def grouped_bars(ax: Any, labels: Sequence[str], series: dict[str, Sequence[float]],
+                 ylabel: str) -> None:
+    """One group of bars per label, the series' bars side by side in it, on a log scale
+    (the contenders of a point differ by orders of magnitude)."""
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar(np.arange(len(labels)) + width * (i - (len(series) - 1) / 2), values, width,
+               label=name)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
 
 
 def save_figure(fig: Any, out_dir: str | Path, name: str) -> Path:

@@ -155,10 +155,8 @@ def _bf16_kernel(eng: Engine) -> str | None:
 def main(argv: list[str]) -> None:
     del argv
     if FLAGS.smoke:
-        for name, value in (("llama_variants", []), ("repeats", 1), ("single_repeats", 2),
-                            ("concurrency", 4),
-                            ("input_len", 16), ("output_len", 8), ("single_new_tokens", 8)):
-            FLAGS[name].value = value
+        bc.set_flags(dict(llama_variants=[], repeats=1, single_repeats=2, concurrency=4,
+                          input_len=16, output_len=8, single_new_tokens=8))
     t_start = time.perf_counter()
     machine = bc.machine_info()
     engines = {c: _engine(c) for c in FLAGS.configs}
