@@ -33,6 +33,13 @@ def _pool(cfg, num_pages: int = 32):
     return init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=num_pages), np.float32)
 
 
+def _prompts_and_pool(seed: int, *lengths: int):
+    """The untied, bias-free model, random prompts of these lengths and an empty pool."""
+    cfg, params = _params(False, False)
+    rng = np.random.default_rng(seed)
+    return cfg, params, [list(rng.integers(0, cfg.vocab_size, n)) for n in lengths], _pool(cfg)
+
+
 def _check_dense(logits_row: jax.Array, params, cfg, tokens: list[int]) -> None:
     """One row's logits [V] against the dense reference's last position over `tokens`."""
     np.testing.assert_allclose(np.asarray(logits_row),
@@ -59,11 +66,7 @@ def test_extend_matches_dense(tie, bias):
 
 def test_prefix_then_decode_and_mixed_match_dense():
     """Prefill a prefix, extend on top of it, then decode token by token in a MIXED batch."""
-    cfg, params = _params(False, False)
-    rng = np.random.default_rng(1)
-    a = list(rng.integers(0, cfg.vocab_size, 13))
-    b = list(rng.integers(0, cfg.vocab_size, 6))
-    kv = _pool(cfg)
+    cfg, params, (a, b), kv = _prompts_and_pool(1, 13, 6)
     fwd = _fwd(cfg)
     pages_a, pages_b = [1, 2, 3, 4], [5, 6]
     shape = BucketShape(16, 2, 0, 4)
@@ -89,11 +92,7 @@ def test_prefix_then_decode_and_mixed_match_dense():
 
 def test_last_row_prefix_with_bucket_padding():
     """All extend rows real, the last one on a cached prefix, padding tokens after it."""
-    cfg, params = _params(False, False)
-    rng = np.random.default_rng(2)
-    a = list(rng.integers(0, cfg.vocab_size, 9))
-    b = list(rng.integers(0, cfg.vocab_size, 11))
-    kv = _pool(cfg)
+    cfg, params, (a, b), kv = _prompts_and_pool(2, 9, 11)
     fwd = _fwd(cfg)
     _, kv = fwd(params, kv, make_batch(ForwardMode.EXTEND, [SimpleRow(b[:8], 0, [5, 6])], [],
                                        BucketShape(16, 1, 0, 4), PAGE))
