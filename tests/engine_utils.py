@@ -1,4 +1,5 @@
-"""Shared by the MoE and mesh engine tests: a small strict runner, engine args, prompts."""
+"""Shared by the engine tests: a small strict runner, engine args, prompts, and the check
+that two runs gave the same tokens."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from jax.sharding import Mesh
 
 from models.config import ModelConfig
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
+from runtime.engine import Engine
 from runtime.model_runner import ModelRunner
+from runtime.request import SamplingParams
 
 PAGE = 4
 
@@ -38,3 +41,40 @@ def prompts(vocab: int) -> list[list[int]]:
     system = list(rng.integers(0, vocab, 20))
     bodies = [list(rng.integers(0, vocab, int(rng.integers(3, 40)))) for _ in range(8)]
     return [system + b if i % 2 == 0 else b for i, b in enumerate(bodies)]
+
+
+def mixed_prompts(vocab: int, n: int, seed: int = 0) -> list[list[int]]:
+    """n prompts of 1..113 tokens; every third shares a 24-token system prefix."""
+    rng = np.random.default_rng(seed)
+    system = list(rng.integers(0, vocab, 24))
+    out = []
+    for i in range(n):
+        body = list(rng.integers(0, vocab, int(rng.integers(1, 90))))
+        out.append(system + body if i % 3 == 0 else body)
+    return out
+
+
+NEAR_TIE = 1e-3  # greedy steps whose top-2 logprob gap is smaller may legitimately flip
+
+
+def check_same(got, want) -> None:
+    """Equal tokens up to the first near-tie of the reference run (DESIGN.md section 6)."""
+    for g, w in zip(got, want, strict=True):
+        n = len(w.output_ids)
+        for step, (_, lps) in enumerate(w.meta_info["output_top_logprobs"]):
+            if lps[0] - lps[1] < NEAR_TIE:
+                n = step + 1
+                break
+        assert g.output_ids[:n] == w.output_ids[:n], (g.rid, g.output_ids, w.output_ids)
+
+
+def each_alone(runner: ModelRunner, prompts: list[list[int]], sampling: SamplingParams,
+               max_prefill_tokens: int, max_running_requests: int = 8) -> list:
+    """The reference run: each prompt alone on the plain path (no chunking, no prefix
+    cache, no overlap)."""
+    eng = Engine(engine_args(max_running_requests=max_running_requests,
+                             max_prefill_tokens=max_prefill_tokens, chunked_prefill_size=None,
+                             disable_prefix_cache=True, disable_overlap_schedule=True),
+                 runner=runner)
+    assert eng.policy is None
+    return [eng.generate([p], sampling)[0] for p in prompts]

@@ -8,6 +8,7 @@ chunking, prefix caching, mixed batches, retraction, overlap or bucket padding.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -15,16 +16,15 @@ import pytest
 
 from models import llama
 from models.forward_mode import ForwardMode
-from runtime.config import CacheConfig, RunnerConfig, ServerArgs
+from runtime.config import CacheConfig, RunnerConfig
 from runtime.engine import Engine
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from tests.cpu_isa import needs_x12
+from tests.engine_utils import PAGE, check_same, each_alone, engine_args, mixed_prompts
 from tests.model_utils import TINY
 
 CFG = dataclasses.replace(TINY, max_position_embeddings=256)
-PAGE = 4
-NEAR_TIE = 1e-3  # greedy steps whose top-2 logprob gap is smaller may legitimately flip
 
 
 @pytest.fixture(scope="module", params=[("packed", "cpu", "float32", None),
@@ -70,43 +70,15 @@ def _pool_pointers(r: ModelRunner) -> list[int]:
     return [leaf.unsafe_buffer_pointer() for leaf in jax.tree.leaves(r.kv)]
 
 
-def _args(**kw) -> ServerArgs:
-    base = dict(page_size=PAGE, max_running_requests=16, max_prefill_tokens=64,
-                chunked_prefill_size=64, max_extend_seqs=4, compilation_cache_dir=None)
-    return ServerArgs(**{**base, **kw})
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Random prompts of mixed lengths; every third shares a 24-token system prefix."""
-    rng = np.random.default_rng(seed)
-    system = list(rng.integers(0, CFG.vocab_size, 24))
-    out = []
-    for i in range(n):
-        body = list(rng.integers(0, CFG.vocab_size, int(rng.integers(1, 90))))
-        out.append(system + body if i % 3 == 0 else body)
-    return out
-
-
+_args = functools.partial(engine_args, max_running_requests=16)
+_prompts = functools.partial(mixed_prompts, CFG.vocab_size)
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, top_logprobs=2)
-
-
-def _check_same(got, want) -> None:
-    """Equal tokens up to the first near-tie of the reference run (DESIGN.md section 6)."""
-    for g, w in zip(got, want, strict=True):
-        n = len(w.output_ids)
-        for step, (_, lps) in enumerate(w.meta_info["output_top_logprobs"]):
-            if lps[0] - lps[1] < NEAR_TIE:
-                n = step + 1
-                break
-        assert g.output_ids[:n] == w.output_ids[:n], (g.rid, g.output_ids, w.output_ids)
 
 
 @pytest.fixture(scope="module")
 def reference(runner):
-    """Each prompt alone, plain path: no chunking, no prefix cache, no overlap."""
-    eng = Engine(_args(chunked_prefill_size=None, max_prefill_tokens=256,
-                       disable_prefix_cache=True, disable_overlap_schedule=True), runner=runner)
-    return [eng.generate([p], GREEDY)[0] for p in _prompts(16)]
+    return each_alone(runner, _prompts(16), GREEDY, max_prefill_tokens=256,
+                      max_running_requests=16)
 
 
 @pytest.mark.parametrize("chunk", [16, 64, None])
@@ -116,7 +88,7 @@ def test_batch_of_16_matches_alone(runner, reference, chunk, prefix_cache, mixed
     eng = Engine(_args(chunked_prefill_size=chunk, max_prefill_tokens=chunk or 256,
                        disable_prefix_cache=not prefix_cache, enable_mixed_chunk=mixed),
                  runner=runner)
-    _check_same(eng.generate(_prompts(16), GREEDY), reference)
+    check_same(eng.generate(_prompts(16), GREEDY), reference)
     assert eng.scheduler.stats().num_running == 0
     runner.check_no_compiles()
 
@@ -125,7 +97,7 @@ def test_batch_of_16_matches_alone(runner, reference, chunk, prefix_cache, mixed
 def test_retraction_under_a_small_pool(runner, reference, overlap):
     eng = Engine(_args(max_total_tokens=48 * PAGE, disable_overlap_schedule=not overlap),
                  runner=runner)
-    _check_same(eng.generate(_prompts(16), GREEDY), reference)
+    check_same(eng.generate(_prompts(16), GREEDY), reference)
     assert eng.scheduler.stats().num_retractions > 0
 
 
@@ -216,7 +188,7 @@ def test_multiplexing_matches_alone(runner, reference, layers, overlap, prefix_c
                        disable_prefix_cache=not prefix_cache), runner=runner)
     before = runner.step_counts[ForwardMode.SPLIT_PREFILL]
     outs = _generate_in_waves(eng, _prompts(16), GREEDY)
-    _check_same(outs, reference)
+    check_same(outs, reference)
     assert runner.step_counts[ForwardMode.SPLIT_PREFILL] > before
     intervals = [o.meta_info["prefill_intervals"] for o in outs]
     assert min(intervals) >= (CFG.num_layers if layers == 1 else 1)
@@ -228,7 +200,7 @@ def test_fused_multiplexing_matches_alone(runner, reference, prefix_cache):
     eng = Engine(_args(enable_multiplexing=True, multiplex_fused=True, split_prefill_layers=1,
                        disable_prefix_cache=not prefix_cache), runner=runner)
     outs = _generate_in_waves(eng, _prompts(16), GREEDY)
-    _check_same(outs, reference)
+    check_same(outs, reference)
     assert min(o.meta_info["prefill_intervals"] for o in outs) >= CFG.num_layers
     runner.check_no_compiles()
 
@@ -239,7 +211,7 @@ def test_split_prefill_alone_matches(runner, reference, chunk):
                        chunked_prefill_size=chunk, max_prefill_tokens=chunk or 256),
                  runner=runner)
     outs = eng.generate(_prompts(16), GREEDY)
-    _check_same(outs, reference)
+    check_same(outs, reference)
     # Every chunk of every prompt ran one interval per layer.
     assert all(o.meta_info["prefill_intervals"] >= CFG.num_layers for o in outs)
 
@@ -251,7 +223,7 @@ def test_multiplexing_under_a_small_pool_and_aborts(runner, reference):
     assert eng.scheduler.stats().num_retractions > 0
     kept = [(o, w) for o, w in zip(outs, reference, strict=True) if o is not None]
     assert len(kept) == 14
-    _check_same(*zip(*kept, strict=True))
+    check_same(*zip(*kept, strict=True))
     stats = eng.scheduler.stats()
     assert stats.num_running == stats.num_waiting == 0
     assert stats.num_used_pages == stats.num_cached_pages
@@ -329,7 +301,7 @@ def test_multi_step_decode_matches_alone(runner, reference, overlap, pool, monke
     eng = Engine(_args(num_scheduler_steps=4, disable_overlap_schedule=not overlap,
                        max_total_tokens=pool), runner=runner)
     outs = _generate_in_waves(eng, _prompts(16), GREEDY)
-    _check_same(outs, reference)
+    check_same(outs, reference)
     assert len(calls) >= 3 and set(calls) == {4}
     if pool:
         assert eng.scheduler.stats().num_retractions > 0

@@ -6,9 +6,9 @@ and nothing compiles after warm-up."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
-import numpy as np
 import pytest
 
 from models import llama
@@ -19,11 +19,10 @@ from runtime.engine_setup import runner_config
 from runtime.model_runner import ModelRunner
 from runtime.prefill_policy import policy_shapes
 from runtime.request import SamplingParams
+from tests.engine_utils import PAGE, check_same, each_alone, engine_args, mixed_prompts
 from tests.model_utils import TINY
 
 CFG = dataclasses.replace(TINY, max_position_embeddings=256)
-PAGE = 4
-NEAR_TIE = 1e-3
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, top_logprobs=2)
 
 
@@ -44,41 +43,15 @@ def runner(request) -> ModelRunner:
     return r
 
 
-def _args(**kw) -> ServerArgs:
-    base = dict(page_size=PAGE, max_running_requests=16, max_prefill_tokens=64,
-                chunked_prefill_size=64, max_extend_seqs=4, compilation_cache_dir=None)
-    return ServerArgs(**{**base, **kw})
-
-
-def _prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Mixed lengths up to 113 tokens; every third shares a 24-token system prefix."""
-    rng = np.random.default_rng(seed)
-    system = list(rng.integers(0, CFG.vocab_size, 24))
-    out = []
-    for i in range(n):
-        body = list(rng.integers(0, CFG.vocab_size, int(rng.integers(1, 90))))
-        out.append(system + body if i % 3 == 0 else body)
-    return out
-
-
-def _check_same(got, want) -> None:
-    """Equal tokens up to the first near-tie of the reference run."""
-    for g, w in zip(got, want, strict=True):
-        n = len(w.output_ids)
-        for step, (_, lps) in enumerate(w.meta_info["output_top_logprobs"]):
-            if lps[0] - lps[1] < NEAR_TIE:
-                n = step + 1
-                break
-        assert g.output_ids[:n] == w.output_ids[:n], (g.rid, g.output_ids, w.output_ids)
+_args = functools.partial(engine_args, max_running_requests=16)
+_prompts = functools.partial(mixed_prompts, CFG.vocab_size)
 
 
 @pytest.fixture(scope="module")
 def reference(runner):
-    """Each prompt alone, prefill first: no chunking, no prefix cache, no overlap."""
-    eng = Engine(_args(chunked_prefill_size=None, max_prefill_tokens=128,
-                       disable_prefix_cache=True, disable_overlap_schedule=True), runner=runner)
-    assert eng.policy is None
-    return [eng.generate([p], GREEDY)[0] for p in _prompts(16)]
+    """Each prompt alone, prefill first."""
+    return each_alone(runner, _prompts(16), GREEDY, max_prefill_tokens=128,
+                      max_running_requests=16)
 
 
 def _staggered(eng: Engine, prompts: list[list[int]]) -> list:
@@ -104,7 +77,7 @@ def test_policy_matches_alone(runner, reference, target_ms, prefix_cache, overla
     assert eng.policy is not None
     assert eng.trace.policy["itl_target_ms"] > 0
     outs = _staggered(eng, _prompts(16))
-    _check_same(outs, reference)
+    check_same(outs, reference)
     paths = eng.trace.prefill_paths()
     assert paths.get("mixed", 0) + paths.get("mixed_young", 0) > 0 and paths["extend"] > 0
     assert all("prefill_paths" in o.meta_info for o in outs)
@@ -121,14 +94,14 @@ def test_policy_matches_alone(runner, reference, target_ms, prefix_cache, overla
 def test_target_zero_is_prefill_first_with_the_same_tokens(runner, reference):
     eng = Engine(_args(itl_target_ms=0), runner=runner)
     assert eng.policy is None
-    _check_same(_staggered(eng, _prompts(16)), reference)
+    check_same(_staggered(eng, _prompts(16)), reference)
     assert "mixed" not in eng.trace.step_counts()
     assert set(eng.trace.prefill_paths()) == {"extend (no policy)"}
 
 
 def test_policy_under_a_small_pool_and_multi_step(runner, reference):
     eng = Engine(_args(max_total_tokens=48 * PAGE, num_scheduler_steps=4), runner=runner)
-    _check_same(_staggered(eng, _prompts(16)), reference)
+    check_same(_staggered(eng, _prompts(16)), reference)
     assert eng.scheduler.stats().num_retractions > 0
     modes = eng.trace.step_counts()
     assert modes.get("multi_decode", 0) > 0 and modes.get("mixed", 0) > 0

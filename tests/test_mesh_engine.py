@@ -21,8 +21,7 @@ from runtime.engine_setup import runner_config
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from runtime.sharding import serving_mesh
-from tests.engine_utils import PAGE, engine_args, prompts, small_runner
-from tests.test_engine import _check_same
+from tests.engine_utils import PAGE, check_same, engine_args, prompts, small_runner
 from tests.test_parity import FIXTURES, _ckpt_cache, _comparable_prefix
 
 # 8 query / 4 KV heads: tp 2 and 4 divide both.
@@ -63,12 +62,12 @@ def test_tensor_parallel_dense_matches_one_device(tp):
     pool = "f32[" + ",".join(map(str, runner.kv.k.shape)) + "]"
     for exe in runner.paths["plain"]._exe.values():
         assert not re.search(re.escape(pool) + r"\S* all-gather", exe.as_text())
-    _check_same(_generate(runner, disable_prefix_cache=True, chunked_prefill_size=None), want)
+    check_same(_generate(runner, disable_prefix_cache=True, chunked_prefill_size=None), want)
     # The invariance matrix on the mesh: chunked prefill and the prefix cache, and
     # retraction under a pool too small for every stream at once.
-    _check_same(_generate(runner, chunked_prefill_size=16), want)
+    check_same(_generate(runner, chunked_prefill_size=16), want)
     eng = Engine(engine_args(max_total_tokens=RETRACT_PAGES * PAGE), runner=runner)
-    _check_same(eng.generate(prompts(DENSE.vocab_size), GREEDY), want)
+    check_same(eng.generate(prompts(DENSE.vocab_size), GREEDY), want)
     assert eng.scheduler.stats().num_retractions > 0
     runner.check_no_compiles()
     assert runner.compiles_after_warmup == 0
@@ -83,12 +82,12 @@ def test_data_parallel_attention_matches_one_device(dp, tp):
     runner = _runner(DENSE, llama.init_params(DENSE, jax.random.key(3)), tp=tp, dp=dp)
     assert runner.kv.k.sharding.spec[2] == "dp"  # each rank holds its own pages
     assert runner.kv.k.addressable_shards[0].data.shape[2] == runner.cache_cfg.num_pages // dp
-    _check_same(_generate(runner, dp=dp, disable_prefix_cache=True,
-                          chunked_prefill_size=None), want)
-    _check_same(_generate(runner, dp=dp, chunked_prefill_size=16), want)
+    check_same(_generate(runner, dp=dp, disable_prefix_cache=True,
+                         chunked_prefill_size=None), want)
+    check_same(_generate(runner, dp=dp, chunked_prefill_size=16), want)
     # Each rank has half the streams: a smaller pool of its own (the longest fits alone).
     eng = Engine(engine_args(dp=dp, max_total_tokens=dp * 16 * PAGE), runner=runner)
-    _check_same(eng.generate(prompts(DENSE.vocab_size), GREEDY), want)
+    check_same(eng.generate(prompts(DENSE.vocab_size), GREEDY), want)
     assert eng.scheduler.stats().num_retractions > 0
     assert [len(s.running) + len(s.waiting) for s in eng.scheduler.ranks] == [0] * dp
     idle = runner.step_counts[ForwardMode.IDLE]
@@ -96,8 +95,8 @@ def test_data_parallel_attention_matches_one_device(dp, tp):
     eng = Engine(engine_args(dp=dp), runner=runner)
     lone = eng.generate(prompts(DENSE.vocab_size)[:1], GREEDY)
     assert runner.step_counts[ForwardMode.IDLE] >= idle + len(lone[0].output_ids)
-    _check_same(lone, want[:1])
-    _check_same(one, want)
+    check_same(lone, want[:1])
+    check_same(one, want)
     runner.check_no_compiles()
 
 
@@ -117,11 +116,11 @@ def test_multiplexing_on_the_mesh_matches_plain(tp):
         assert not re.search(re.escape(pool) + r"\S* all-gather",
                              runner.compiled[name].as_text()), name
     want = _generate(runner, disable_prefix_cache=True, chunked_prefill_size=None)
-    _check_same(want, reference)
+    check_same(want, reference)
     for kw in (dict(enable_split_prefill=True, split_prefill_layers=1),
                dict(enable_multiplexing=True),
                dict(enable_multiplexing=True, multiplex_fused=True, chunked_prefill_size=16)):
-        _check_same(_generate(runner, **kw), want)
+        check_same(_generate(runner, **kw), want)
     assert runner.step_counts[ForwardMode.SPLIT_PREFILL] > 0
     assert runner.compiles_after_warmup == 0
 
@@ -132,8 +131,8 @@ def test_expert_parallel_moe_matches_one_device():
     want = _generate(_runner(cfg, params), disable_prefix_cache=True)
     runner = _runner(cfg, params, tp=1, ep=4)
     assert runner.params["layer_list"][0]["we_gate"].sharding.spec[0] == "ep"
-    _check_same(_generate(runner, disable_prefix_cache=True), want)
-    _check_same(_generate(runner, chunked_prefill_size=16), want)
+    check_same(_generate(runner, disable_prefix_cache=True), want)
+    check_same(_generate(runner, chunked_prefill_size=16), want)
 
 
 @pytest.mark.slow  # ~2 min: a MoE runner with the MIXED buckets compiles twice
@@ -147,7 +146,7 @@ def test_data_parallel_attention_with_expert_parallel_moe():
     want = _generate(_runner(cfg, params), disable_prefix_cache=True)
     runner = _runner(cfg, params, dp=2, ep=2)
     assert runner.params["layer_list"][0]["we_gate"].sharding.spec[0] == "ep"
-    _check_same(_generate(runner, dp=2), want)
+    check_same(_generate(runner, dp=2), want)
 
 
 def test_uneven_tp_is_a_clear_error():
@@ -190,7 +189,7 @@ def test_smollm2_on_a_mesh_matches_one_device_and_transformers(mesh):
     assert (eng.runner.cfg.cpu_matmul, eng.runner.cfg.attention_backend) == ("xla", "xla")
     assert dict(eng.runner.mesh.shape) == {"dp": 1, "tp": 1, "ep": 1, **mesh}
     outs = eng.generate(prompts_, sp)
-    _check_same(outs, one)
+    check_same(outs, one)
     for i, out in enumerate(outs):
         n = _comparable_prefix(ref[f"p{i}_greedy_margins"])
         assert out.output_ids[:n] == ref[f"p{i}_greedy_ids"].tolist()[:n], (i, n)

@@ -29,12 +29,30 @@ def _fwd(cfg):
     return jax.jit(functools.partial(llama.forward, cfg=cfg))
 
 
+def _pool(cfg, num_pages: int = 32):
+    return init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=num_pages), np.float32)
+
+
+def _prompts_and_pool(seed: int, *lengths: int):
+    """The untied, bias-free model, random prompts of these lengths and an empty pool."""
+    cfg, params = _params(False, False)
+    rng = np.random.default_rng(seed)
+    return cfg, params, [list(rng.integers(0, cfg.vocab_size, n)) for n in lengths], _pool(cfg)
+
+
+def _check_dense(logits_row: jax.Array, params, cfg, tokens: list[int]) -> None:
+    """One row's logits [V] against the dense reference's last position over `tokens`."""
+    np.testing.assert_allclose(np.asarray(logits_row),
+                               dense_llama_logits(params, cfg, tokens)[-1], atol=2e-4,
+                               rtol=1e-4)
+
+
 @pytest.mark.parametrize("tie,bias", [(True, False), (False, True)])
 def test_extend_matches_dense(tie, bias):
     cfg, params = _params(tie, bias)
     rng = np.random.default_rng(0)
     seqs = [list(rng.integers(0, cfg.vocab_size, n)) for n in (7, 1, 12)]
-    kv = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=32), np.float32)
+    kv = _pool(cfg)
     rows, next_page = [], 1
     for s in seqs:
         n_pages = -(-len(s) // PAGE)
@@ -43,17 +61,12 @@ def test_extend_matches_dense(tie, bias):
     batch = make_batch(ForwardMode.EXTEND, rows, [], BucketShape(24, 4, 0, 4), PAGE)
     logits, kv = _fwd(cfg)(params, kv, batch)
     for i, s in enumerate(seqs):
-        ref = dense_llama_logits(params, cfg, s)[-1]
-        np.testing.assert_allclose(np.asarray(logits[i]), ref, atol=2e-4, rtol=1e-4)
+        _check_dense(logits[i], params, cfg, s)
 
 
 def test_prefix_then_decode_and_mixed_match_dense():
     """Prefill a prefix, extend on top of it, then decode token by token in a MIXED batch."""
-    cfg, params = _params(False, False)
-    rng = np.random.default_rng(1)
-    a = list(rng.integers(0, cfg.vocab_size, 13))
-    b = list(rng.integers(0, cfg.vocab_size, 6))
-    kv = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=32), np.float32)
+    cfg, params, (a, b), kv = _prompts_and_pool(1, 13, 6)
     fwd = _fwd(cfg)
     pages_a, pages_b = [1, 2, 3, 4], [5, 6]
     shape = BucketShape(16, 2, 0, 4)
@@ -63,57 +76,48 @@ def test_prefix_then_decode_and_mixed_match_dense():
     logits, kv = fwd(params, kv, make_batch(ForwardMode.EXTEND,
                                             [SimpleRow(a[9:12], 9, pages_a[:3])], [], shape,
                                             PAGE))
-    np.testing.assert_allclose(np.asarray(logits[0]), dense_llama_logits(params, cfg, a[:12])[-1],
-                               atol=2e-4, rtol=1e-4)
+    _check_dense(logits[0], params, cfg, a[:12])
     # MIXED: b prefilled as an extend row while a decodes its 13th token.
     mixed = make_batch(ForwardMode.MIXED, [SimpleRow(b, 0, pages_b)],
                        [SimpleRow([a[12]], 12, pages_a)], BucketShape(8, 1, 2, 4), PAGE)
     logits, kv = fwd(params, kv, mixed)
-    np.testing.assert_allclose(np.asarray(logits[0]), dense_llama_logits(params, cfg, b)[-1],
-                               atol=2e-4, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(logits[1]), dense_llama_logits(params, cfg, a)[-1],
-                               atol=2e-4, rtol=1e-4)
+    _check_dense(logits[0], params, cfg, b)
+    _check_dense(logits[1], params, cfg, a)
     # Pure DECODE with a padding row.
     dec = make_batch(ForwardMode.DECODE, [], [SimpleRow([3], 6, pages_b)],
                      BucketShape(0, 0, 4, 4), PAGE)
     logits, _ = fwd(params, kv, dec)
-    np.testing.assert_allclose(np.asarray(logits[0]),
-                               dense_llama_logits(params, cfg, b + [3])[-1], atol=2e-4,
-                               rtol=1e-4)
+    _check_dense(logits[0], params, cfg, b + [3])
 
 
 def test_last_row_prefix_with_bucket_padding():
     """All extend rows real, the last one on a cached prefix, padding tokens after it."""
-    cfg, params = _params(False, False)
-    rng = np.random.default_rng(2)
-    a = list(rng.integers(0, cfg.vocab_size, 9))
-    b = list(rng.integers(0, cfg.vocab_size, 11))
-    kv = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=32), np.float32)
+    cfg, params, (a, b), kv = _prompts_and_pool(2, 9, 11)
     fwd = _fwd(cfg)
     _, kv = fwd(params, kv, make_batch(ForwardMode.EXTEND, [SimpleRow(b[:8], 0, [5, 6])], [],
                                        BucketShape(16, 1, 0, 4), PAGE))
     rows = [SimpleRow(a, 0, [1, 2, 3]), SimpleRow(b[8:], 8, [5, 6, 7])]
     logits, _ = fwd(params, kv, make_batch(ForwardMode.EXTEND, rows, [],
                                            BucketShape(16, 2, 0, 4), PAGE))
-    np.testing.assert_allclose(np.asarray(logits[0]), dense_llama_logits(params, cfg, a)[-1],
-                               atol=2e-4, rtol=1e-4)
-    np.testing.assert_allclose(np.asarray(logits[1]), dense_llama_logits(params, cfg, b)[-1],
-                               atol=2e-4, rtol=1e-4)
+    _check_dense(logits[0], params, cfg, a)
+    _check_dense(logits[1], params, cfg, b)
 
+
+def _check_same_forward(cfg, want_params, got_params, seed: int) -> None:
+    """One 10-token prompt through both weight layouts: the same logits and keys."""
+    rng = np.random.default_rng(seed)
+    rows = [SimpleRow(list(rng.integers(0, cfg.vocab_size, 10)), 0, [1, 2, 3])]
+    batch = make_batch(ForwardMode.EXTEND, rows, [], BucketShape(16, 1, 0, 4), PAGE)
+    a, kv0 = _fwd(cfg)(want_params, _pool(cfg, 8), batch)
+    b, kv1 = _fwd(cfg)(got_params, _pool(cfg, 8), batch)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(kv0.k), np.asarray(kv1.k), atol=1e-5)
 
 
 def test_switch_dispatch_matches_stacked():
     """Per-layer weights picked by lax.switch give the stacked-slice results."""
     cfg, params = _params(False, True)
-    rng = np.random.default_rng(3)
-    rows = [SimpleRow(list(rng.integers(0, cfg.vocab_size, 10)), 0, [1, 2, 3])]
-    batch = make_batch(ForwardMode.EXTEND, rows, [], BucketShape(16, 1, 0, 4), PAGE)
-    kv0 = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=8), np.float32)
-    kv1 = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=8), np.float32)
-    a, kv0 = _fwd(cfg)(params, kv0, batch)
-    b, kv1 = _fwd(cfg)(llama.unstack_layers(params), kv1, batch)
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kv0.k), np.asarray(kv1.k), atol=1e-5)
+    _check_same_forward(cfg, params, llama.unstack_layers(params), seed=3)
 
 
 @pytest.mark.parametrize("per_layer", [False, True])
@@ -121,16 +125,8 @@ def test_fused_projections_match_separate(per_layer):
     """wq|wk|wv and w_gate|w_up fused into one matrix each (the GPU layout) give the
     separate matrices' results, stacked or per layer."""
     cfg, params = _params(False, True)
-    rng = np.random.default_rng(4)
-    rows = [SimpleRow(list(rng.integers(0, cfg.vocab_size, 10)), 0, [1, 2, 3])]
-    batch = make_batch(ForwardMode.EXTEND, rows, [], BucketShape(16, 1, 0, 4), PAGE)
-    kv0 = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=8), np.float32)
-    kv1 = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=8), np.float32)
     tree = llama.unstack_layers(params) if per_layer else params
     fused = llama.fuse_projections(tree)
     lp = fused["layer_list"][0] if per_layer else fused["layers"]
     assert {"wqkv", "w_gate_up"} <= set(lp) and not {"wq", "wk", "wv", "w_gate"} & set(lp)
-    a, kv0 = _fwd(cfg)(tree, kv0, batch)
-    b, kv1 = _fwd(cfg)(fused, kv1, batch)
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
-    np.testing.assert_allclose(np.asarray(kv0.k), np.asarray(kv1.k), atol=1e-5)
+    _check_same_forward(cfg, tree, fused, seed=4)

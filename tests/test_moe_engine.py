@@ -9,8 +9,7 @@ from models import registry
 from runtime.engine import Engine
 from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
-from tests.engine_utils import engine_args, prompts, small_runner
-from tests.test_engine import _check_same
+from tests.engine_utils import check_same, engine_args, prompts, small_runner
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, top_logprobs=2)
 VOCAB = registry.PRESETS["tiny-moe"].vocab_size
@@ -33,10 +32,10 @@ def test_tiny_moe_batch_matches_alone(runner, reference, chunk, prefix_cache):
     eng = Engine(engine_args(chunked_prefill_size=chunk, disable_prefix_cache=not prefix_cache),
                  runner=runner)
     first = eng.generate(prompts(VOCAB), GREEDY)
-    _check_same(first, reference)
+    check_same(first, reference)
     if prefix_cache:  # the same prompts again: prefixes now come from the cache
         again = eng.generate(prompts(VOCAB), GREEDY)
         assert sum(o.meta_info["cached_tokens"] for o in again) > 0
-        _check_same(again, reference)
+        check_same(again, reference)
     runner.check_no_compiles()
     assert runner.compiles_after_warmup == 0

@@ -20,6 +20,7 @@ from runtime.prefill_policy import (
     policy_shapes,
 )
 from runtime.request import Req, SamplingParams
+from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import Scheduler
 from tests.fake_runner import EOS, FakeRunner, check_invariants, fake_decode, reference_output
 
@@ -65,18 +66,29 @@ def decode_past_youth(sched: Scheduler, runner: FakeRunner, n: int) -> list[Req]
     return running
 
 
+def prefill_beside(sched: Scheduler, runner: FakeRunner, running: list[Req],
+                   long: Req) -> list[tuple[ScheduleBatch, list[int]]]:
+    """Add `long` and step until its first token: each step's batch and the tokens each
+    of `running` gained in that step."""
+    sched.add(long)
+    steps = []
+    while long.num_generated == 0:
+        before = [len(r.output_ids) for r in running]
+        batch = step(sched, runner)
+        steps.append((batch, [len(r.output_ids) - b for r, b in zip(running, before,
+                                                                      strict=True)]))
+    return steps
+
+
 def test_decode_rows_ride_every_step_of_a_long_prefill():
     sched, runner = make(policy())
     running = decode_past_youth(sched, runner, 3)
     long = req("long", range(3, 403), 4)
-    sched.add(long)
     chunks = []
-    while long.num_generated == 0:
-        before = [len(r.output_ids) for r in running]
-        batch = step(sched, runner)
+    for batch, grown in prefill_beside(sched, runner, running, long):
         assert batch.mode is ForwardMode.MIXED  # the chunk never runs without them
         assert {r.req.rid for r in batch.decode_rows} == {r.rid for r in running}
-        assert [len(r.output_ids) for r in running] == [b + 1 for b in before]
+        assert grown == [1] * len(running)
         chunks.append(batch.extend_rows[0])
         assert batch.decision.path == "mixed" and batch.decision.decode_rows == 3
     # Each chunk is the largest bucket whose predicted step fits the 50 ms target: 32
@@ -130,17 +142,12 @@ def test_target_zero_restores_prefill_first():
     """Without a policy (--itl_target_ms=0) a prefill step carries no decode rows."""
     sched, runner = make(None)
     running = decode_past_youth(sched, runner, 3)
-    long = req("long", range(3, 403), 4)
-    sched.add(long)
-    modes = []
-    while long.num_generated == 0:
-        before = [len(r.output_ids) for r in running]
-        batch = step(sched, runner)
-        modes.append(batch.mode)
+    steps = prefill_beside(sched, runner, running, req("long", range(3, 403), 4))
+    for batch, grown in steps:
         assert batch.decision is None
         if batch.mode is ForwardMode.EXTEND:
-            assert [len(r.output_ids) for r in running] == before  # they wait
-    assert set(modes) == {ForwardMode.EXTEND}
+            assert grown == [0] * len(running)  # they wait
+    assert {batch.mode for batch, _ in steps} == {ForwardMode.EXTEND}
 
 
 def test_server_args_turn_the_policy_on_and_off():

@@ -23,14 +23,13 @@ import os
 import tempfile
 from typing import Any
 
-import pydantic
 from fastapi import APIRouter, Query, Request
 
 from runtime.engine import Engine
 from runtime.exec_trace import mode_runs, padding_waste
 from runtime.perfetto import chrome_trace, write_chrome_trace
 from runtime.server.engine_loop import EngineUnavailable
-from runtime.server.errors import APIError, read_json, validation_error
+from runtime.server.errors import APIError, read_model
 from runtime.server.protocol import ProfileRequest
 from runtime.server.serving import ServerContext, unavailable
 
@@ -95,10 +94,7 @@ async def _profile_request(request: Request) -> ProfileRequest:
     body = await request.body()
     if not body:
         return ProfileRequest()
-    try:
-        return ProfileRequest.model_validate(await read_json(request))
-    except pydantic.ValidationError as e:
-        raise validation_error(e) from e
+    return await read_model(request, ProfileRequest)
 
 
 async def _control(ctx: ServerContext, fn: Any) -> Any:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from typing import Any
+from typing import Any, TypeVar
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from runtime.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
+_Model = TypeVar("_Model", bound=pydantic.BaseModel)
 
 MAX_BODY_BYTES = 8 << 20
 # Deeper bodies are refused before validation: the JSON parser and pydantic both recurse,
@@ -101,6 +102,14 @@ async def read_json(request: Request, max_bytes: int = MAX_BODY_BYTES) -> dict[s
         raise APIError(400, f"the request body must be a JSON object, not "
                        f"{type(data).__name__}", code="invalid_json")
     return data
+
+
+async def read_model(request: Request, model: type[_Model]) -> _Model:
+    """The body as `model`; a body that does not fit it is a 400 naming the field."""
+    try:
+        return model.model_validate(await read_json(request))
+    except pydantic.ValidationError as e:
+        raise validation_error(e) from e
 
 
 def _depth_over(data: Any, limit: int) -> bool:

@@ -13,26 +13,24 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-import pydantic
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from runtime.engine import RequestOutput
 from runtime.request import SamplingParams
 from runtime.server.engine_loop import RequestGroup
-from runtime.server.errors import APIError, read_json, validation_error
+from runtime.server.errors import APIError, read_model
 from runtime.server.protocol import GenerateRequest, NativeSampling
 from runtime.server.serving import (
     SSE_DONE,
     ServerContext,
-    SSEResponse,
     check_prompt,
     check_sampling,
     collect,
-    compile_constraints,
     finite,
     new_id,
     sse,
+    stream_group,
     submit,
 )
 from runtime.tokenizer import Tokenizer
@@ -49,17 +47,13 @@ _NAMES |= {k: f"sampling_params.{k}" for k in ("json_schema", "regex", "ebnf")}
 @router.post("/generate")
 async def generate(request: Request) -> Any:
     ctx: ServerContext = request.app.state.ctx
-    try:
-        req = GenerateRequest.model_validate(await read_json(request))
-    except pydantic.ValidationError as e:
-        raise validation_error(e) from e
+    req = await read_model(request, GenerateRequest)
     prompts, samplings, rids = _members(ctx, req)
-    await compile_constraints(ctx, samplings, _NAMES)
-    group = await submit(ctx, rids, prompts, samplings)
+    group = await submit(ctx, rids, prompts, samplings, _NAMES)
     single = not req.is_batch and len(prompts) == 1
     tok = ctx.tokenizer if req.return_text_in_logprobs else None
     if req.stream:
-        return SSEResponse(_events(group, single, tok), lambda: ctx.engine_loop.abort(group))
+        return stream_group(ctx, group, _events(group, single, tok))
     items = [_item(o, tok) for o in await collect(request, ctx, group)]
     return JSONResponse(items[0] if single else items)
 

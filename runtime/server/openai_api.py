@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import AsyncIterator, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
-import pydantic
 from fastapi import APIRouter, Request
 
 from runtime import tool_calls as tools
@@ -20,18 +19,17 @@ from runtime.engine import RequestOutput
 from runtime.request import SamplingParams
 from runtime.server import openai_format as fmt
 from runtime.server.engine_loop import RequestGroup
-from runtime.server.errors import APIError, read_json, validation_error
+from runtime.server.errors import APIError, read_model
 from runtime.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAISampling
 from runtime.server.serving import (
     SSE_DONE,
     ServerContext,
-    SSEResponse,
     check_prompt,
     check_sampling,
     collect,
-    compile_constraints,
     new_id,
     sse,
+    stream_group,
     submit,
 )
 
@@ -41,14 +39,6 @@ _NAMES = {"max_new_tokens": "max_tokens", "top_logprobs": "top_logprobs"}
 # A grammar that fails to compile, named as the client wrote it (ebnf carries forced tool
 # calls too, whose grammar comes from the tools' parameter schemas).
 _CONSTRAINT_NAMES = {"json_schema": "response_format", "regex": "regex", "ebnf": "ebnf"}
-_Req = TypeVar("_Req", bound=pydantic.BaseModel)
-
-
-async def _parse(request: Request, model: type[_Req]) -> _Req:
-    try:
-        return model.model_validate(await read_json(request))
-    except pydantic.ValidationError as e:
-        raise validation_error(e) from e
 
 
 @router.get("/v1/models")
@@ -64,7 +54,7 @@ async def models(request: Request) -> dict[str, Any]:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Any:
     ctx: ServerContext = request.app.state.ctx
-    req = await _parse(request, CompletionRequest)
+    req = await read_model(request, CompletionRequest)
     prompts = _completion_prompts(ctx, req.prompt)
     top = req.logprobs or 0
     names = _NAMES | {"top_logprobs": "logprobs"}
@@ -77,7 +67,7 @@ async def completions(request: Request) -> Any:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Any:
     ctx: ServerContext = request.app.state.ctx
-    req = await _parse(request, ChatCompletionRequest)
+    req = await read_model(request, ChatCompletionRequest)
     template = ctx.tokenizer.chat_template
     use_tools = bool(req.tools) and req.tool_choice != "none"
     tool_fmt = tools.tool_format(template) if use_tools else None
@@ -148,13 +138,12 @@ async def _respond(request: Request, ctx: ServerContext, req: OpenAISampling,
                    prompts: Sequence[list[int]], samplings: list[SamplingParams],
                    form: fmt.Formatter) -> Any:
     expanded = [ids for ids in prompts for _ in range(req.n)]
-    await compile_constraints(ctx, samplings, _CONSTRAINT_NAMES)
-    group = await submit(ctx, form.id, expanded, samplings)
+    group = await submit(ctx, form.id, expanded, samplings, _CONSTRAINT_NAMES)
     prompt_tokens = sum(len(p) for p in prompts)
     if req.stream:
         include_usage = bool(req.stream_options and req.stream_options.include_usage)
         events = _events(group, form, prompt_tokens, req.n, include_usage)
-        return SSEResponse(events, lambda: ctx.engine_loop.abort(group))
+        return stream_group(ctx, group, events)
     outs = await collect(request, ctx, group)
     return form.response(outs, fmt.usage(prompt_tokens, outs, req.n))
 

@@ -148,10 +148,13 @@ async def compile_constraints(ctx: ServerContext, samplings: Sequence[SamplingPa
 
 
 async def submit(ctx: ServerContext, rid: str | list[str], prompts: Sequence[list[int]],
-                 samplings: Sequence[SamplingParams]) -> RequestGroup:
-    """Hand the prompts to the engine thread; 503 when the queue is full, 400 when the
-    engine refuses one (then none of them runs). `rid`: a prefix (members get -0, -1, ...)
-    or every member's id."""
+                 samplings: Sequence[SamplingParams],
+                 grammar_names: dict[str, str] | None = None) -> RequestGroup:
+    """Compile the grammars (compile_constraints, `grammar_names` naming them as the client
+    wrote them), then hand the prompts to the engine thread; 503 when the queue is full,
+    400 when the engine refuses one (then none of them runs). `rid`: a prefix (members get
+    -0, -1, ...) or every member's id."""
+    await compile_constraints(ctx, samplings, grammar_names or {})
     queued, limit = ctx.engine_loop.num_queued(), ctx.max_queued_requests
     if queued + len(prompts) > limit:
         raise unavailable(f"the server is overloaded: {queued} requests are queued "
@@ -215,6 +218,12 @@ def sse(data: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+def stream_group(ctx: ServerContext, group: RequestGroup,
+                 events: AsyncIterator[str]) -> SSEResponse:
+    """`events` as server-sent events; the group's requests stop when the client leaves."""
+    return SSEResponse(events, lambda: ctx.engine_loop.abort(group))
 
 
 class SSEResponse(StreamingResponse):

@@ -7,7 +7,9 @@
   (memory read bandwidth);
 - FLOP and byte counts of one Llama forward, counted honestly: only useful work (causal
   attention pairs, logits only for the rows that sample);
-- JSON and PNG output, and the machine's state (load average) next to every result.
+- JSON and PNG output, and the machine's state (load average) next to every result;
+- the flags several scripts share (--out_dir, --smoke, the cache directories, the shape
+  and load flags), declared once here and called by each script.
 
 Imported by the scripts as a sibling module (`import bench_common`); it puts the
 repository root on sys.path so `runtime` and `models` import from a checkout.
@@ -35,6 +37,7 @@ if str(REPO) not in sys.path:
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+from absl import flags  # noqa: E402
 
 import cpu_kernels  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
@@ -50,6 +53,54 @@ TINY_CONFIG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
 def log(msg: str) -> None:
     """Progress line with a wall-clock stamp (long runs: show that something moves)."""
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- shared flags
+# The DEFINE calls below name their caller, not this module, as the flags' owner (absl
+# walks the stack past a disclaimed module): a script's --help lists them with its own.
+flags.disclaim_key_flags()
+
+
+def define_run_flags(out_dir: str, smoke: str, *, out_help: str = "where the JSON and PNG go",
+                     compilation_cache: bool = True, checkpoint_cache: bool = False) -> None:
+    """--out_dir (default `out_dir`), --smoke (`smoke` says what it shrinks) and, where
+    the script builds an engine, the caches' directories as ServerArgs takes them."""
+    flags.DEFINE_string("out_dir", out_dir, out_help)
+    flags.DEFINE_bool("smoke", False, smoke)
+    if checkpoint_cache:
+        flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints",
+                            "see ServerArgs")
+    if compilation_cache:
+        flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax",
+                            "see ServerArgs; '' off")
+
+
+def set_flags(values: dict[str, Any]) -> None:
+    """Set these flags over what the command line said (e.g. a script's --smoke sizes)."""
+    for name, value in values.items():
+        flags.FLAGS[name].value = value
+
+
+def define_head_flags() -> None:
+    """--heads, --kv_heads, --head_dim: SmolLM2-135M's attention layout by default."""
+    flags.DEFINE_integer("heads", 9, "Hq")
+    flags.DEFINE_integer("kv_heads", 3, "Hkv")
+    flags.DEFINE_integer("head_dim", 64, "Dh")
+
+
+def define_length_flags(per: str) -> None:
+    """--input_len, --output_len: the tokens of each `per` (e.g. "throughput request")."""
+    flags.DEFINE_integer("input_len", 128, f"prompt tokens per {per}")
+    flags.DEFINE_integer("output_len", 128, f"new tokens per {per}")
+
+
+def define_single_stream_flags(order: str) -> None:
+    """--single_new_tokens, --single_repeats; `order` says how the runs of a round
+    interleave across the contenders."""
+    flags.DEFINE_integer("single_new_tokens", 128, "new tokens of the single stream")
+    flags.DEFINE_integer("single_repeats", 3, "single-stream runs per contender and round, "
+                         f"interleaved across {order} with a read probe between neighbours; "
+                         "the round reports their median", lower_bound=1)
 
 
 # ---------------------------------------------------------------- machine and timing
@@ -386,6 +437,20 @@ def pyplot() -> Any | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     return plt
+
+
+def grouped_bars(ax: Any, labels: Sequence[str], series: dict[str, Sequence[float]],
+                 ylabel: str) -> None:
+    """One group of bars per label, the series' bars side by side in it, on a log scale
+    (the contenders of a point differ by orders of magnitude)."""
+    width = 0.8 / len(series)
+    for i, (name, values) in enumerate(series.items()):
+        ax.bar(np.arange(len(labels)) + width * (i - (len(series) - 1) / 2), values, width,
+               label=name)
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_yscale("log")
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
 
 
 def save_figure(fig: Any, out_dir: str | Path, name: str) -> Path:

@@ -30,19 +30,15 @@ from jax import lax
 import cpu_kernels
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "bench_out/cpu_attention", "where the JSON and PNG go")
-flags.DEFINE_bool("smoke", False, "tiny shapes, few iterations (CI)")
+bc.define_run_flags("bench_out/cpu_attention", "tiny shapes, few iterations (CI)")
 flags.DEFINE_list("decode", ["1:192", "32:192", "32:1024"], "decode points, ROWS:CONTEXT")
 flags.DEFINE_list("extend", ["512", "2048"], "extend points: prompt tokens (one row)")
 flags.DEFINE_list("kv_dtypes", ["float32", "bfloat16"], "pool dtypes")
 flags.DEFINE_integer("layers", 30, "layers of the pool, all read by each call")
-flags.DEFINE_integer("heads", 9, "Hq")
-flags.DEFINE_integer("kv_heads", 3, "Hkv")
-flags.DEFINE_integer("head_dim", 64, "Dh")
+bc.define_head_flags()
 flags.DEFINE_integer("page_size", 16, "tokens per page")
 flags.DEFINE_bool("scatter_pages", True, "decode rows' pages in random pool order")
 flags.DEFINE_integer("iters", 20, "timed calls per point (after 2 untimed)")
-flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 
 
 def _layers_loop(kernel: Any) -> Any:
@@ -110,22 +106,17 @@ def _plot(records: list[dict[str, Any]]) -> None:
     fig, ax = plt.subplots(figsize=(8, 4))
     labels = [f"decode {r['rows']}x{r['context']}" if r["mode"] == "decode"
               else f"extend {r['tokens']}" for r in records if r["kv_dtype"] == FLAGS.kv_dtypes[0]]
-    for i, dtype in enumerate(FLAGS.kv_dtypes):
-        ms = [r["median_ms"] for r in records if r["kv_dtype"] == dtype]
-        ax.bar(np.arange(len(ms)) + 0.4 * (i - 0.5), ms, 0.4, label=dtype)
-    ax.set_xticks(range(len(labels)), labels, fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel(f"ms per call ({FLAGS.layers} layers, median)")
-    ax.legend(fontsize=8)
+    ms = {dtype: [r["median_ms"] for r in records if r["kv_dtype"] == dtype]
+          for dtype in FLAGS.kv_dtypes}
+    bc.grouped_bars(ax, labels, ms, f"ms per call ({FLAGS.layers} layers, median)")
     bc.save_figure(fig, FLAGS.out_dir, "bench_cpu_attention.png")
 
 
 def main(argv: list[str]) -> None:
     del argv
     if FLAGS.smoke:
-        for name, v in (("decode", ["2:40"]), ("extend", ["70"]), ("layers", 2),
-                        ("heads", 4), ("kv_heads", 2), ("iters", 2)):
-            FLAGS[name].value = v
+        bc.set_flags(dict(decode=["2:40"], extend=["70"], layers=2, heads=4, kv_heads=2,
+                          iters=2))
     bc.enable_compilation_cache(FLAGS.compilation_cache_dir)
     machine = bc.machine_info()
     rng = np.random.default_rng(0)

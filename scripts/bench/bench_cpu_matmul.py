@@ -40,8 +40,7 @@ from absl import app, flags
 import cpu_kernels
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "bench_out/cpu_matmul", "where the JSON and PNG go")
-flags.DEFINE_bool("smoke", False, "tiny shapes, few rounds (CI)")
+bc.define_run_flags("bench_out/cpu_matmul", "tiny shapes, few rounds (CI)")
 flags.DEFINE_list("rows", ["1", "32"], "M: rows of x (decode batch sizes)")
 flags.DEFINE_list("ops", ["qkv", "wo", "gate_up", "down", "lm_head"], "which shapes")
 flags.DEFINE_list("contenders", [], "f32, int8, bf16 (widening), bf16_dot, bf16_amx, x12, "
@@ -52,11 +51,8 @@ flags.DEFINE_integer("layers", 30, "distinct weights per call (lm_head: --head_c
 flags.DEFINE_integer("head_copies", 3, "distinct lm_head weights per call")
 flags.DEFINE_integer("hidden", 576, "D")
 flags.DEFINE_integer("intermediate", 1536, "F")
-flags.DEFINE_integer("heads", 9, "Hq")
-flags.DEFINE_integer("kv_heads", 3, "Hkv")
-flags.DEFINE_integer("head_dim", 64, "Dh")
+bc.define_head_flags()
 flags.DEFINE_integer("vocab", 49152, "V")
-flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 
 
 def _shapes() -> dict[str, tuple[int, int]]:
@@ -172,27 +168,19 @@ def _plot(records: list[dict[str, Any]]) -> None:
     fig, axes = plt.subplots(1, len(rows), figsize=(5 * len(rows), 4), squeeze=False)
     for ax, m in zip(axes[0], rows, strict=True):
         ops = [o for o in FLAGS.ops if any(r["op"] == o and r["rows"] == m for r in records)]
-        names = _contenders()
-        width = 0.8 / len(names)
-        for i, c in enumerate(names):
-            us = [next(r["median_us"] for r in records
+        us = {c: [next(r["median_us"] for r in records
                        if r["op"] == o and r["rows"] == m and r["contender"] == c) for o in ops]
-            ax.bar(np.arange(len(ops)) + width * (i - (len(names) - 1) / 2), us, width, label=c)
-        ax.set_xticks(range(len(ops)), ops)
-        ax.set_yscale("log")
-        ax.set_ylabel("us per call (median)")
+              for c in _contenders()}
+        bc.grouped_bars(ax, ops, us, "us per call (median)")
         ax.set_title(f"M = {m}")
-        ax.legend(fontsize=8)
     bc.save_figure(fig, FLAGS.out_dir, "bench_cpu_matmul.png")
 
 
 def main(argv: list[str]) -> None:
     del argv
     if FLAGS.smoke:
-        for name, v in (("hidden", 64), ("intermediate", 96), ("heads", 4), ("kv_heads", 2),
-                        ("head_dim", 16), ("vocab", 256), ("layers", 2), ("head_copies", 1),
-                        ("rounds", 2)):
-            FLAGS[name].value = v
+        bc.set_flags(dict(hidden=64, intermediate=96, heads=4, kv_heads=2, head_dim=16,
+                          vocab=256, layers=2, head_copies=1, rounds=2))
     bc.enable_compilation_cache(FLAGS.compilation_cache_dir)
     machine = bc.machine_info()
     rng = np.random.default_rng(0)

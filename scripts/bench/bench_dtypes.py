@@ -37,24 +37,17 @@ from runtime.config import ServerArgs  # noqa: E402
 from runtime.engine import Engine  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "bench_out/dtypes", "where bench_dtypes.json goes")
+bc.define_run_flags("bench_out/dtypes", "tiny random model, tiny workload, one round, no "
+                    "llama-server (checks the script)", out_help="where bench_dtypes.json goes",
+                    checkpoint_cache=True)
 flags.DEFINE_list("configs", ["float32:float32", "bfloat16:bfloat16", "float32:float32:int8"],
                   "xlaserve DTYPE:KV_CACHE_DTYPE[:QUANTIZATION] (--quantization=int8)")
 flags.DEFINE_list("llama_variants", ["q4_1", "f32"], "llama-server GGUFs (see llama_peer)")
 flags.DEFINE_integer("llama_threads", 2, "llama-server --threads / --threads-batch")
 flags.DEFINE_integer("repeats", 3, "rounds")
 flags.DEFINE_integer("concurrency", 32, "requests at once in the throughput run")
-flags.DEFINE_integer("input_len", 128, "prompt tokens per throughput request")
-flags.DEFINE_integer("output_len", 128, "new tokens per throughput request")
-flags.DEFINE_integer("single_new_tokens", 128, "new tokens of the single stream")
-flags.DEFINE_integer("single_repeats", 3, "single-stream runs per contender and round, "
-                     "interleaved across the contenders (A B C D, D C B A, ...) with a "
-                     "read probe between neighbours; the round reports their median",
-                     lower_bound=1)
-flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
-flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs")
-flags.DEFINE_bool("smoke", False, "tiny random model, tiny workload, one round, no "
-                  "llama-server (checks the script)")
+bc.define_length_flags("throughput request")
+bc.define_single_stream_flags("the contenders (A B C D, D C B A, ...)")
 
 _CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -162,10 +155,8 @@ def _bf16_kernel(eng: Engine) -> str | None:
 def main(argv: list[str]) -> None:
     del argv
     if FLAGS.smoke:
-        for name, value in (("llama_variants", []), ("repeats", 1), ("single_repeats", 2),
-                            ("concurrency", 4),
-                            ("input_len", 16), ("output_len", 8), ("single_new_tokens", 8)):
-            FLAGS[name].value = value
+        bc.set_flags(dict(llama_variants=[], repeats=1, single_repeats=2, concurrency=4,
+                          input_len=16, output_len=8, single_new_tokens=8))
     t_start = time.perf_counter()
     machine = bc.machine_info()
     engines = {c: _engine(c) for c in FLAGS.configs}

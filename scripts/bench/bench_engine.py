@@ -52,8 +52,7 @@ flags.DEFINE_list("parts", ["throughput", "itl"], "which parts to run: throughpu
                   "the layout the runtime's GPU default, one fused buffer per layer behind a "
                   "lax.switch, replaced; see bench_layer_weights.py, docs/gpu.md)")
 flags.DEFINE_list("concurrency", ["1", "32", "128"], "concurrent requests per throughput run")
-flags.DEFINE_integer("input_len", 128, "prompt tokens per throughput request")
-flags.DEFINE_integer("output_len", 128, "new tokens per throughput request")
+bc.define_length_flags("throughput request")
 flags.DEFINE_integer("chunk", 2048, "chunked-prefill size = the one extend-token bucket")
 flags.DEFINE_integer("extend_seqs", 16, "most prompts in one extend batch (throughput)")
 flags.DEFINE_integer("itl_streams", 31, "streams decoding when the long prompt arrives "

@@ -62,19 +62,15 @@ QUANTIZED = {"int8"}
 # bf16 weights stored in 12 bits (--compress_weights): the same model as bfloat16, whose
 # transformers run is its reference.
 COMPRESSED = {"bf16x12"}
-flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
-flags.DEFINE_bool("smoke", False, "tiny random model, tiny workload (checks the script)")
+bc.define_run_flags("bench_out", "tiny random model, tiny workload (checks the script)",
+                    checkpoint_cache=True)
 flags.DEFINE_integer("num_prompts", 32, "requests in the throughput run")
-flags.DEFINE_integer("input_len", 128, "prompt tokens per request")
-flags.DEFINE_integer("output_len", 128, "new tokens per request")
+bc.define_length_flags("request")
 flags.DEFINE_integer("seed", 0, "seed of the random prompts (round r uses seed + r)")
 flags.DEFINE_integer("repeats", 2, "rounds; each runs every contender once (A B A B)")
 flags.DEFINE_string("single_prompt", "What is the capital of France?", "single-stream prompt")
-flags.DEFINE_integer("single_new_tokens", 128, "new tokens of the single stream")
-flags.DEFINE_integer("single_repeats", 3, "single-stream runs per contender and round, "
-                     "interleaved across xlaserve's dtypes and llama-server's variants "
-                     "(A B C, C B A, ...) with a read probe between neighbours; the "
-                     "round reports their median", lower_bound=1)
+bc.define_single_stream_flags("xlaserve's dtypes and llama-server's variants (A B C, C B A, "
+                              "...)")
 flags.DEFINE_integer("prefill_len", 512, "tokens of the prefill measurement (one random "
                      "prompt, one new token; prefill tok/s = tokens / TTFT)")
 flags.DEFINE_enum("reference", "auto", ["auto", "on", "off"],
@@ -91,8 +87,6 @@ flags.DEFINE_list("also_dtypes", [], "further xlaserve weight formats (as --dtyp
                   "in the same rounds against the same peer runs (transformers in each "
                   "dtype, none for int8): bench_offline_<bf16|f32|int8>.json / .png beside "
                   "--dtype's bench_offline.*")
-flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
-flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 flags.DEFINE_list("concurrency", ["1", "8", "32", "64"], "concurrent requests of the "
                   "side-by-side sweep (xlaserve and llama-server)")
 flags.DEFINE_enum("llama_server", "auto", ["auto", "on", "off"], "llama-server side by "

@@ -62,12 +62,12 @@ from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import BatchRow, ScheduleBatch
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "bench_out", "where the JSON and PNG go")
+bc.define_run_flags("bench_out", "alias of --tiny with few iterations and a small probe",
+                    checkpoint_cache=True)
 flags.DEFINE_string("model", "default", "see ServerArgs.model (a preset, e.g. tiny-moe, too)")
 flags.DEFINE_integer("tp", 1, "tensor-parallel devices (see ServerArgs)")
 flags.DEFINE_integer("ep", 1, "expert-parallel devices (see ServerArgs)")
 flags.DEFINE_bool("tiny", False, "a tiny random model instead of SmolLM2 (seconds; CI)")
-flags.DEFINE_bool("smoke", False, "alias of --tiny with few iterations and a small probe")
 flags.DEFINE_list("decode_batches", ["1", "2", "4", "8", "16", "32"], "decode rows per step")
 flags.DEFINE_list("decode_contexts", ["128"], "tokens already cached per decode row")
 flags.DEFINE_list("extend_tokens", ["64", "256", "512"], "prefill lengths (one row each)")
@@ -89,8 +89,6 @@ flags.DEFINE_list("variants", [], "MATMUL+ATTENTION pairs to time side by side, 
                   "packed+cpu,xla+xla, each optionally +tbo (two-batch overlap on), "
                   "+switch or +stacked (the layer weights; see above) "
                   "(default: the server's choice alone)")
-flags.DEFINE_string("checkpoint_cache_dir", "~/.cache/xlaserve/checkpoints", "see ServerArgs")
-flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 
 
 @dataclasses.dataclass(frozen=True)

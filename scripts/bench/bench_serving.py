@@ -65,9 +65,9 @@ DEFAULT_CONFIGS = ["plain=--chunked_prefill_size=-1",
                    "chunk512_mixed=--chunked_prefill_size=512 --enable_mixed_chunk",
                    "mux=--enable_multiplexing", "default="]
 
-flags.DEFINE_string("out_dir", "bench_out", "where the JSON, PNGs and server logs go")
+bc.define_run_flags("bench_out", "tiny sizes everywhere (checks the script)",
+                    out_help="where the JSON, PNGs and server logs go", compilation_cache=False)
 flags.DEFINE_string("tag", "", "suffix of the output names (bench_serving_<tag>.json)")
-flags.DEFINE_bool("smoke", False, "tiny sizes everywhere (checks the script)")
 flags.DEFINE_string("base_url", None, "benchmark this running server (loopback only) "
                     "instead of launching --config / --peers")
 flags.DEFINE_enum("backend", "openai", ["openai", "generate"], "/v1/completions or SGLang's "

@@ -31,9 +31,9 @@ from runtime.perfetto import write_chrome_trace
 from runtime.request import SamplingParams
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("out_dir", "timeline_out", "where the files go")
+bc.define_run_flags("timeline_out", "tiny random model, tiny scenario (checks the script)",
+                    out_help="where the files go", compilation_cache=False)
 flags.DEFINE_string("label", "plain", "file name stem")
-flags.DEFINE_bool("smoke", False, "tiny random model, tiny scenario (checks the script)")
 flags.DEFINE_integer("num_streams", 8, "requests decoding when the long prompts arrive")
 flags.DEFINE_integer("decode_tokens", 96, "new tokens per decode stream")
 flags.DEFINE_integer("long_prompts", 2, "long prompts that arrive mid-decode")
