@@ -12,10 +12,12 @@ runs it, the tests only read what it writes:
       the weights as --quantization=int8 holds them (every linear layer's rows quantized
       to int8 with a scale per row, then multiplied back; the embedding lookup unquantized).
   tests/fixtures/tiny_models/<name>/             seeded random HF models (safetensors +
-      config.json) and ref_logits.npz: logits [T, V] of a fixed token sequence.
+      config.json) and ref_logits.npz: logits [T, V] of a fixed token sequence; the dense
+      families (--only=tiny_dense: mistral with a 5-token sliding window, qwen3) also
+      greedy.npz: transformers' greedy tokens over 32 steps from a short prompt.
 
 Usage: .venv/bin/python scripts/make_reference.py
-           [--only=smollm2|smollm2_bf16|smollm2_int8|tiny|tiny_moe]
+           [--only=smollm2|smollm2_bf16|smollm2_int8|tiny|tiny_moe|tiny_dense]
 """
 
 from __future__ import annotations
@@ -35,12 +37,16 @@ from transformers import (
     AutoTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     MixtralConfig,
     MixtralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen2MoeConfig,
     Qwen2MoeForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
 )
@@ -50,7 +56,7 @@ from runtime.checkpoint import default_gguf_path  # noqa: E402
 
 FLAGS = flags.DEFINE_string("out_dir", "tests/fixtures", "fixture folder")
 ONLY = flags.DEFINE_enum("only", None, ["smollm2", "smollm2_bf16", "smollm2_int8", "tiny",
-                                        "tiny_moe"],
+                                        "tiny_moe", "tiny_dense"],
                         "generate just one group")
 NUM_GREEDY = flags.DEFINE_integer("num_greedy", 32, "greedy tokens per prompt")
 
@@ -243,6 +249,38 @@ def tiny_moe_configs() -> dict[str, tuple[type, object]]:
     }
 
 
+# The dense families' greedy prompt: decode runs from position 5 to 36, so a 5-token window
+# slides over the prompt and then over the generated tokens.
+DENSE_PROMPT = TINY_TOKENS[:5]
+
+
+def tiny_dense_configs() -> dict[str, tuple[type, object]]:
+    """Mistral with a sliding window of 5 (the 12-token fixed input and the greedy decode
+    both run past it) and Qwen3 dense (q/k norm, no bias); 3 layers."""
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=4096, rms_norm_eps=1e-5, bos_token_id=1,
+                  eos_token_id=2, tie_word_embeddings=False)
+    return {
+        "mistral": (MistralForCausalLM, MistralConfig(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 1e4},
+            sliding_window=5)),
+        "qwen3": (Qwen3ForCausalLM, Qwen3Config(
+            **common, rope_parameters={"rope_type": "default", "rope_theta": 1e6})),
+    }
+
+
+def make_tiny_dense(out_dir: str) -> None:
+    """make_tiny's fixtures, then transformers' greedy decode from DENSE_PROMPT."""
+    configs = tiny_dense_configs()
+    make_tiny(out_dir, configs, seed0=208)  # seeds whose greedy runs have no near-tie
+    for name, (cls, _) in configs.items():
+        folder = os.path.join(out_dir, "tiny_models", name)
+        model = cls.from_pretrained(folder, dtype=torch.float32).eval()
+        np.savez_compressed(os.path.join(folder, "greedy.npz"),
+                            **greedy(model, DENSE_PROMPT, NUM_GREEDY.value))
+
+
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights with O(1) logits: HF's 0.02 init leaves them near-uniform and uninformative.
@@ -300,6 +338,8 @@ def main(argv: list[str]) -> None:
         make_tiny(out_dir, tiny_configs())
     if ONLY.value in (None, "tiny_moe"):
         make_tiny(out_dir, tiny_moe_configs(), seed0=100)
+    if ONLY.value in (None, "tiny_dense"):
+        make_tiny_dense(out_dir)
     if ONLY.value in (None, "smollm2"):
         make_smollm2(out_dir)
     if ONLY.value in (None, "smollm2_bf16"):
