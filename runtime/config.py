@@ -44,6 +44,8 @@ class SchedulerConfig:
       1 = one step a batch.
     max_context_len: longest prompt + max_new_tokens accepted (e.g. the runner's largest
       sequence bucket); None = only the pool size limits it.
+    sliding_window: the model's window when every layer slides (ModelConfig.uniform_window;
+      0 = none): a running request's pages wholly before its next query's window are freed.
     """
 
     cache: CacheConfig = CacheConfig()
@@ -57,6 +59,7 @@ class SchedulerConfig:
     overlap: bool = not _ARGS.disable_overlap_schedule
     max_context_len: int | None = None
     num_scheduler_steps: int = _ARGS.num_scheduler_steps
+    sliding_window: int = 0
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, cache: CacheConfig, max_context_len: int,

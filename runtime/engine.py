@@ -216,9 +216,9 @@ class Engine:
         num_pages = runner.cache_cfg.num_pages // dp
         if args.max_total_tokens is not None:
             num_pages = min(num_pages, args.max_total_tokens // (dp * args.page_size) + 1)
-        config = SchedulerConfig.from_server_args(
+        config = dataclasses.replace(SchedulerConfig.from_server_args(
             args, CacheConfig(page_size=runner.cache_cfg.page_size, num_pages=num_pages),
-            runner.max_seq_len, dp)
+            runner.max_seq_len, dp), sliding_window=self.model_cfg.uniform_window)
         decode_fn = tokenizer.decode if tokenizer else None
         # Decode first by default (runtime/prefill_policy.py), sized from step costs
         # measured now; None: prefill first, or the path a flag picked.

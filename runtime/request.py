@@ -183,6 +183,11 @@ class Req:
     )
     # Prefix-cache node this request holds locked while running.
     prefix_node: Node | None = None
+    # Sliding-window models (Scheduler._free_out_of_window): leading pages already checked
+    # for falling out of the window, and the pages before the first one freed (None: none
+    # freed), past which nothing of this admission may enter the prefix cache.
+    window_checked_pages: int = 0
+    cacheable_pages: int | None = None
     # Seed of the request's sampling randomness: the caller's seed, else a random one.
     rng_seed: int = -1
     # Split-prefill intervals its prefill (all chunks, all admissions) ran in.

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 
 from models.forward_mode import ForwardMode
 from runtime.config import SchedulerConfig
-from runtime.kv_cache import PageAllocator, pages_for
+from runtime.kv_cache import PAD_PAGE, PageAllocator, pages_for
 from runtime.prefill_policy import YOUNG_STREAM_TOKENS, PrefillPolicy
 from runtime.prefix_cache import make_prefix_cache
 from runtime.request import FinishReason, Req, ReqStatus
@@ -316,13 +316,18 @@ class Scheduler:
         req.finish_reason = reason
         del self._reqs[req.rid]
 
+    def _cacheable(self, req: Req, pages: int) -> int:
+        """Of req's first `pages` pages, how many may enter the prefix cache: a cached path
+        runs from the root, so none past a page freed out of the window."""
+        return pages if req.cacheable_pages is None else min(pages, req.cacheable_pages)
+
     def _cache_prefilled(self, req: Req) -> None:
         """Share a running request's whole prefilled pages, so concurrent requests with the
         same prefix hit the cache. Called when the batch's results arrive: every batch that
         writes those pages is launched by then, and a batch that reads them only later (a row
         must never read KV that another row of the same batch writes). The lock moves to the
         new deepest node, new before old, so no shared page is ever unlocked in between."""
-        full = min(req.kv_len, req.num_known) // self.page_size
+        full = self._cacheable(req, min(req.kv_len, req.num_known) // self.page_size)
         result = self.prefix_cache.insert(req.all_ids[: full * self.page_size], req.pages[:full])
         self.prefix_cache.lock(result.node)
         self.prefix_cache.unlock(req.prefix_node)
@@ -403,6 +408,7 @@ class Scheduler:
         return self._extend_row(req, n, new_slot=True)
 
     def _next_chunk(self, req: Req, budget: int) -> BatchRow | None:
+        self._free_out_of_window(req)
         n = min(req.fill_len - req.kv_len, budget)
         need = pages_for(req.kv_len + n, self.page_size) - len(req.pages)
         if n <= 0 or not self._can_get(need):
@@ -455,6 +461,7 @@ class Scheduler:
         """Make sure positions kv_len .. kv_len + n - 1 have pages, retracting the newest
         unscheduled requests if the pool is out of pages. False if req itself had to be
         retracted."""
+        self._free_out_of_window(req)
         need = pages_for(req.kv_len + n, self.page_size) - len(req.pages)
         if need <= 0:
             return True
@@ -507,16 +514,44 @@ class Scheduler:
             self.prefix_cache.evict(n - self.allocator.num_free)
         return self.allocator.allocate(n)
 
+    def _free_out_of_window(self, req: Req) -> None:
+        """Sliding-window models: free the pages wholly before the window of req's next
+        query (at kv_len), which no later query of req reads, and mark them PAD_PAGE in its
+        page list (the kernels mask, or skip, positions outside the window). Only pages req
+        owns alone: a page the prefix cache holds frees nothing and stays valid for others.
+        Batches in flight may still read a freed page; whatever reuses it is launched later
+        (PageAllocator's contract)."""
+        window = self.config.sliding_window
+        if not window:
+            return
+        dead = min(max(req.kv_len - window + 1, 0) // self.page_size, len(req.pages))
+        for i in range(req.window_checked_pages, dead):
+            page = req.pages[i]
+            if page != PAD_PAGE and self.allocator.refcount(page) == 1:
+                self.allocator.free([page])
+                req.pages[i] = PAD_PAGE
+                if req.cacheable_pages is None:
+                    req.cacheable_pages = i
+        req.window_checked_pages = max(req.window_checked_pages, dead)
+
     def _release(self, req: Req) -> None:
         """Return a running request's pages and slot; whole pages of known tokens whose KV is
         written (or in flight) go into the prefix cache first."""
         cached = min(req.kv_len, req.num_known, self._held.get(req, req.kv_len)) // self.page_size
+        cached = self._cacheable(req, cached)
         self.prefix_cache.insert(req.all_ids[: cached * self.page_size], req.pages[:cached])
         self.prefix_cache.unlock(req.prefix_node)
         self.allocator.decref(req.pages[:cached])
-        # Pages past the cached ones were allocated for this request alone.
-        self.allocator.free(req.pages[cached:])
+        # Pages past the cached ones were allocated for this request alone, unless a page
+        # was freed out of the window (now PAD_PAGE): the cache may then hold some past it
+        # (where another request's copy of a page was cached first, req's went unused).
+        rest = [p for p in req.pages[cached:] if p != PAD_PAGE]
+        if req.cacheable_pages is None:
+            self.allocator.free(rest)
+        else:
+            self.allocator.decref(rest)
         self._free_slots.append(req.req_slot)
         req.pages, req.prefix_node, req.req_slot = [], None, -1
+        req.window_checked_pages, req.cacheable_pages = 0, None
         if self._chunked is req:
             self._chunked = None

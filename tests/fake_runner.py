@@ -3,7 +3,9 @@
 The fake "KV cache" stores token ids: every fed token is written at its cache slot, and a
 row's next token is a hash of all tokens read back through the row's pages for positions
 [0, end). So the output is a function of the true sequence only when every page table,
-allocation, eviction and slot lookup is right; any bug changes the tokens.
+allocation, eviction and slot lookup is right; any bug changes the tokens. With a sliding
+`window` the hash covers only the row's last `window` positions, as attention over a
+window does, and pages wholly before the window may be PAD_PAGE (freed by the scheduler).
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ def cache_slots(pages: Sequence[int], start: int, end: int, page_size: int) -> n
     return np.asarray(pages, np.int64)[pos // page_size] * page_size + pos % page_size
 
 
-def next_token(seq: np.ndarray) -> int:
-    """The fake model: a position-sensitive hash of the whole sequence."""
-    h = int(((seq.astype(np.uint64) + np.uint64(1)) * _MULT[: len(seq)]).sum())  # wraps
+def next_token(seq: np.ndarray, start: int = 0) -> int:
+    """The fake model: a position-sensitive hash of the sequence (positions start, ...)."""
+    h = int(((seq.astype(np.uint64) + np.uint64(1)) * _MULT[start:start + len(seq)]).sum())
     h = ((h ^ (h >> 31)) * 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
     h ^= h >> 29
     return EOS if h % EOS_EVERY == 0 else (h >> 7) % VOCAB
@@ -50,8 +52,9 @@ def fake_decode(ids: list[int]) -> str:
 class FakeRunner:
     """Executes a ScheduleBatch on a host array of token ids laid out like the KV pool."""
 
-    def __init__(self, num_pages: int, page_size: int, max_slots: int):
+    def __init__(self, num_pages: int, page_size: int, max_slots: int, window: int = 0):
         self.page_size = page_size
+        self.window = window
         self.kv = np.full(num_pages * page_size, -1, np.int64)  # -1: never written
         self.last = np.full(max_slots, -1, np.int64)  # token each req_slot sampled last
         self.num_batches = 0
@@ -67,19 +70,23 @@ class FakeRunner:
             ids = [prev if t == PREV_TOKEN else t for t in row.input_ids]
             assert min(ids) >= 0, "PREV_TOKEN with nothing sampled in this slot"
             assert len(row.pages) == pages_for(row.end_pos, self.page_size), "page count"
-            assert PAD_PAGE not in row.pages, "a row uses the reserved page"
+            first = max(row.start_pos - self.window + 1, 0) if self.window else 0
+            assert all((i + 1) * self.page_size <= first
+                       for i, p in enumerate(row.pages) if p == PAD_PAGE), \
+                "a row uses the reserved page inside its window"
             new = cache_slots(row.pages, row.start_pos, row.end_pos, self.page_size)
             assert writer.keys().isdisjoint(new.tolist()), "two rows write one slot"
             writer.update(dict.fromkeys(new.tolist(), i))
             self.kv[new] = ids
         tokens = []
         for i, row in enumerate(batch.rows):
-            slots = cache_slots(row.pages, 0, row.end_pos, self.page_size)
+            lo = max(row.end_pos - self.window, 0) if self.window else 0
+            slots = cache_slots(row.pages, lo, row.end_pos, self.page_size)
             # Rows of one batch may run as separate micro-batches: no cross-row reads.
             assert all(writer.get(s, i) == i for s in slots.tolist()), "reads another row's KV"
             seq = self.kv[slots]
             assert (seq >= 0).all(), "read a slot nothing wrote"
-            tok = next_token(seq)
+            tok = next_token(seq, lo)
             if row.sample:
                 self.last[row.req.req_slot] = tok
             tokens.append(tok)
@@ -110,11 +117,13 @@ class FakeRunner:
         return StepOutput(tokens)
 
 
-def reference_output(prompt: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+def reference_output(prompt: list[int], max_new_tokens: int, ignore_eos: bool = False,
+                     window: int = 0) -> list[int]:
     """What any correct schedule must produce for a request (no KV cache involved)."""
     seq, out = list(prompt), []
     while len(out) < max_new_tokens:
-        tok = next_token(np.asarray(seq))
+        lo = max(len(seq) - window, 0) if window else 0
+        tok = next_token(np.asarray(seq[lo:]), lo)
         out.append(tok)
         seq.append(tok)
         if tok == EOS and not ignore_eos:
