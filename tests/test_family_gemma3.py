@@ -79,14 +79,16 @@ def test_weight_map_reads_the_four_norms():
     assert "lm_head" not in params
 
 
-@pytest.mark.parametrize("path", ["xla", "cpu_kernels"])
+@pytest.mark.parametrize("path", ["xla", "cpu_kernels", "pallas"])
 @pytest.mark.parametrize("name", MODELS)
 def test_prefill_logits_match_transformers(name, path):
+    """XLA's dot with jnp attention; the packed CPU matmuls with the CPU attention
+    kernels; the Pallas kernels (interpreted on a CPU)."""
     cfg, params, ref = _load(name)
     if path == "cpu_kernels":
         params = gemma3.pack_for_cpu(params)
     logits = all_position_logits(params, cfg, ref["tokens"].tolist(), page_size=4,
-                                 attention_backend="cpu" if path == "cpu_kernels" else "xla")
+                                 attention_backend="cpu" if path == "cpu_kernels" else path)
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=1e-4)
 
 
@@ -133,3 +135,19 @@ def test_init_params_centres_the_norms():
     assert params["layers"]["post_mlp_norm"].dtype == jnp.bfloat16
     assert abs(float(params["final_norm"].astype(jnp.float32).mean())) < 0.1
     assert json.loads(cfg.to_json())["layer_types"][1] == "full_attention"
+
+
+def test_bf16_embedding_scale_is_rounded_as_hf_rounds_it():
+    """bf16 weights: sqrt(D) is rounded to bf16 and the product too (HF multiplies in the
+    table's dtype); the packed path's pre-scaled f32 table holds the same values."""
+    import jax
+
+    cfg, params, _ = _load("gemma3_wide")
+    params = jax.tree.map(lambda w: jnp.asarray(w, jnp.bfloat16), params)
+    ids = jnp.arange(0, 200, 7, dtype=jnp.int32)
+    plain = gemma3.embed(params, ids)  # [T, D] bf16
+    packed = gemma3.embed(gemma3.pack_for_cpu(params), ids)  # [T, D] f32
+    assert plain.dtype == jnp.bfloat16 and packed.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(plain, np.float32), np.asarray(packed))
+    want = (params["embed"][ids] * jnp.bfloat16(8.0)).astype(jnp.float32)  # sqrt(64) = 8
+    np.testing.assert_array_equal(np.asarray(packed), np.asarray(want))
