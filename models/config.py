@@ -50,12 +50,17 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    # Attention variants (pallas_kernels/attention_ref.py defines them).
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included (0: none)
+    # Per layer "sliding_attention" / "full_attention" (HF's layer_types); () with a
+    # sliding_window: every layer slides (Mistral).
+    layer_types: tuple[str, ...] = ()
+    attn_logit_softcapping: float = 0.0  # scores -> cap * tanh(scores / cap); 0: off
+    attention_sinks: bool = False  # a sink logit per query head and layer: lp["sinks"] [Hq]
     # Gemma 3 (see _gemma3_fields).
     norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): Gemma stores w - 1
     query_pre_attn_scalar: float | None = None  # attention scale its**-0.5 (None: head_dim)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
-    # Per layer "sliding_attention" or "full_attention" (HF's names); () = all full.
-    layer_types: tuple[str, ...] = ()
     rope_local_theta: float | None = None  # sliding layers' rope (unscaled); None: rope_theta
 
     def __post_init__(self) -> None:
@@ -66,9 +71,30 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                              f"[1, num_experts={self.num_experts}]")
-        if self.layer_types and len(self.layer_types) != self.num_layers:
-            raise ValueError(f"layer_types has {len(self.layer_types)} entries for "
-                             f"num_layers={self.num_layers}")
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or not set(self.layer_types) <= set(_LAYER_TYPES)):
+            raise ValueError(f"layer_types must list {self.num_layers} of {_LAYER_TYPES}, "
+                             f"not {self.layer_types}")
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: full attention), the static table a layer scan
+        indexes with its traced layer index."""
+        if not self.sliding_window:
+            return (0,) * self.num_layers
+        types = self.layer_types or ("sliding_attention",) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in types)
+
+    @property
+    def has_window(self) -> bool:
+        return any(self.layer_windows)
+
+    @property
+    def uniform_window(self) -> int:
+        """The window when every layer slides (a page wholly outside it is dead for every
+        layer and can be freed), else 0."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else 0
 
     @property
     def is_moe(self) -> bool:
@@ -81,7 +107,8 @@ class ModelConfig:
 
     @property
     def sliding_layers(self) -> tuple[bool, ...]:
-        """Per layer: whether it is a sliding-window layer (layer_types)."""
+        """Per layer: whether layer_types calls it a sliding layer (Gemma 3 picks its rope
+        by that, window or not)."""
         return tuple(t == "sliding_attention" for t in self.layer_types) or (
             (False,) * self.num_layers)
 
@@ -99,7 +126,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or [cfg.get("model_type", "")]
         arch = archs[0]
         known = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "llama": "llama",
-                 "qwen2": "qwen2", "MistralForCausalLM": "llama",
+                 "qwen2": "qwen2", "MistralForCausalLM": "llama", "mistral": "llama",
+                 "Qwen3ForCausalLM": "qwen3", "qwen3": "qwen3",
                  "Gemma3ForCausalLM": "gemma3", "gemma3_text": "gemma3",
                  **{a: m for m, a in _MOE_ARCHS.items()}, **{m: m for m in _MOE_ARCHS}}
         if arch not in known:
@@ -147,7 +175,9 @@ class ModelConfig:
             architecture=family,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             **_moe_fields(cfg, family),
+            **attention_variant_fields(cfg),
         )
         return cls(**{**fields, **_gemma3_fields(cfg, family)})
 
@@ -164,6 +194,29 @@ class ModelConfig:
         return cls(**d)
 
 
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def attention_variant_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window / layer_types / attn_logit_softcapping of an HF config, as
+    transformers reads them: Qwen2/3 slide only with use_sliding_window; a layer_types list
+    picks the sliding layers (Gemma 3, gpt-oss, Qwen3), else every layer slides (Mistral,
+    Mixtral); a null window is none."""
+    window = cfg.get("sliding_window") or 0
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        window = 0
+    types = tuple(cfg.get("layer_types") or ())
+    if window and not types and "max_window_layers" in cfg:  # Qwen2/3: the later layers
+        n, first = cfg["num_hidden_layers"], cfg["max_window_layers"]
+        types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    if not window or "sliding_attention" not in types:
+        types = ()
+        if cfg.get("layer_types"):  # listed, and none slides
+            window = 0
+    return dict(sliding_window=int(window), layer_types=types,
+                attn_logit_softcapping=float(cfg.get("attn_logit_softcapping") or 0.0))
+
+
 _MOE_ARCHS = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
               "mixtral": "MixtralForCausalLM"}
 
@@ -175,8 +228,6 @@ def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise ValueError("dense layers inside a MoE model (mlp_only_layers / "
                          "decoder_sparse_step != 1) are not supported")
-    if cfg.get("use_sliding_window") or (family == "mixtral" and cfg.get("sliding_window")):
-        raise ValueError("sliding-window attention is not supported")
     if family == "mixtral":  # top-k renormalized; experts are intermediate_size wide
         return dict(num_experts=cfg["num_local_experts"],
                     num_experts_per_tok=cfg["num_experts_per_tok"],
@@ -186,8 +237,7 @@ def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
                 moe_intermediate_size=cfg["moe_intermediate_size"],
                 shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                qk_norm=family == "qwen3_moe")
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def _gemma3_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
@@ -202,14 +252,12 @@ def _gemma3_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     if cfg.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (EmbeddingGemma) is not supported")
     if cfg.get("attn_logit_softcapping") is not None:
-        raise ValueError("attn_logit_softcapping is not supported")
+        # No release sets it; transformers' Gemma 3 ignores it, vLLM applies it.
+        raise ValueError("attn_logit_softcapping is not supported for Gemma 3")
     n = cfg["num_hidden_layers"]
     types = cfg.get("layer_types") or [
         "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0
         else "sliding_attention" for i in range(n)]
-    bad = sorted(set(types) - {"sliding_attention", "full_attention"})
-    if bad:
-        raise ValueError(f"layer_types {bad}: expected sliding_attention / full_attention")
     rp = cfg.get("rope_parameters") or {}
     full = dict(rp.get("full_attention") or {})
     full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))

@@ -16,8 +16,8 @@ from models import gemma3, llama, moe
 from models.config import ModelConfig
 
 _FAMILIES: dict[str, ModuleType] = {
-    "llama": llama, "qwen2": llama, "qwen2_moe": moe, "qwen3_moe": moe, "mixtral": moe,
-    "gemma3": gemma3,
+    "llama": llama, "qwen2": llama, "qwen3": llama, "qwen2_moe": moe, "qwen3_moe": moe,
+    "mixtral": moe, "gemma3": gemma3,
 }
 
 # Random-weight models for tests and demos: the SmolLM2 tokenizer's vocabulary, weights

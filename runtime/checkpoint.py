@@ -61,6 +61,9 @@ _NAMES: dict[str, tuple[str, str]] = {
     "w_gate": ("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     "w_up": ("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
     "w_down": ("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    "q_norm": ("blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    "k_norm": ("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    "sinks": ("blk.{i}.attn_sinks.weight", "model.layers.{i}.self_attn.sinks"),
 }
 # Hugging Face names of the MoE families' own tensors; {j} is the expert index (those
 # keys are stacked [L, E, ...]).
@@ -76,8 +79,6 @@ _MOE_HF_NAMES: dict[str, dict[str, str]] = {
         "ws_up": _QWEN_MOE + "shared_expert.up_proj.weight",
         "ws_down": _QWEN_MOE + "shared_expert.down_proj.weight",
         "ws_router": _QWEN_MOE + "shared_expert_gate.weight",
-        "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-        "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
     },
     "mixtral": {
         "router": _MIXTRAL_MOE + "gate.weight",
@@ -93,8 +94,6 @@ _GEMMA3_HF_NAMES: dict[str, str] = {
     "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
     "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
     "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
-    "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-    "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
 }
 # Stored [out, in] by both sources, [in, out] by us.
 _TRANSPOSED = {"lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router",

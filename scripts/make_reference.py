@@ -297,7 +297,8 @@ def gemma3_configs() -> dict[str, Gemma3TextConfig]:
     """Both layer types, each with its own rope (global: linear scaling), a query scale
     that is not head_dim's. "gemma3": a 4-token window, which the 12 fixed tokens and the
     8 + 32 greedy ones exceed, and final soft-capping; "gemma3_wide": a window longer than
-    any sequence here, to check everything else apart from the window."""
+    any sequence here, to check everything else apart from the window. (transformers'
+    Gemma 3 ignores attn_logit_softcapping, so no fixture here can test it.)"""
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                   max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=2,

@@ -22,8 +22,7 @@ from tests.engine_utils import engine_args, small_runner
 from tests.model_utils import all_position_logits
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tiny_models"
-MODELS = ["gemma3_wide", pytest.param("gemma3", marks=pytest.mark.xfail(
-    strict=True, reason="sliding-window attention is not in the attention kernels yet"))]
+MODELS = ["gemma3_wide", "gemma3"]
 
 
 def _load(name: str) -> tuple[ModelConfig, dict, dict]:
@@ -37,6 +36,7 @@ def test_config_from_the_hf_folder():
     assert (cfg.norm_offset, cfg.qk_norm, cfg.tie_word_embeddings) == (1.0, True, True)
     assert cfg.sm_scale == 24 ** -0.5 and cfg.final_logit_softcap == 10.0
     assert cfg.sliding_layers == (True, False, True, False)
+    assert cfg.layer_windows == (4, 0, 4, 0) and cfg.attn_logit_softcapping == 0.0
     assert (cfg.rope_theta, cfg.rope_local_theta) == (1e5, 1e3)
     assert cfg.rope_scaling == RopeScaling(factor=4.0, rope_type="linear")
     assert ModelConfig.from_json(cfg.to_json()) == cfg
@@ -55,6 +55,7 @@ def test_config_of_a_hub_release():
            "hidden_activation": "gelu_pytorch_tanh", "bos_token_id": 2, "eos_token_id": [1, 106]}
     cfg = ModelConfig.from_hf_config(hub)
     assert cfg.sliding_layers == tuple((i + 1) % 6 != 0 for i in range(34))
+    assert cfg.layer_windows == tuple(1024 if s else 0 for s in cfg.sliding_layers)
     assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling.factor) == (1e6, 1e4, 8.0)
     assert cfg.tie_word_embeddings and cfg.eos_token_ids == (1, 106)
     with pytest.raises(ValueError, match="hidden_activation"):
@@ -92,9 +93,7 @@ def test_prefill_logits_match_transformers(name, path):
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module", params=[pytest.param((n.values[0], m, a), marks=n.marks)
-                                        if isinstance(n, type(MODELS[1])) else (n, m, a)
-                                        for n in MODELS
+@pytest.fixture(scope="module", params=[(n, m, a) for n in MODELS
                                         for m, a in [("packed", "cpu"), ("xla", "xla")]],
                 ids=lambda p: f"{p[0]}-{'cpu_kernels' if p[1] == 'packed' else 'xla'}")
 def model_runner(request):
