@@ -12,12 +12,14 @@ __all__ = ["ModelConfig", "RopeScaling"]
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Llama-3 style rope scaling ("rope_type": "llama3")."""
+    """Rope scaling: Llama-3 style ("rope_type": "llama3") or "linear" (frequencies divided
+    by `factor`; Gemma 3's global layers)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    rope_type: str = "llama3"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +57,11 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()
     attn_logit_softcapping: float = 0.0  # scores -> cap * tanh(scores / cap); 0: off
     attention_sinks: bool = False  # a sink logit per query head and layer: lp["sinks"] [Hq]
+    # Gemma 3 (see _gemma3_fields).
+    norm_offset: float = 0.0  # RMSNorm scales by (norm_offset + w): Gemma stores w - 1
+    query_pre_attn_scalar: float | None = None  # attention scale its**-0.5 (None: head_dim)
+    final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
+    rope_local_theta: float | None = None  # sliding layers' rope (unscaled); None: rope_theta
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -94,6 +101,18 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
+    def sm_scale(self) -> float:
+        """The attention logits' scale."""
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def sliding_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether layer_types calls it a sliding layer (Gemma 3 picks its rope
+        by that, window or not)."""
+        return tuple(t == "sliding_attention" for t in self.layer_types) or (
+            (False,) * self.num_layers)
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -109,6 +128,7 @@ class ModelConfig:
         known = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "llama": "llama",
                  "qwen2": "qwen2", "MistralForCausalLM": "llama", "mistral": "llama",
                  "Qwen3ForCausalLM": "qwen3", "qwen3": "qwen3",
+                 "Gemma3ForCausalLM": "gemma3", "gemma3_text": "gemma3",
                  **{a: m for m, a in _MOE_ARCHS.items()}, **{m: m for m in _MOE_ARCHS}}
         if arch not in known:
             supported = sorted(a for a in known if a[0].isupper())
@@ -119,9 +139,12 @@ class ModelConfig:
         rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         kind = rs.get("rope_type", rs.get("type", "default"))
         rope_scaling = None
-        if kind != "default":
+        if kind == "linear":
+            rope_scaling = RopeScaling(factor=float(rs["factor"]), rope_type="linear")
+        elif kind != "default":
             if kind != "llama3":
-                raise ValueError(f"unsupported rope_scaling type {kind!r} (only 'llama3')")
+                raise ValueError(f"unsupported rope_scaling type {kind!r} "
+                                 "(only 'llama3' and 'linear')")
             rope_scaling = RopeScaling(
                 factor=float(rs["factor"]),
                 low_freq_factor=float(rs["low_freq_factor"]),
@@ -133,7 +156,7 @@ class ModelConfig:
         rope_theta = cfg.get("rope_theta")
         if rope_theta is None:  # transformers >= 5 nests it under rope_parameters
             rope_theta = (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)
-        return cls(
+        fields = dict(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -156,6 +179,7 @@ class ModelConfig:
             **_moe_fields(cfg, family),
             **attention_variant_fields(cfg),
         )
+        return cls(**{**fields, **_gemma3_fields(cfg, family)})
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
@@ -214,3 +238,47 @@ def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
                 moe_intermediate_size=cfg["moe_intermediate_size"],
                 shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
+
+
+def _gemma3_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The ModelConfig fields of an HF Gemma 3 text config (none for another family):
+    rope per layer type (transformers >= 5 nests it as rope_parameters.{full,sliding}_
+    attention; older configs have rope_theta, rope_local_base_freq and rope_scaling)."""
+    if family != "gemma3":
+        return {}
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ValueError(f"hidden_activation={act!r}: Gemma 3 supports gelu_pytorch_tanh")
+    if cfg.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (EmbeddingGemma) is not supported")
+    if cfg.get("attn_logit_softcapping") is not None:
+        # No release sets it; transformers' Gemma 3 ignores it, vLLM applies it.
+        raise ValueError("attn_logit_softcapping is not supported for Gemma 3")
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or [
+        "full_attention" if (i + 1) % cfg.get("sliding_window_pattern", 6) == 0
+        else "sliding_attention" for i in range(n)]
+    rp = cfg.get("rope_parameters") or {}
+    full = dict(rp.get("full_attention") or {})
+    full.setdefault("rope_theta", cfg.get("rope_theta", 1_000_000.0))
+    if not rp and cfg.get("rope_scaling"):
+        full.update(cfg["rope_scaling"])
+    local = dict(rp.get("sliding_attention") or {})
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))
+    if local.get("rope_type", "default") != "default":
+        raise ValueError(f"sliding_attention rope_type {local['rope_type']!r} is not supported")
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ValueError(f"full_attention rope_type {kind!r}: expected default or linear")
+    return dict(
+        rope_theta=float(full["rope_theta"]),
+        rope_scaling=(RopeScaling(factor=float(full["factor"]), rope_type="linear")
+                      if kind == "linear" else None),
+        rope_local_theta=float(local["rope_theta"]),
+        layer_types=tuple(types),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        qk_norm=True,
+        norm_offset=1.0,
+        query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
+        final_logit_softcap=cfg.get("final_logit_softcapping"),
+    )

@@ -30,18 +30,29 @@ from pallas_kernels import get_paged_attention_fn
 Mlp = Callable[[dict, jax.Array], jax.Array]
 
 
-def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
-    """x [..., D], w [D]; the mean of squares in f32 as in the HF reference."""
+def rms_norm(x: jax.Array, w: jax.Array, eps: float, offset: float = 0.0) -> jax.Array:
+    """x [..., D], w [D]; the mean of squares in f32 as in the HF reference. The scale is
+    offset + w (Gemma stores w zero-centred: offset 1), added in f32 as HF does."""
     xf = x.astype(jnp.float32)
     y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
+    scale = w.astype(jnp.float32)
+    if offset:
+        scale = scale + offset
+    return (y * scale).astype(x.dtype)
+
+
+def norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """rms_norm with the model's eps and offset."""
+    return rms_norm(x, w, cfg.rms_norm_eps, cfg.norm_offset)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """[Dh/2] inverse frequencies, with Llama-3 frequency-dependent scaling."""
+    """[Dh/2] inverse frequencies, with Llama-3 frequency-dependent or linear scaling."""
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv.astype(np.float32)
+    if scaling.rope_type == "linear":
+        return (inv / scaling.factor).astype(np.float32)
     lo_wavelen = scaling.original_max_position_embeddings / scaling.low_freq_factor
     hi_wavelen = scaling.original_max_position_embeddings / scaling.high_freq_factor
     wavelen = 2 * math.pi / inv
@@ -187,7 +198,7 @@ def qkv(lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
         cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [T, D] -> q [T, Hq, Dh], k, v [T, Hkv, Dh] (normed, projected, rope applied)."""
     t = h.shape[0]
-    x = rms_norm(h, lp["attn_norm"], cfg.rms_norm_eps)
+    x = norm(h, lp["attn_norm"], cfg)
     if "wqkv" in lp:  # fused (fuse_projections, llama.pack_for_cpu): one matmul for all three
         q, k, v = jnp.split(linear(x, lp["wqkv"]), [cfg.q_size, cfg.q_size + cfg.kv_size], -1)
     else:
@@ -198,9 +209,9 @@ def qkv(lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = q.reshape(t, cfg.num_heads, cfg.head_dim)
     k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-    if cfg.qk_norm:  # Qwen3: per-head RMSNorm before rope
-        q = rms_norm(q, lp["q_norm"], cfg.rms_norm_eps)
-        k = rms_norm(k, lp["k_norm"], cfg.rms_norm_eps)
+    if cfg.qk_norm:  # Qwen3, Gemma 3: per-head RMSNorm before rope
+        q = norm(q, lp["q_norm"], cfg)
+        k = norm(k, lp["k_norm"], cfg)
     return (apply_rope(q, cos, sin), apply_rope(k, cos, sin),
             v.reshape(t, cfg.num_kv_heads, cfg.head_dim))
 
@@ -248,7 +259,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
     k, v = k.astype(kv.k.dtype), v.astype(kv.v.dtype)
     fn = functools.partial(get_paged_attention_fn(attention_backend),
                            num_extend_tokens=batch.num_extend_tokens,
-                           num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5,
+                           num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.sm_scale,
                            logit_softcap=cfg.attn_logit_softcapping)
     variants = {"window": layer_window(cfg, layer if model_layer is None else model_layer),
                 "sinks": sinks}
@@ -288,9 +299,17 @@ def write_step_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
 
 
 def out_mlp(lp: dict, h: jax.Array, o: jax.Array, cfg: ModelConfig, mlp: Mlp) -> jax.Array:
-    """Attention output projection and the MLP, both residual: h [T, D] -> [T, D]."""
-    h = h + linear(o, lp["wo"])
-    return h + mlp(lp, rms_norm(h, lp["mlp_norm"], cfg.rms_norm_eps))
+    """Attention output projection and the MLP, both residual: h [T, D] -> [T, D]. Where
+    the layer has them (Gemma 3), `post_attn_norm` / `post_mlp_norm` norm the attention
+    and MLP outputs before their residual adds."""
+    a = linear(o, lp["wo"])  # [T, D]
+    if "post_attn_norm" in lp:
+        a = norm(a, lp["post_attn_norm"], cfg)
+    h = h + a
+    m = mlp(lp, norm(h, lp["mlp_norm"], cfg))  # [T, D]
+    if "post_mlp_norm" in lp:
+        m = norm(m, lp["post_mlp_norm"], cfg)
+    return h + m
 
 
 _qkv_jit = jax.jit(qkv, static_argnames="cfg")
@@ -309,7 +328,8 @@ def layer_weights(stacked: dict, layer: jax.Array) -> dict:
 def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig, mlp: Mlp,
                 cos: jax.Array, sin: jax.Array, attention_backend: str,
                 mesh: Mesh | None) -> Callable:
-    """body(h [T, D], layer) -> (h, (k, v)): one decoder layer, the layer index traced.
+    """body(h [T, D], layer) -> (h, (k, v)): one decoder layer, the layer index traced;
+    cos, sin as _rope gives them.
 
     Weights come stacked (`layers`: see layer_weights) or per layer (`layer_list`, see
     unstack_layers), where a `lax.switch` on the index picks the layer's own buffers. The
@@ -328,7 +348,7 @@ def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
                     if "sinks" in lp]
 
         def body(h, layer):
-            q, k, v = jax.lax.switch(layer, qkv_fns, h, cos, sin)
+            q, k, v = jax.lax.switch(layer, qkv_fns, h, *_layer_rope(cos, sin, layer, cfg))
             sinks = jax.lax.switch(layer, sink_fns) if sink_fns else None
             o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh, sinks)
             return jax.lax.switch(layer, out_fns, h, o), (k, v)
@@ -342,15 +362,31 @@ def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
             lp = layer_weights(params["layers"], layer)
             if rows is not None:
                 lp = cpu_kernels.only_rows(lp, rows)
-            q, k, v = qkv(lp, h, cos, sin, cfg)
+            q, k, v = qkv(lp, h, *_layer_rope(cos, sin, layer, cfg), cfg)
             o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh, lp.get("sinks"))
             return out_mlp(lp, h, o, cfg, mlp), (k, v)
     return body
 
 
 def _rope(batch: ForwardBatch, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    return rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
-                                                       cfg.rope_scaling))
+    """cos, sin [T, Dh/2]; with a local rope for the sliding layers (rope_local_theta),
+    [2, T, Dh/2]: the global layers' then the sliding layers'."""
+    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                                           cfg.rope_scaling))
+    if cfg.rope_local_theta is None:
+        return cos, sin
+    lcos, lsin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim,
+                                                             cfg.rope_local_theta, None))
+    return jnp.stack([cos, lcos]), jnp.stack([sin, lsin])
+
+
+def _layer_rope(cos: jax.Array, sin: jax.Array, layer: jax.Array,
+                cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """Layer `layer`'s (traced) cos, sin [T, Dh/2] out of _rope's."""
+    if cfg.rope_local_theta is None:
+        return cos, sin
+    which = jnp.asarray(cfg.sliding_layers, jnp.int32)[layer]  # 1: a sliding layer
+    return cos[which], sin[which]
 
 
 def run_decoder_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
@@ -401,22 +437,29 @@ def compute_logits(params: dict, h: jax.Array, logits_indices: jax.Array,
     """h [T, D] -> logits [B, V] in f32, only for the tokens that are sampled. `rows`
     [B] (forward_batch.real_row_mask): the packed CPU head skips the padding rows (their
     logits come out zero)."""
-    x = rms_norm(h[logits_indices], params["final_norm"], cfg.rms_norm_eps)  # [B, D]
+    x = norm(h[logits_indices], params["final_norm"], cfg)  # [B, D]
     if isinstance(params.get("lm_head"), PackedWeight):
         head = params["lm_head"]
-        return linear(x, head if rows is None else cpu_kernels.only_rows(head, rows))
-    if cfg.tie_word_embeddings:
-        return jnp.einsum("bd,vd->bv", x, params["embed"], preferred_element_type=jnp.float32)
-    return jnp.einsum("bd,dv->bv", x, params["lm_head"], preferred_element_type=jnp.float32)
+        logits = linear(x, head if rows is None else cpu_kernels.only_rows(head, rows))
+    elif cfg.tie_word_embeddings:
+        logits = jnp.einsum("bd,vd->bv", x, params["embed"], preferred_element_type=jnp.float32)
+    else:
+        logits = jnp.einsum("bd,dv->bv", x, params["lm_head"],
+                            preferred_element_type=jnp.float32)
+    if cfg.final_logit_softcap:
+        cap = cfg.final_logit_softcap
+        logits = cap * jnp.tanh(logits / cap)
+    return logits
 
 
 @dataclasses.dataclass(frozen=True)
 class Decoder:
     """A family's decoder on the shared skeleton: `mlp(cfg, mesh)` is its MLP (hashable,
-    see Mlp). A model module exposes these methods as its run_layers, run_layer_range and
-    forward."""
+    see Mlp), `embed(params, input_ids)` its token lookup. A model module exposes these
+    methods as its run_layers, run_layer_range and forward."""
 
     mlp: Callable[[ModelConfig, Mesh | None], Mlp]
+    embed: Callable[[dict, jax.Array], jax.Array] = embed
 
     def run_layers(self, params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
                    cfg: ModelConfig, *, start: jax.Array | int = 0,
@@ -442,7 +485,7 @@ class Decoder:
         """One full forward: logits [B, V] for each row's sampled token, and the updated
         pool. On a `mesh` the matmuls follow the parameters' shardings (GSPMD) and
         attention runs per device on its heads (attend)."""
-        h = embed(params, batch.input_ids)
+        h = self.embed(params, batch.input_ids)
         h, kv = self.run_layers(params, kv, h, batch, cfg,
                                 attention_backend=attention_backend, mesh=mesh)
         return compute_logits(params, h, batch.logits_indices, cfg,

@@ -12,12 +12,12 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 
-from models import llama, moe
+from models import gemma3, llama, moe
 from models.config import ModelConfig
 
 _FAMILIES: dict[str, ModuleType] = {
-    "llama": llama, "qwen2": llama, "qwen3": llama,
-    "qwen2_moe": moe, "qwen3_moe": moe, "mixtral": moe,
+    "llama": llama, "qwen2": llama, "qwen3": llama, "qwen2_moe": moe, "qwen3_moe": moe,
+    "mixtral": moe, "gemma3": gemma3,
 }
 
 # Random-weight models for tests and demos: the SmolLM2 tokenizer's vocabulary, weights
@@ -52,7 +52,7 @@ def model_module(cfg: ModelConfig) -> ModuleType:
 
 def has_packed_matmul(cfg: ModelConfig) -> bool:
     """Whether the CPU packed-matmul path (cpu_kernels) covers this family's weights."""
-    return model_module(cfg) is llama
+    return model_module(cfg) in (llama, gemma3)
 
 
 def load_preset(name: str, dtype: str = "float32") -> tuple[ModelConfig, dict]:

@@ -87,6 +87,14 @@ _MOE_HF_NAMES: dict[str, dict[str, str]] = {
         "we_down": _MIXTRAL_MOE + "experts.{j}.w2.weight",
     },
 }
+# Hugging Face names of Gemma 3's norms: its post_attention_layernorm follows attention
+# (our post_attn_norm); the pre-MLP norm, Llama's post_attention_layernorm, is
+# pre_feedforward_layernorm.
+_GEMMA3_HF_NAMES: dict[str, str] = {
+    "mlp_norm": "model.layers.{i}.pre_feedforward_layernorm.weight",
+    "post_attn_norm": "model.layers.{i}.post_attention_layernorm.weight",
+    "post_mlp_norm": "model.layers.{i}.post_feedforward_layernorm.weight",
+}
 # Stored [out, in] by both sources, [in, out] by us.
 _TRANSPOSED = {"lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router",
                "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router"}
@@ -134,6 +142,8 @@ _Job = tuple[str, tuple[int, ...], str, tuple[int, ...]]
 
 def _source_name(cfg: ModelConfig, key: str, src: int) -> str:
     """The name template of a layout key in source `src` (0 GGUF, 1 Hugging Face)."""
+    if cfg.architecture == "gemma3" and src == 1 and key in _GEMMA3_HF_NAMES:
+        return _GEMMA3_HF_NAMES[key]
     if key in _NAMES:
         return _NAMES[key][src]
     family = "mixtral" if cfg.architecture == "mixtral" else "qwen"

@@ -30,6 +30,8 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "lm_head": ("embed", "vocab"),
     "attn_norm": ("layers", "embed"),
     "mlp_norm": ("layers", "embed"),
+    "post_attn_norm": ("layers", "embed"),
+    "post_mlp_norm": ("layers", "embed"),
     "wq": ("layers", "embed", "q_heads"),
     "wk": ("layers", "embed", "kv_heads"),
     "wv": ("layers", "embed", "kv_heads"),

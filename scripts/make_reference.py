@@ -13,11 +13,11 @@ runs it, the tests only read what it writes:
       to int8 with a scale per row, then multiplied back; the embedding lookup unquantized).
   tests/fixtures/tiny_models/<name>/             seeded random HF models (safetensors +
       config.json) and ref_logits.npz: logits [T, V] of a fixed token sequence; the dense
-      families (--only=tiny_dense: mistral with a 5-token sliding window, qwen3) also
-      greedy.npz: transformers' greedy tokens over 32 steps from a short prompt.
+      families (--only=tiny_dense: mistral with a 5-token sliding window, qwen3; --only=gemma3)
+      also greedy.npz / greedy(): transformers' greedy tokens over 32 steps from a short prompt.
 
 Usage: .venv/bin/python scripts/make_reference.py
-           [--only=smollm2|smollm2_bf16|smollm2_int8|tiny|tiny_moe|tiny_dense]
+           [--only=smollm2|smollm2_bf16|smollm2_int8|tiny|tiny_moe|tiny_dense|gemma3]
 """
 
 from __future__ import annotations
@@ -35,6 +35,8 @@ from absl import app, flags
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -56,7 +58,7 @@ from runtime.checkpoint import default_gguf_path  # noqa: E402
 
 FLAGS = flags.DEFINE_string("out_dir", "tests/fixtures", "fixture folder")
 ONLY = flags.DEFINE_enum("only", None, ["smollm2", "smollm2_bf16", "smollm2_int8", "tiny",
-                                        "tiny_moe", "tiny_dense"],
+                                        "tiny_moe", "tiny_dense", "gemma3"],
                         "generate just one group")
 NUM_GREEDY = flags.DEFINE_integer("num_greedy", 32, "greedy tokens per prompt")
 
@@ -328,6 +330,59 @@ def make_tiny(out_dir: str, configs: dict[str, tuple[type, object]], seed0: int 
         print(f"{name}: {sorted(os.listdir(folder))}, logits std {float(logits.std()):.3f}")
 
 
+def gemma3_configs() -> dict[str, Gemma3TextConfig]:
+    """Both layer types, each with its own rope (global: linear scaling), a query scale
+    that is not head_dim's. "gemma3": a 4-token window, which the 12 fixed tokens and the
+    8 + 32 greedy ones exceed, and final soft-capping; "gemma3_wide": a window longer than
+    any sequence here, to check everything else apart from the window. (transformers'
+    Gemma 3 ignores attn_logit_softcapping, so no fixture here can test it.)"""
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                  max_position_embeddings=4096, rms_norm_eps=1e-6, bos_token_id=2,
+                  eos_token_id=1, pad_token_id=0, query_pre_attn_scalar=24,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                               "full_attention"],
+                  rope_parameters={
+                      "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                         "rope_theta": 1e5},
+                      "sliding_attention": {"rope_type": "default", "rope_theta": 1e3}})
+    return {"gemma3": Gemma3TextConfig(**common, sliding_window=4, final_logit_softcapping=10.0),
+            "gemma3_wide": Gemma3TextConfig(**common, sliding_window=64)}
+
+
+def make_gemma3(out_dir: str, seed0: int = 200) -> None:
+    """Tiny random Gemma3ForCausalLM folders with ref_logits.npz: logits [T, V] of the
+    fixed tokens and greedy() of their first 8 over NUM_GREEDY steps."""
+    tokens = torch.tensor([TINY_TOKENS])
+    for seed, (name, cfg) in enumerate(gemma3_configs().items(), start=seed0):
+        torch.manual_seed(seed)
+        model = Gemma3ForCausalLM(cfg).eval()
+        randomize(model, seed)
+        for pname, p in model.named_parameters():
+            # The lookup is scaled by sqrt(D) = 8: at randomize's scale the token's own
+            # embedding swamps every layer's output and greedy repeats the token. A small
+            # table and a large final norm keep the tied logits O(1).
+            if "norm" in pname:  # Gemma stores norm weights minus 1
+                p.data += 7.0 if pname == "model.norm.weight" else -1.0
+            elif "embed" in pname:
+                p.data /= 8.0
+        folder = os.path.join(out_dir, "tiny_models", name)
+        os.makedirs(folder, exist_ok=True)
+        for old in os.listdir(folder):
+            os.remove(os.path.join(folder, old))
+        model.save_pretrained(folder)
+        model = Gemma3ForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                                  attn_implementation="eager").eval()
+        logits = model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits[0]
+        res = greedy(model, TINY_TOKENS[:8], NUM_GREEDY.value)
+        np.savez_compressed(os.path.join(folder, "ref_logits.npz"),
+                            tokens=np.array(TINY_TOKENS, np.int32),
+                            logits=logits.float().numpy(), **res)  # [T, V]
+        print(f"{name}: {sorted(os.listdir(folder))}, logits std {float(logits.std()):.3f}, "
+              f"greedy {res['greedy_ids'].tolist()}, min margin "
+              f"{res['greedy_margins'].min():.4f}")
+
+
 def main(argv: list[str]) -> None:
     del argv
     out_dir = os.path.abspath(FLAGS.value)
@@ -340,6 +395,8 @@ def main(argv: list[str]) -> None:
         make_tiny(out_dir, tiny_moe_configs(), seed0=100)
     if ONLY.value in (None, "tiny_dense"):
         make_tiny_dense(out_dir)
+    if ONLY.value in (None, "gemma3"):
+        make_gemma3(out_dir)
     if ONLY.value in (None, "smollm2"):
         make_smollm2(out_dir)
     if ONLY.value in (None, "smollm2_bf16"):
