@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from models import layers, moe
+from models import layers, moe, moe_overlap
 from models.config import ModelConfig, RopeScaling
 from runtime import checkpoint, mxfp4
 from runtime.config import ServerArgs
 from runtime.engine import Engine
 from runtime.request import SamplingParams
+from runtime.sharding import make_mesh
 from tests.engine_utils import check_same
 from tests.model_utils import all_position_logits
 
@@ -132,6 +133,20 @@ def test_moe_block_matches_transformers(model):
     lp = jax.tree.map(lambda w: jnp.asarray(w[0]), params["layers"])
     got = jax.jit(moe.MoeMlp(cfg))(lp, jnp.asarray(REF["moe_in"]))
     np.testing.assert_allclose(np.asarray(got), REF["moe_out"], atol=1e-5, rtol=1e-5)
+
+
+def test_moe_block_ep4_and_micro_batch_pair_equal_ep1():
+    """gpt-oss's biased experts sharded over ep=4 (the biases with their experts), alone
+    and as TBO's overlapped pair, equal the one-device block; 13 tokens pad to 16."""
+    cfg = checkpoint.load_hf_config(str(FOLDER))
+    lp = jax.tree.map(lambda w: w[1], moe.init_params(cfg, jax.random.key(0))["layers"])
+    x = jax.random.normal(jax.random.key(1), (13, cfg.hidden_size))  # [T, D]
+    want = np.asarray(jax.jit(moe.MoeMlp(cfg))(lp, x))
+    mesh = make_mesh(ep=4)
+    np.testing.assert_allclose(np.asarray(jax.jit(moe.MoeMlp(cfg, mesh))(lp, x)), want,
+                               atol=1e-5, rtol=1e-5)
+    ya, yb = jax.jit(lambda lp, a, b: moe_overlap.moe_pair(lp, a, b, cfg, mesh))(lp, x[:5], x[5:])
+    np.testing.assert_allclose(np.concatenate([ya, yb]), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["xla", "cpu"])
