@@ -28,6 +28,12 @@
 // was chunked (bitwise, tested). Decode and extend sum in different orders: the same
 // token through both agrees to f32 rounding, not bitwise.
 //
+// Variants (attention_ref.py defines them): a sliding window (a traced int32 operand, 0:
+// none; keys at positions <= q_pos - window are skipped, so decode reads only the pages
+// the window reaches), soft-capped scores (an attribute, 0: none) and attention sinks
+// (an f32 [Hq] operand, empty: none), one logit per query head that joins the softmax
+// denominator with no value.
+//
 // K/V (pool and new) are float32 or bfloat16 (`--kv_cache_dtype`); bf16 rows widen to
 // f32 as they load (a shift), and all arithmetic is f32 either way.
 #include <immintrin.h>
@@ -38,6 +44,7 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -87,7 +94,18 @@ struct Shapes {
   int64_t layer;
   float scale, soft_cap;  // soft_cap 0: none
   int64_t window;         // 0: none
+  const float* sinks;     // [Hq] sink logits, or null: none
 };
+
+// A query's output scale and denominator once its sink logit joins the softmax: with m
+// the max of its scores and l the sum of exp(score - m), the output o / l becomes
+// o * alpha / (l * alpha + exp(sink - max(m, sink))), alpha = exp(m - max(m, sink)).
+// Rescaling to the larger of the two keeps a sink far above the scores finite.
+inline std::pair<float, float> SinkScale(float m, float l, float sink) {
+  const float top = std::max(m, sink);
+  const float alpha = m == -INFINITY ? 0.0f : std::exp(m - top);
+  return {alpha, l * alpha + std::exp(sink - top)};
+}
 
 // ---- Decode: per key, two passes ----
 
@@ -117,7 +135,8 @@ inline void Axpy(float p, const T* v, float* out, int64_t d) {
   }
 }
 
-// One query token's G heads against its keys: writes out [G, D]. `keys(f, values)` calls
+// One query token's G heads against its keys: writes out [G, D]. `sinks`: the G heads'
+// sink logits, or null. `keys(f, values)` calls
 // f(i, k, v) for its n keys in order (row pointers into the pool or the new K/V); the
 // score pass reads k, the value pass (values = true) v.
 // kG, kDV > 0: G and D / 16 known at compile time, so the G queries and the G output rows
@@ -125,7 +144,7 @@ inline void Axpy(float p, const T* v, float* out, int64_t d) {
 // registers), through memory.
 template <typename T, int kG, int kDV, typename Keys>
 void AttendKeys(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& keys,
-            std::vector<float>& scores) {
+            std::vector<float>& scores, const float* sinks) {
   const int64_t D = kDV > 0 ? 16 * kDV : s.D, G = kG > 0 ? kG : s.G;
   if (n == 0) {  // nothing to attend to (padding tokens): 0, as the jnp path gives
     std::fill(ob, ob + G * D, 0.0f);
@@ -169,7 +188,10 @@ void AttendKeys(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& k
       v16::storeu_ps(sc + i, x);
       vmx = v16::mask_max_ps(vmx, m, vmx, x);
     }
-    vmx = v16::set1_ps(v16::reduce_max_ps(vmx));
+    const float mx = v16::reduce_max_ps(vmx);
+    // With a sink the exponents are taken against max(scores, sink) (see SinkScale).
+    const float top = sinks ? std::max(mx, sinks[g]) : mx;
+    vmx = v16::set1_ps(top);
     v16::F sum = v16::setzero_ps();
     for (int64_t i = 0; i < n; i += 16) {
       const v16::Mask m = static_cast<v16::Mask>(n - i >= 16 ? 0xFFFFu : (1u << (n - i)) - 1u);
@@ -177,7 +199,9 @@ void AttendKeys(const Shapes& s, const float* qb, float* ob, int64_t n, Keys&& k
       v16::storeu_ps(sc + i, e);
       sum = v16::add_ps(sum, e);
     }
-    const v16::F inv = v16::set1_ps(1.0f / v16::reduce_add_ps(sum));  // >= exp(0)
+    float denom = v16::reduce_add_ps(sum);  // >= exp(0) without a sink
+    if (sinks) denom += std::exp(sinks[g] - top);
+    const v16::F inv = v16::set1_ps(1.0f / denom);
     for (int64_t i = 0; i < n; i += 16)
       v16::storeu_ps(sc + i, v16::mul_ps(v16::loadu_ps(sc + i), inv));
   }
@@ -276,7 +300,8 @@ struct Decode {
       f(ctx - first, k_new + own, v_new + own);
     };
     const int64_t qo = (b * s.Hq + h * s.G) * s.D;
-    AttendKeys<T, kG, kDV>(s, q + qo, out + qo, ctx - first + 1, keys, scores);
+    AttendKeys<T, kG, kDV>(s, q + qo, out + qo, ctx - first + 1, keys, scores,
+                           s.sinks ? s.sinks + h * s.G : nullptr);
   }
 };
 
@@ -397,6 +422,7 @@ struct Queries {
   int64_t tokens;
   const int32_t* pos;  // each token's position (its causal limit)
   const int32_t* lo;   // each token's first visible position (window), else INT32_MIN
+  const float* sinks;  // the item's G heads' sink logits, or null
 };
 
 // Head dims padded to whole 64-column groups (p @ V works 64 columns at a time).
@@ -580,8 +606,9 @@ void AttendBlock(const Shapes& s, const Queries& qs, const Stream<T>& st, Scratc
   }
   // out = o / l; no visible key (padding tokens): 0, as the jnp path gives.
   for (int64_t i = 0; i < n; ++i) {
-    const float l = v16::reduce_add_ps(v16::loadu_ps(sc.l.data() + i * kBlock));
-    const float inv = l > 0 ? 1.0f / l : 0.0f;
+    float l = v16::reduce_add_ps(v16::loadu_ps(sc.l.data() + i * kBlock)), alpha = 1.0f;
+    if (qs.sinks) std::tie(alpha, l) = SinkScale(sc.m[i], l, qs.sinks[i % G]);
+    const float inv = l > 0 ? alpha / l : 0.0f;
     float* dst = qs.out + (i / G) * qs.stride + (i % G) * D;
     for (int64_t d = 0; d < D; ++d) dst[d] = sc.o[i * Dp + d] * inv;
   }
@@ -635,8 +662,9 @@ struct Extend {
                        k_new + kv, v_new + kv, s.Hkv * s.D, positions + row0,
                        first, prefix, prefix + (j_end - row0)};
     const int64_t qo = (t0 * s.Hq + h * s.G) * s.D;
-    AttendBlock<T>(s, Queries{q + qo, out + qo, s.Hq * s.D, t1 - t0, positions + t0, lo + t0}, st,
-              sc);
+    AttendBlock<T>(s, Queries{q + qo, out + qo, s.Hq * s.D, t1 - t0, positions + t0, lo + t0,
+                              s.sinks ? s.sinks + h * s.G : nullptr},
+                   st, sc);
   }
 };
 
@@ -649,7 +677,8 @@ bool SameShape(const A& a, const B& b) {
 template <typename KV>
 ffi::Error CheckCommon(const char* name, ffi::Buffer<ffi::F32>& q, KV& k_new, KV& v_new,
                        KV& k_pool, KV& v_pool, ffi::Buffer<ffi::S32>& layer,
-                       float sm_scale, float soft_cap, int64_t window, Shapes& s) {
+                       ffi::Buffer<ffi::S32>& window, ffi::Buffer<ffi::F32>& sinks,
+                       float sm_scale, float soft_cap, Shapes& s) {
   const auto qd = q.dimensions(), kd = k_new.dimensions(), pd = k_pool.dimensions();
   if (qd.size() != 3 || kd.size() != 3 || pd.size() != 5 || kd[0] != qd[0] ||
       kd[2] != qd[2] || pd[1] != kd[1] || pd[4] != qd[2] || kd[1] == 0 ||
@@ -657,8 +686,13 @@ ffi::Error CheckCommon(const char* name, ffi::Buffer<ffi::F32>& q, KV& k_new, KV
       !SameShape(v_new.dimensions(), kd))
     return ffi::Error::InvalidArgument(
         std::string(name) + ": want q [T, Hq, D], k/v_new [T, Hkv, D], pools [L, Hkv, P, S, D]");
+  if (window.element_count() != 1 ||
+      (sinks.element_count() != 0 && sinks.element_count() != qd[1]))
+    return ffi::Error::InvalidArgument(std::string(name) + ": want window [], sinks [Hq] or [0]");
   s = Shapes{qd[1], kd[1], qd[1] / kd[1], qd[2], pd[2], pd[3], 0,
-             static_cast<int64_t>(layer.typed_data()[0]), sm_scale, soft_cap, window};
+             static_cast<int64_t>(layer.typed_data()[0]), sm_scale, soft_cap,
+             std::max<int64_t>(window.typed_data()[0], 0),
+             sinks.element_count() ? sinks.typed_data() : nullptr};
   if (s.layer < 0 || s.layer >= pd[0])
     return ffi::Error::InvalidArgument(std::string(name) + ": layer out of range");
   return ffi::Error::Success();
@@ -669,11 +703,12 @@ ffi::Error DecodeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<DT> k_new, ffi::Buffer<DT> v_new,
                            ffi::Buffer<DT> k_pool, ffi::Buffer<DT> v_pool,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_table,
-                           ffi::Buffer<ffi::S32> seq_lens, ffi::ResultBuffer<ffi::F32> out,
-                           float sm_scale, float soft_cap, int64_t sliding_window) {
+                           ffi::Buffer<ffi::S32> seq_lens, ffi::Buffer<ffi::S32> window,
+                           ffi::Buffer<ffi::F32> sinks, ffi::ResultBuffer<ffi::F32> out,
+                           float sm_scale, float soft_cap) {
   Shapes s;
-  if (auto e = CheckCommon("decode_attention", q, k_new, v_new, k_pool, v_pool, layer,
-                           sm_scale, soft_cap, sliding_window, s);
+  if (auto e = CheckCommon("decode_attention", q, k_new, v_new, k_pool, v_pool, layer, window,
+                           sinks, sm_scale, soft_cap, s);
       e.failure())
     return e;
   const int64_t B = q.dimensions()[0];
@@ -695,11 +730,11 @@ ffi::Error ExtendAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
                            ffi::Buffer<DT> k_pool, ffi::Buffer<DT> v_pool,
                            ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::S32> page_table,
                            ffi::Buffer<ffi::S32> query_start, ffi::Buffer<ffi::S32> positions,
-                           ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap,
-                           int64_t sliding_window) {
+                           ffi::Buffer<ffi::S32> window, ffi::Buffer<ffi::F32> sinks,
+                           ffi::ResultBuffer<ffi::F32> out, float sm_scale, float soft_cap) {
   Shapes s;
-  if (auto e = CheckCommon("extend_attention", q, k_new, v_new, k_pool, v_pool, layer,
-                           sm_scale, soft_cap, sliding_window, s);
+  if (auto e = CheckCommon("extend_attention", q, k_new, v_new, k_pool, v_pool, layer, window,
+                           sinks, sm_scale, soft_cap, s);
       e.failure())
     return e;
   const int64_t T = q.dimensions()[0];
@@ -744,7 +779,8 @@ ffi::Error ExtendAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q,
 }
 
 // The bindings both handlers share: the pool context and q, k_new, v_new, k_pool, v_pool,
-// layer, page_table first; then each its own operands; the attributes last. K/V are DT.
+// layer, page_table first; then each its own operands; then window and sinks; the
+// attributes last. K/V are DT.
 template <ffi::DataType DT>
 auto BindLeading() {
   return ffi::Ffi::Bind()
@@ -761,10 +797,11 @@ auto BindLeading() {
 template <typename Binding>
 auto BindTrailing(Binding b) {  // Binding's methods take an rvalue
   return std::move(b)
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::F32>>()
       .template Ret<ffi::Buffer<ffi::F32>>()
       .template Attr<float>("sm_scale")
-      .template Attr<float>("soft_cap")
-      .template Attr<int64_t>("sliding_window");
+      .template Attr<float>("soft_cap");
 }
 
 template <ffi::DataType DT>

@@ -12,26 +12,31 @@ from cpu_kernels import build
 
 def _attention_call(name: str, q: jax.Array, k_new: jax.Array, v_new: jax.Array,
                     k_pool: jax.Array, v_pool: jax.Array, *rest: jax.Array,
-                    sm_scale: float, sliding_window: int | None,
-                    soft_cap: float | None) -> jax.Array:
+                    sm_scale: float, window: jax.Array | int | None, sinks: jax.Array | None,
+                    logit_softcap: float) -> jax.Array:
     """One attention kernel on pools of float32 or bfloat16: q in f32, this step's K/V
     rounded to the pool's dtype (what the pool will hold, so a key reads the same whether
-    it is new or cached), the output in q's dtype."""
+    it is new or cached), the output in q's dtype. window / sinks / logit_softcap: see
+    pallas_kernels/attention_ref.py (the window travels as a traced int32 operand, 0: none;
+    the sinks as f32 [Hq], empty: none)."""
     build.load()
     if k_pool.dtype not in (jnp.float32, jnp.bfloat16):
         raise ValueError(f"CPU attention reads float32 or bfloat16 pages, not {k_pool.dtype}")
     suffix = "_bf16" if k_pool.dtype == jnp.bfloat16 else ""
     out = jax.ffi.ffi_call(name + suffix, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
         q.astype(jnp.float32), k_new.astype(k_pool.dtype), v_new.astype(k_pool.dtype),
-        k_pool, v_pool.astype(k_pool.dtype), *rest, sm_scale=np.float32(sm_scale),
-        soft_cap=np.float32(soft_cap or 0.0), sliding_window=np.int64(sliding_window or 0))
+        k_pool, v_pool.astype(k_pool.dtype), *rest,
+        jnp.asarray(0 if window is None else window, jnp.int32).reshape(()),
+        jnp.zeros((0,), jnp.float32) if sinks is None else sinks.astype(jnp.float32),
+        sm_scale=np.float32(sm_scale), soft_cap=np.float32(logit_softcap or 0.0))
     return out.astype(q.dtype)
 
 
 def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array,
                      v_pool: jax.Array, layer: jax.Array, page_table: jax.Array,
-                     seq_lens: jax.Array, *, sm_scale: float, sliding_window: int | None = None,
-                     soft_cap: float | None = None) -> jax.Array:
+                     seq_lens: jax.Array, *, sm_scale: float,
+                     window: jax.Array | int | None = None, sinks: jax.Array | None = None,
+                     logit_softcap: float = 0.0) -> jax.Array:
     """Decode rows' attention, f32 arithmetic (the contract of attention_ref._decode).
 
     q [B, Hq, Dh]; k_new, v_new [B, Hkv, Dh] (each row's own new key, at seq_len - 1);
@@ -39,14 +44,15 @@ def decode_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: j
     int32; page_table [B, Np] int32; seq_lens [B] int32 -> [B, Hq, Dh]."""
     return _attention_call("xlaserve_decode_attention", q, k_new, v_new, k_pool, v_pool,
                            jnp.asarray(layer, jnp.int32).reshape(()), page_table, seq_lens,
-                           sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+                           sm_scale=sm_scale, window=window, sinks=sinks,
+                           logit_softcap=logit_softcap)
 
 
 def extend_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: jax.Array,
                      v_pool: jax.Array, layer: jax.Array, page_table: jax.Array,
                      query_start: jax.Array, positions: jax.Array, *, sm_scale: float,
-                     sliding_window: int | None = None,
-                     soft_cap: float | None = None) -> jax.Array:
+                     window: jax.Array | int | None = None, sinks: jax.Array | None = None,
+                     logit_softcap: float = 0.0) -> jax.Array:
     """Extend tokens' attention, f32 arithmetic (the contract of attention_ref._extend).
 
     q [T, Hq, Dh] of B rows laid back to back (query_start [B + 1]; tokens past the last
@@ -56,8 +62,8 @@ def extend_attention(q: jax.Array, k_new: jax.Array, v_new: jax.Array, k_pool: j
     -> [T, Hq, Dh]."""
     return _attention_call("xlaserve_extend_attention", q, k_new, v_new, k_pool, v_pool,
                            jnp.asarray(layer, jnp.int32).reshape(()), page_table,
-                           query_start, positions, sm_scale=sm_scale,
-                           sliding_window=sliding_window, soft_cap=soft_cap)
+                           query_start, positions, sm_scale=sm_scale, window=window,
+                           sinks=sinks, logit_softcap=logit_softcap)
 
 
 def write_kv(k_pool: jax.Array, v_pool: jax.Array, layers: jax.Array, slots: jax.Array,

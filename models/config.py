@@ -80,6 +80,13 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     shared_expert_intermediate_size: int = 0  # 0: no shared expert (Qwen2-MoE has one)
     norm_topk_prob: bool = False  # renormalize the top-k routing weights to sum to 1
+    # Attention variants (pallas_kernels/attention_ref.py defines them).
+    sliding_window: int = 0  # keys a sliding layer's query sees, itself included (0: none)
+    # Per layer "sliding_attention" / "full_attention" (HF's layer_types); () with a
+    # sliding_window: every layer slides (Mistral).
+    layer_types: tuple[str, ...] = ()
+    attn_logit_softcapping: float = 0.0  # scores -> cap * tanh(scores / cap); 0: off
+    attention_sinks: bool = False  # a sink logit per query head and layer: lp["sinks"] [Hq]
     # gpt-oss: an o_proj bias; a router bias and softmax over the top-k logits (not top-k
     # of the softmax); experts with biases, gate|up fused and interleaved, and the clamped
     # SwiGLU "clamped_swiglu" (models/moe.py expert_act) instead of "silu".
@@ -101,6 +108,30 @@ class ModelConfig:
                              f"[1, num_experts={self.num_experts}]")
         if self.expert_act not in ("silu", "clamped_swiglu"):
             raise ValueError(f"expert_act={self.expert_act!r} is not 'silu' or 'clamped_swiglu'")
+        if self.layer_types and (len(self.layer_types) != self.num_layers
+                                 or not set(self.layer_types) <= set(_LAYER_TYPES)):
+            raise ValueError(f"layer_types must list {self.num_layers} of {_LAYER_TYPES}, "
+                             f"not {self.layer_types}")
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's sliding window (0: full attention), the static table a layer scan
+        indexes with its traced layer index."""
+        if not self.sliding_window:
+            return (0,) * self.num_layers
+        types = self.layer_types or ("sliding_attention",) * self.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else 0 for t in types)
+
+    @property
+    def has_window(self) -> bool:
+        return any(self.layer_windows)
+
+    @property
+    def uniform_window(self) -> int:
+        """The window when every layer slides (a page wholly outside it is dead for every
+        layer and can be freed), else 0."""
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else 0
 
     @property
     def is_moe(self) -> bool:
@@ -120,7 +151,8 @@ class ModelConfig:
         archs = cfg.get("architectures") or [cfg.get("model_type", "")]
         arch = archs[0]
         known = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "llama": "llama",
-                 "qwen2": "qwen2", "MistralForCausalLM": "llama",
+                 "qwen2": "qwen2", "MistralForCausalLM": "llama", "mistral": "llama",
+                 "Qwen3ForCausalLM": "qwen3", "qwen3": "qwen3",
                  **{a: m for m, a in _MOE_ARCHS.items()}, **{m: m for m in _MOE_ARCHS},
                  "GptOssForCausalLM": "gpt_oss", "gpt_oss": "gpt_oss"}
         if arch not in known:
@@ -156,7 +188,9 @@ class ModelConfig:
             architecture=family,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            qk_norm=family in ("qwen3", "qwen3_moe"),
             **(_gptoss_fields(cfg) if family == "gpt_oss" else _moe_fields(cfg, family)),
+            **attention_variant_fields(cfg),
         )
 
     def to_json(self) -> str:
@@ -168,7 +202,31 @@ class ModelConfig:
         if d.get("rope_scaling") is not None:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
+        d["layer_types"] = tuple(d.get("layer_types", ()))
         return cls(**d)
+
+
+_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+def attention_variant_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """sliding_window / layer_types / attn_logit_softcapping of an HF config, as
+    transformers reads them: Qwen2/3 slide only with use_sliding_window; a layer_types list
+    picks the sliding layers (Gemma 3, gpt-oss, Qwen3), else every layer slides (Mistral,
+    Mixtral); a null window is none."""
+    window = cfg.get("sliding_window") or 0
+    if "use_sliding_window" in cfg and not cfg["use_sliding_window"]:
+        window = 0
+    types = tuple(cfg.get("layer_types") or ())
+    if window and not types and "max_window_layers" in cfg:  # Qwen2/3: the later layers
+        n, first = cfg["num_hidden_layers"], cfg["max_window_layers"]
+        types = tuple("sliding_attention" if i >= first else "full_attention" for i in range(n))
+    if not window or "sliding_attention" not in types:
+        types = ()
+        if cfg.get("layer_types"):  # listed, and none slides
+            window = 0
+    return dict(sliding_window=int(window), layer_types=types,
+                attn_logit_softcapping=float(cfg.get("attn_logit_softcapping") or 0.0))
 
 
 _MOE_ARCHS = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
@@ -182,8 +240,6 @@ def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     if cfg.get("mlp_only_layers") or cfg.get("decoder_sparse_step", 1) != 1:
         raise ValueError("dense layers inside a MoE model (mlp_only_layers / "
                          "decoder_sparse_step != 1) are not supported")
-    if cfg.get("use_sliding_window") or (family == "mixtral" and cfg.get("sliding_window")):
-        raise ValueError("sliding-window attention is not supported")
     if family == "mixtral":  # top-k renormalized; experts are intermediate_size wide
         return dict(num_experts=cfg["num_local_experts"],
                     num_experts_per_tok=cfg["num_experts_per_tok"],
@@ -193,8 +249,7 @@ def _moe_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
     return dict(num_experts=experts, num_experts_per_tok=cfg["num_experts_per_tok"],
                 moe_intermediate_size=cfg["moe_intermediate_size"],
                 shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size", 0),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
-                qk_norm=family == "qwen3_moe")
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", False)))
 
 
 def _gptoss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -207,4 +262,4 @@ def _gptoss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                 router_bias=True, softmax_after_topk=True, expert_bias=True,
                 expert_act="clamped_swiglu",
                 swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)))
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), attention_sinks=True)

@@ -153,7 +153,7 @@ def init_from_shapes(shapes: dict, key: jax.Array, dtype: jnp.dtype = jnp.float3
             w = 1.0 + 0.1 * x
         elif name in ("bq", "bk", "bv", "bo"):
             w = 0.1 * x
-        elif name == "embed":
+        elif name in ("embed", "sinks"):
             w = x
         else:
             w = x * shape[-2] ** -0.5
@@ -172,6 +172,8 @@ def attention_shapes(cfg: ModelConfig) -> dict:
         out.update(bo=(L, D))
     if cfg.qk_norm:
         out.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
+    if cfg.attention_sinks:
+        out.update(sinks=(L, cfg.num_heads))
     return out
 
 
@@ -270,28 +272,52 @@ def _split_axes(mesh: Mesh | None) -> tuple[str | None, str | None]:
     return ("dp" if _dp(mesh) > 1 else None), ("tp" if _tp(mesh) > 1 else None)
 
 
+def layer_window(cfg: ModelConfig, layer: jax.Array) -> jax.Array | None:
+    """Layer `layer`'s sliding window (traced int32, 0: full attention) from the static
+    per-layer table; None when no layer slides (the kernels then emit no window code)."""
+    if not cfg.has_window:
+        return None
+    return jnp.asarray(cfg.layer_windows, jnp.int32)[layer]
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Array,
            batch: ForwardBatch, cfg: ModelConfig, attention_backend: str,
-           mesh: Mesh | None = None) -> jax.Array:
+           mesh: Mesh | None = None, sinks: jax.Array | None = None,
+           model_layer: jax.Array | None = None) -> jax.Array:
     """Paged attention over earlier context (pool) and this step's k, v -> [T, Hq*Dh].
 
+    The layer's variants come from cfg: its sliding window (layer_window), the logit soft
+    cap; `sinks` [Hq] is the layer's sink logits (lp["sinks"]) or None. `model_layer`: the
+    model's layer index where `layer` indexes another pool (moe_overlap's one-layer copy).
+
     With a `tp` mesh axis each device attends with its own heads over its own KV pages
-    (shard_map): left to GSPMD, the page gather all-gathers the whole pool every step.
-    With a `dp` axis each rank attends with its own rows over its own pages: the batch's
-    statics (num_extend_tokens / seqs) are then one rank's, its arrays dp ranks' long."""
+    (shard_map; the sinks split with the heads): left to GSPMD, the page gather
+    all-gathers the whole pool every step. With a `dp` axis each rank attends with its own
+    rows over its own pages: the batch's statics (num_extend_tokens / seqs) are then one
+    rank's, its arrays dp ranks' long."""
     # This step's K/V as the pool will hold them: a key then reads the same whether it is
     # new or cached, so chunking and prefix caching cannot change a bf16 pool's results.
     k, v = k.astype(kv.k.dtype), v.astype(kv.v.dtype)
-    attn = functools.partial(get_paged_attention_fn(attention_backend),
-                             num_extend_tokens=batch.num_extend_tokens,
-                             num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5)
+    fn = functools.partial(get_paged_attention_fn(attention_backend),
+                           num_extend_tokens=batch.num_extend_tokens,
+                           num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.head_dim ** -0.5,
+                           logit_softcap=cfg.attn_logit_softcapping)
+    variants = {"window": layer_window(cfg, layer if model_layer is None else model_layer),
+                "sinks": sinks}
+    variants = {name: x for name, x in variants.items() if x is not None}
+
+    def attn(*args):  # the 10 operands of the kernel signature, then the variants
+        return fn(*args[:10], **args[10])
+
     tok, heads = _split_axes(mesh)
     if tok or heads:
         qkv_spec, pool, row = P(tok, heads), P(None, heads, tok), P(tok)
+        var_specs = {name: P(heads) if name == "sinks" else P() for name in variants}
         attn = shard_map(attn, mesh=mesh, out_specs=qkv_spec,
-                         in_specs=(qkv_spec, qkv_spec, qkv_spec, pool, pool, P(), *[row] * 4))
+                         in_specs=(qkv_spec, qkv_spec, qkv_spec, pool, pool, P(), *[row] * 4,
+                                   var_specs))
     o = attn(q, k, v, kv.k, kv.v, layer, batch.page_table, batch.seq_lens, batch.query_start,
-             batch.positions)
+             batch.positions, variants)
     return o.reshape(q.shape[0], cfg.q_size)
 
 
@@ -357,10 +383,13 @@ def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
         qkv_fns = [functools.partial(_qkv_jit, lp, cfg=cfg) for lp in params["layer_list"]]
         out_fns = [functools.partial(_out_mlp_jit, lp, cfg=cfg, mlp=mlp)
                    for lp in params["layer_list"]]
+        sink_fns = [functools.partial(lambda w: w, lp["sinks"]) for lp in params["layer_list"]
+                    if "sinks" in lp]
 
         def body(h, layer):
             q, k, v = jax.lax.switch(layer, qkv_fns, h, cos, sin)
-            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh)
+            sinks = jax.lax.switch(layer, sink_fns) if sink_fns else None
+            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh, sinks)
             return jax.lax.switch(layer, out_fns, h, o), (k, v)
     else:
         # The packed CPU matmul skips the bucket's padding tokens (their rows come out
@@ -373,7 +402,7 @@ def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
             if rows is not None:
                 lp = cpu_kernels.only_rows(lp, rows)
             q, k, v = qkv(lp, h, cos, sin, cfg)
-            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh)
+            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh, lp.get("sinks"))
             return out_mlp(lp, h, o, cfg, mlp), (k, v)
     return body
 

@@ -72,12 +72,13 @@ def moe_pair(lp: dict, xa: jax.Array, xb: jax.Array, cfg: ModelConfig,
 
 
 def _attention(lp: dict, h: jax.Array, kv: KVPool, layer: jax.Array, batch: ForwardBatch,
-               rope: tuple[jax.Array, jax.Array], cfg: ModelConfig, attention_backend: str
-               ) -> tuple[jax.Array, jax.Array, jax.Array]:
+               rope: tuple[jax.Array, jax.Array], cfg: ModelConfig, attention_backend: str,
+               model_layer: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One micro-batch's attention with its residual, h [T, D] -> [T, D], and its K/V
-    [T, Hkv, Dh] x 2 (not yet in the pool)."""
+    [T, Hkv, Dh] x 2 (not yet in the pool). model_layer: see layers.attend."""
     q, k, v = layers.qkv(lp, h, *rope, cfg)  # [T, Hq, Dh], [T, Hkv, Dh] x 2
-    o = layers.attend(q, k, v, kv, layer, batch, cfg, attention_backend)  # [T, Hq*Dh]
+    o = layers.attend(q, k, v, kv, layer, batch, cfg, attention_backend,
+                      sinks=lp.get("sinks"), model_layer=model_layer)  # [T, Hq*Dh]
     return h + layers.attn_out(lp, o), k, v
 
 
@@ -133,7 +134,7 @@ def forward(params: dict, kv: KVPool, batches: tuple[ForwardBatch, ForwardBatch]
             if two_chunk:
                 pool, b_batch = _pages_with(kv, layer, b, a.out_cache_loc, ka, va)
                 b_layer = jnp.zeros((), jnp.int32)
-            hb, kb, vb = attention(lp, hb, pool, b_layer, b_batch, ropes[1])
+            hb, kb, vb = attention(lp, hb, pool, b_layer, b_batch, ropes[1], model_layer=layer)
         norm = functools.partial(layers.rms_norm, w=lp["mlp_norm"], eps=cfg.rms_norm_eps)
         ya, yb = moe_pair(lp, norm(ha), norm(hb), cfg, mesh)
         return (ha + ya, hb + yb), (ka, va, kb, vb)

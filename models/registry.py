@@ -16,8 +16,8 @@ from models import llama, moe
 from models.config import ModelConfig
 
 _FAMILIES: dict[str, ModuleType] = {
-    "llama": llama, "qwen2": llama, "qwen2_moe": moe, "qwen3_moe": moe, "mixtral": moe,
-    "gpt_oss": moe,
+    "llama": llama, "qwen2": llama, "qwen3": llama, "qwen2_moe": moe, "qwen3_moe": moe,
+    "mixtral": moe, "gpt_oss": moe,
 }
 
 # Random-weight models for tests and demos: the SmolLM2 tokenizer's vocabulary, weights

@@ -10,6 +10,16 @@ scatter on the same carried buffer made XLA copy the whole pool every layer.
 Each query attends to two parts, softmaxed jointly:
   prefix: pool positions [0, seq_len - q_len) of its row, through the page table;
   new:    this step's tokens of its row, causally.
+
+The attention variants (the common keywords of every backend):
+  window         sliding window: a query at position p sees keys at positions in
+                 (p - window, p] (transformers' `sliding_window_overlay`: kv > q - window).
+                 A traced int32 scalar, so one trace serves layers of different windows;
+                 0 = no window at run time; None = no window code at all (static).
+  sinks          [Hq] f32 per-head logits that join each query's softmax denominator with
+                 no value (gpt-oss attention sinks); unscaled and not soft-capped. None: off.
+  logit_softcap  static: scores -> cap * tanh(scores / cap) after sm_scale, before the
+                 mask (Gemma 2 style); 0: off.
 """
 
 from __future__ import annotations
@@ -45,32 +55,57 @@ def _gather_pages(pool: jax.Array, layer: jax.Array, page_table: jax.Array) -> j
     return out.reshape(hkv, b, np_ * s, d)
 
 
+def _softcap(s: jax.Array, cap: float) -> jax.Array:
+    return cap * jnp.tanh(s / cap) if cap else s
+
+
 def _scores(q: jax.Array, k: jax.Array, spec: str, sm_scale: float,
-            soft_cap: float | None) -> jax.Array:
-    s = jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * sm_scale
-    return s if soft_cap is None else soft_cap * jnp.tanh(s / soft_cap)
+            logit_softcap: float) -> jax.Array:
+    return _softcap(jnp.einsum(spec, q, k, preferred_element_type=jnp.float32) * sm_scale,
+                    logit_softcap)
 
 
-def _in_window(kv_pos: jax.Array, q_pos: jax.Array, sliding_window: int | None) -> jax.Array:
-    if sliding_window is None:
+def _in_window(kv_pos: jax.Array, q_pos: jax.Array, window: jax.Array | None) -> jax.Array:
+    if window is None:
         return jnp.ones(jnp.broadcast_shapes(kv_pos.shape, q_pos.shape), bool)
-    return kv_pos > q_pos - sliding_window
+    return (window <= 0) | (kv_pos > q_pos - window)
 
 
-def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_scale,
-            sliding_window, soft_cap):
+def window_start(q_pos: jax.Array, window: jax.Array | None) -> jax.Array:
+    """The first key position a query at q_pos sees (0 without a window)."""
+    if window is None:
+        return jnp.zeros_like(q_pos)
+    return jnp.where(window > 0, jnp.maximum(q_pos - window + 1, 0), 0)
+
+
+def _with_sinks(m: jax.Array, l: jax.Array, acc: jax.Array,
+                sinks: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+    """Online-softmax state (running max m, sum l [...], acc [..., Dh]) with each head's
+    sink logit [...] joining the denominator -> (l, acc) to divide. Both are rescaled to
+    max(m, sink), so a sink far above the scores neither overflows nor loses the keys."""
+    if sinks is None:
+        return l, acc
+    m_all = jnp.maximum(m, sinks)
+    alpha = jnp.exp(m - m_all)
+    return l * alpha + jnp.exp(sinks - m_all), acc * alpha[..., None]
+
+
+def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, *, sm_scale,
+            window=None, sinks=None, logit_softcap=0.0):
     """q [B, Hq, Dh], k_new/v_new [B, Hkv, Dh]: each row's one query sits at position
     seq_len - 1 and attends to its pool prefix and to its own new key.
 
     The prefix is walked in blocks of _DECODE_BLOCK_TOKENS with an online softmax, for as
     many blocks as the batch's longest prefix needs (a dynamic trip count): the cost
     follows the context the rows have, not the width of their KV bucket, which is up to
-    4x larger. The row's own key seeds the softmax, so no block is concatenated."""
+    4x larger. The row's own key seeds the softmax, so no block is concatenated. With a
+    window the walk starts at the block of the earliest key any live row sees: blocks
+    wholly before every row's window are not read."""
     b, hq, d = q.shape
     hkv = k_new.shape[1]
     s_page = k_pool.shape[3]
     qg = q.reshape(b, hkv, hq // hkv, d).transpose(1, 0, 2, 3)  # [Hkv, B, G, Dh]
-    m = _scores(qg, k_new, "hbgd,bhd->hbg", sm_scale, soft_cap)  # [Hkv, B, G] running max
+    m = _scores(qg, k_new, "hbgd,bhd->hbg", sm_scale, logit_softcap)  # [Hkv, B, G] running max
     l = jnp.ones_like(m)  # running sum of exp(s - m)
     acc = jnp.broadcast_to(v_new.transpose(1, 0, 2)[:, :, None].astype(jnp.float32),
                            (*m.shape, d))  # [Hkv, B, G, Dh]
@@ -79,6 +114,10 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_sca
     n_pages = -(-page_table.shape[1] // bp) * bp
     page_table = jnp.pad(page_table, ((0, 0), (0, n_pages - page_table.shape[1])))
     needed = (jnp.max(q_pos) + bp * s_page - 1) // (bp * s_page)  # blocks holding a prefix
+    first_block = 0
+    if window is not None:  # all rows padding: past `needed`, no trips
+        live = jnp.where(seq_lens > 0, window_start(q_pos[:, 0], window), jnp.iinfo(jnp.int32).max)
+        first_block = jnp.min(live) // (bp * s_page)
 
     def block(i, carry):
         m, l, acc = carry
@@ -86,14 +125,13 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_sca
         k = _gather_pages(k_pool, layer, pages)  # [Hkv, B, bp * S, Dh]
         v = _gather_pages(v_pool, layer, pages)
         kv_pos = i * bp * s_page + jnp.arange(bp * s_page)[None, :]  # [1, bp * S]
-        mask = ((kv_pos < q_pos) & _in_window(kv_pos, q_pos, sliding_window))[None, :, None]
+        mask = ((kv_pos < q_pos) & _in_window(kv_pos, q_pos, window))[None, :, None]
         # Scores and p @ v as multiply-reduce, not einsum: XLA CPU runs an [Hkv x B]-
         # batched dot of G-row matrices slowly, a fused multiply-reduce well (B=32 at
         # 200 context, 30 layers: 72 against 126 ms; a decode step 165-181 against 226).
         raw = (qg[:, :, :, None].astype(jnp.float32) * k[:, :, None].astype(jnp.float32)
                ).sum(-1) * sm_scale  # [Hkv, B, G, bp * S]
-        raw = raw if soft_cap is None else soft_cap * jnp.tanh(raw / soft_cap)
-        s = jnp.where(mask, raw, _MASKED)
+        s = jnp.where(mask, _softcap(raw, logit_softcap), _MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None]) * mask  # [Hkv, B, G, bp * S]
@@ -101,17 +139,20 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, sm_sca
         return m_new, l * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
 
     if bp == n_pages:  # one block: no loop
-        _, l, acc = block(0, (m, l, acc))
+        m, l, acc = block(0, (m, l, acc))
     else:  # the blocks also read the pool and the page table, perhaps on other mesh axes
         carry = tuple(varying_like(c, k_pool, v_pool, page_table, seq_lens, layer)
                       for c in (m, l, acc))
-        _, l, acc = lax.fori_loop(0, needed, block, carry)
+        m, l, acc = lax.fori_loop(first_block, needed, block, carry)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32).reshape(hkv, 1, hq // hkv)  # [Hkv, 1, G]
+    l, acc = _with_sinks(m, l, acc, sinks)
     out = (acc / l[..., None]).astype(q.dtype)  # [Hkv, B, G, Dh]; l >= 1 (own key)
     return out.transpose(1, 0, 2, 3).reshape(b, hq, d)
 
 
 def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
-            positions, sm_scale, sliding_window, soft_cap):
+            positions, *, sm_scale, window=None, sinks=None, logit_softcap=0.0):
     """q [T_e, Hq, Dh] of B_e rows laid back to back, all shapes static.
 
     Prefix: every token scores the cached prefixes of all B_e rows, masked to its own row
@@ -142,7 +183,7 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
     def update(carry, qb, kb, vb, mask):
         """Online-softmax step: qb [Hkv, G, Q, Dh] against kb/vb [Hkv, K, Dh], mask [Q, K]."""
         m, l, acc = carry
-        s = jnp.where(mask, _scores(qb, kb, "hgqd,hkd->hgqk", sm_scale, soft_cap), _MASKED)
+        s = jnp.where(mask, _scores(qb, kb, "hgqd,hkd->hgqk", sm_scale, logit_softcap), _MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[..., None]) * mask  # [Hkv, G, Q, K]
@@ -158,12 +199,14 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
         kv_row = jnp.repeat(jnp.arange(b), kmax)  # [B_e * K]
         kv_pos = jnp.tile(jnp.arange(kmax), b)  # [B_e * K]
         prefix = ((kv_row[None] == tok_row[:, None]) & (kv_pos[None] < prefix_len[:, None])
-                  & _in_window(kv_pos[None], q_pos, sliding_window))  # [T_e, B_e * K]
+                  & _in_window(kv_pos[None], q_pos, window))  # [T_e, B_e * K]
         m, l, acc = update((m, l, acc), qg, kp.reshape(hkv, b * kmax, d),
                            vp.reshape(hkv, b * kmax, d), prefix)
 
     bq = _EXTEND_BLOCK_TOKENS if t % _EXTEND_BLOCK_TOKENS == 0 else t
     kt, vt = k_new.transpose(1, 0, 2), v_new.transpose(1, 0, 2)  # [Hkv, T_e, Dh]
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32).reshape(hkv, hq // hkv, 1)  # [Hkv, G, 1]
     outs = []
     for j in range(t // bq):  # static: T_e / bq query blocks
         rows = slice(j * bq, (j + 1) * bq)
@@ -175,14 +218,15 @@ def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
             krow = lax.dynamic_slice_in_dim(tok_row, i * bq, bq)[None]  # [1, bq]
             kpos = lax.dynamic_slice_in_dim(positions, i * bq, bq)[None]
             mask = ((krow == qrow) & (qrow < b) & (kpos <= qpos)
-                    & _in_window(kpos, qpos, sliding_window))  # [bq, bq]
+                    & _in_window(kpos, qpos, window))  # [bq, bq]
             return update(carry, qb, kb, vb, mask)
 
         carry = (m[:, :, rows], l[:, :, rows], acc[:, :, rows])
         if j == 0:
-            _, l_j, acc_j = key_block(0, carry)
+            m_j, l_j, acc_j = key_block(0, carry)
         else:  # rows are laid back to back: the block's first token has the earliest start
-            _, l_j, acc_j = lax.fori_loop(row_first[j * bq] // bq, j + 1, key_block, carry)
+            m_j, l_j, acc_j = lax.fori_loop(row_first[j * bq] // bq, j + 1, key_block, carry)
+        l_j, acc_j = _with_sinks(m_j, l_j, acc_j, sinks)
         outs.append(acc_j / jnp.maximum(l_j, 1e-30)[..., None])  # padding tokens: 0, not NaN
     out = jnp.concatenate(outs, axis=2).astype(q.dtype)  # [Hkv, G, T_e, Dh]
     return out.transpose(2, 0, 1, 3).reshape(t, hq, d)
@@ -203,8 +247,9 @@ def paged_attention_ref(
     num_extend_tokens: int,
     num_extend_seqs: int,
     sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
+    window: jax.Array | int | None = None,
+    sinks: jax.Array | None = None,
+    logit_softcap: float = 0.0,
     decode_fn: Callable | None = None,
     extend_fn: Callable | None = None,
 ) -> jax.Array:
@@ -214,7 +259,9 @@ def paged_attention_ref(
     _extend's signature (the CPU backend passes cpu_kernels.decode_attention and
     extend_attention); None: the jnp paths above."""
     te, be = num_extend_tokens, num_extend_seqs
-    common = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+    if window is not None:
+        window = jnp.asarray(window, jnp.int32)
+    common = dict(sm_scale=sm_scale, window=window, sinks=sinks, logit_softcap=logit_softcap)
     parts = []
     if te:
         parts.append((extend_fn or _extend)(q[:te], k_new[:te], v_new[:te], k_pool, v_pool,

@@ -17,8 +17,9 @@ import jax.numpy as jnp
 from jax import lax
 
 MASKED = -1e30  # finite, so a fully masked (padding) row gives 0 instead of NaN
-# Columns of the per-tile metadata array meta [NT, 7] int32 (see ragged_paged_attention.py).
-META = ("row", "kv_len", "prefix_len", "pos0", "nrows", "new_start", "layer")
+# Columns of the per-tile metadata array meta [NT, 8] int32 (see ragged_paged_attention.py);
+# `window` is the launch's traced sliding window (0: none), as `layer` the same in every tile.
+META = ("row", "kv_len", "prefix_len", "pos0", "nrows", "new_start", "layer", "window")
 NROWS = META.index("nrows")
 NEW_START = META.index("new_start")
 
@@ -37,8 +38,8 @@ class KernelConfig:
     num_splits: int             # programs per tile along the KV axis (Mosaic)
     num_extend_tiles: int       # NT_e: extend tiles come first, then one tile per decode row
     sm_scale: float
-    sliding_window: int | None
-    soft_cap: float | None
+    windowed: bool              # a window column to mask by (else no window code at all)
+    logit_softcap: float        # 0: off
     # Rows of a tile in q's and the output's device arrays: M, except in a decode-only
     # Mosaic launch, whose tiles hold G live rows: there G rounded up to 8 (the SMEM
     # tiling a TMA copy lands in), so a step's q and output move G rows per (row, KV head)
@@ -66,10 +67,12 @@ class KVSchedule:
     query (causal), the row's length and the first query's window start; tiles with no
     live rows get no steps."""
 
-    def __init__(self, kv_len, prefix_len, pos0, nrows, cfg: KernelConfig):
-        bk, group, window = cfg.block_kv, cfg.group, cfg.sliding_window
+    def __init__(self, kv_len, prefix_len, pos0, nrows, window, cfg: KernelConfig):
+        bk, group = cfg.block_kv, cfg.group
         last = pos0 + (nrows + group - 1) // group - 1  # position of the last query
-        first = 0 if window is None else pos0 - window + 1  # first position any query sees
+        # The first position any query sees: a decode tile skips the pool blocks wholly
+        # before its window. `window` is traced (0: none), read only when cfg.windowed.
+        first = jnp.where(window > 0, pos0 - window + 1, 0) if cfg.windowed else 0
         live = nrows > 0
         self.lo_p = jnp.maximum(first, 0) // bk
         self.n_p = jnp.where(live, jnp.maximum(
@@ -98,21 +101,23 @@ class KVSchedule:
         return is_new, blk, base, jnp.where(is_new, self.kv_len, self.prefix_len)
 
 
-def softmax_step(s, rows, kv_pos, m_prev, l_prev, bound, pos0, nrows, cfg: KernelConfig):
+def softmax_step(s, rows, kv_pos, m_prev, l_prev, bound, pos0, nrows, window,
+                 cfg: KernelConfig):
     """One online-softmax step over a KV block, masked as the reference masks.
 
     s [M, BK] f32 raw scores; rows / kv_pos [M, BK] int32 tile row and KV position (keys at
-    or past `bound` do not exist); m_prev / l_prev [M]. Returns p [M, BK] (unnormalized),
-    alpha [M] (rescale of the old accumulator), m [M], l [M].
+    or past `bound` do not exist); m_prev / l_prev [M]; window the traced sliding window (0:
+    none). Returns p [M, BK] (unnormalized), alpha [M] (rescale of the old accumulator),
+    m [M], l [M].
     """
     bcast = functools.partial(lax.broadcast_in_dim, shape=s.shape, broadcast_dimensions=(0,))
     s = s * cfg.sm_scale
-    if cfg.soft_cap is not None:
-        s = cfg.soft_cap * jnp.tanh(s / cfg.soft_cap)
+    if cfg.logit_softcap:
+        s = cfg.logit_softcap * jnp.tanh(s / cfg.logit_softcap)
     q_pos = pos0 + rows // cfg.group
     mask = (rows < nrows) & (kv_pos < bound) & (kv_pos <= q_pos)
-    if cfg.sliding_window is not None:
-        mask = mask & (kv_pos > q_pos - cfg.sliding_window)
+    if cfg.windowed:
+        mask = mask & ((window <= 0) | (kv_pos > q_pos - window))
     s = jnp.where(mask, s, MASKED)
     m = jnp.maximum(m_prev, s.max(axis=1))
     alpha = jnp.exp(m_prev - m)
@@ -122,6 +127,27 @@ def softmax_step(s, rows, kv_pos, m_prev, l_prev, bound, pos0, nrows, cfg: Kerne
     return p, alpha, m, l_prev * alpha + p.sum(axis=1)
 
 
-def finish(acc, l):
-    """acc [M, Dh] / l [M]; rows that saw no key (padding) have l == 0 and give 0."""
+def finish(acc, l, m=None, sink=None):
+    """acc [M, Dh] / l [M]; rows that saw no key (padding) have l == 0 and give 0. With
+    sink [M] (each row's head's sink logit) and the running max m [M], the sink joins the
+    denominator, both rescaled to max(m, sink) as attention_ref._with_sinks does."""
+    if sink is not None:
+        m_all = jnp.maximum(m, sink)
+        alpha = jnp.exp(m - m_all)
+        l = l * alpha + jnp.exp(sink - m_all)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, (0,))
     return acc / lax.broadcast_in_dim(jnp.maximum(l, 1e-30), acc.shape, (0,))
+
+
+def sink_rows(sinks, hkv: int, rows: int, group: int):
+    """sinks [Hq] -> [Hkv, rows] f32: tile row r of KV head h is query head h * G + r % G."""
+    r = jnp.arange(rows) % group
+    return sinks.astype(jnp.float32).reshape(hkv, group)[:, r]
+
+
+def apply_sinks_by_lse(out, lse, sinks_rows):
+    """A normalized output whose rows' log-sum-exp is known (the Mosaic body, after merging
+    its splits): out [NT, Hkv, Mq, Dh], lse [NT, Hkv, Mq], sinks_rows [Hkv, Mq] -> out scaled
+    by exp(lse) / (exp(lse) + exp(sink)), which is the sink joining the denominator."""
+    w = jax.nn.sigmoid(lse - sinks_rows[None])  # [NT, Hkv, Mq]
+    return (out.astype(jnp.float32) * w[..., None]).astype(out.dtype)

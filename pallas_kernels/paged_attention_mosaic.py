@@ -15,7 +15,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.kv_schedule import MASKED, META, KernelConfig, KVSchedule, finish, softmax_step
+from pallas_kernels.kv_schedule import (
+    MASKED,
+    META,
+    KernelConfig,
+    KVSchedule,
+    apply_sinks_by_lse,
+    finish,
+    softmax_step,
+)
 from pallas_kernels.mesh_types import out_struct
 
 
@@ -91,9 +99,9 @@ def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref
     slots, bk = k_smem.shape[0], k_smem.shape[1]
     s_page, per_block = cfg.page_size, bk // cfg.page_size
     t, h, split = lax.axis_index("tile"), lax.axis_index("kv_head"), lax.axis_index("split")
-    row, kv_len, prefix_len, pos0, nrows, new_start, layer = (
+    row, kv_len, prefix_len, pos0, nrows, new_start, layer, window = (
         meta_ref[t, i] for i in range(len(META)))
-    sched = KVSchedule(kv_len, prefix_len, pos0, nrows, cfg)
+    sched = KVSchedule(kv_len, prefix_len, pos0, nrows, window, cfg)
     lo, hi = sched.split(split, cfg.num_splits)
     layout = plgpu.layout_cast if compiled else (lambda x, _: x)
     wgmma_layout = plgpu.Layout.WGMMA
@@ -137,7 +145,7 @@ def paged_attention_kernel(meta_ref, pt_ref, q_ref, k_ref, v_ref, kn_ref, vn_ref
         s = _qk(q_smem, k_smem, slot, compiled)  # [M, BK]
         rows = layout(lax.broadcasted_iota(jnp.int32, (m_rows, bk), 0), wgmma_layout)
         kv_pos = base + layout(lax.broadcasted_iota(jnp.int32, (m_rows, bk), 1), wgmma_layout)
-        p, alpha, m, l = softmax_step(s, rows, kv_pos, m, l, bound, pos0, nrows, cfg)
+        p, alpha, m, l = softmax_step(s, rows, kv_pos, m, l, bound, pos0, nrows, window, cfg)
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, (0,))
         plgpu.barrier_wait(v_bar.at[slot])
         return _pv(acc, p, v_smem, slot, compiled), m, l
@@ -169,19 +177,24 @@ def _swizzle_transforms(minor: int, dtype) -> tuple:
 
 
 def _merge_splits(out, lse):
-    """out [K, NT, Hkv, M, Dh] (each split normalized), lse [K, NT, Hkv, M] -> [NT, Hkv, M, Dh].
-    Empty splits have lse ~ MASKED and weigh 0; rows empty in every split stay 0."""
+    """out [K, NT, Hkv, M, Dh] (each split normalized), lse [K, NT, Hkv, M] -> [NT, Hkv, M, Dh]
+    and its log-sum-exp [NT, Hkv, M]. Empty splits have lse ~ MASKED and weigh 0; rows
+    empty in every split stay 0."""
     if out.shape[0] == 1:
-        return out[0]
-    w = jnp.exp(lse - lse.max(axis=0))  # [K, NT, Hkv, M]
+        return out[0], lse[0]
+    top = lse.max(axis=0)
+    w = jnp.exp(lse - top)  # [K, NT, Hkv, M]
     merged = jnp.einsum("ktgm,ktgmd->tgmd", w, out.astype(jnp.float32))
-    return (merged / w.sum(axis=0)[..., None]).astype(out.dtype)
+    total = w.sum(axis=0)
+    return (merged / total[..., None]).astype(out.dtype), top + jnp.log(total)
 
 
 def launch(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new, cfg: KernelConfig,
-           interpret: bool):
+           interpret: bool, sinks=None):
     """q_tiles [NT, Hkv, Mq, Dh] -> output tiles [NT, Hkv, Mq, Dh] (decode-only batches:
-    only the G live rows of each tile, [NT, Hkv, G, Dh]). Mq: cfg.q_rows."""
+    only the G live rows of each tile, [NT, Hkv, G, Dh]). Mq: cfg.q_rows. sinks [Hkv, Mq]
+    f32 (kv_schedule.sink_rows) or None: applied to the merged splits by their log-sum-exp,
+    outside the body."""
     nt, hkv, q_rows, dh = q_tiles.shape
     m_rows = cfg.tile_rows
     dtype, slots, bk, splits = q_tiles.dtype, cfg.num_slots, cfg.block_kv, cfg.num_splits
@@ -209,4 +222,7 @@ def launch(meta, page_table, q_tiles, k_pool, v_pool, k_new, v_new, cfg: KernelC
     )(*operands)
     if not cfg.num_extend_tiles:  # decode only: just the G live rows of each tile
         out, lse = out[..., :cfg.group, :], lse[..., :cfg.group]
-    return _merge_splits(out, lse)
+    out, lse = _merge_splits(out, lse)
+    if sinks is None:
+        return out
+    return apply_sinks_by_lse(out, lse, sinks[:, :out.shape[2]])

@@ -27,6 +27,9 @@ On the CPU the kernels run in interpret mode (`interpret=True`, tests). The desi
   k_new / v_new, skipping blocks the causal mask and the sliding window exclude. Small
   decode batches split each tile's blocks over several programs (flash-decoding), merged
   by log-sum-exp afterwards.
+* The window is traced (a column of the tile metadata), so one launch serves layers of
+  different windows; attention sinks join each row's denominator at the end (Triton: in
+  the body; Mosaic: from the merged log-sum-exp, after the launch).
 * 16-bit inputs run on Pallas Mosaic GPU (TMA copies into swizzled shared memory, a ring
   of `num_slots` buffers in flight; wgmma for QK^T and PV). f32 inputs run on the Pallas
   Triton backend; `mosaic_unsupported` says why.
@@ -41,7 +44,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels import paged_attention_mosaic, paged_attention_triton
 from pallas_kernels.attention_ref import paged_attention_ref
-from pallas_kernels.kv_schedule import NEW_START, NROWS, KernelConfig
+from pallas_kernels.kv_schedule import NEW_START, NROWS, KernelConfig, sink_rows
 from pallas_kernels.paged_attention_mosaic import mosaic_unsupported
 
 __all__ = ["paged_attention", "paged_attention_ref"]
@@ -66,7 +69,7 @@ def _default_splits(programs: int) -> int:
     return int(min(16, max(1, 2 * sms // programs)))
 
 
-def _config(q, k_pool, page_table, *, te, be, sm_scale, sliding_window, soft_cap, impl,
+def _config(q, k_pool, page_table, *, te, be, sm_scale, windowed, logit_softcap, impl,
             block_kv, num_slots, num_splits) -> KernelConfig:
     """The static launch parameters; None picks the default of each tuning knob."""
     _, hq, dh = q.shape
@@ -95,12 +98,13 @@ def _config(q, k_pool, page_table, *, te, be, sm_scale, sliding_window, soft_cap
     return KernelConfig(impl=impl, group=group, tile_rows=tile_rows, block_kv=block_kv,
                         page_size=page_size, pages_per_seq=page_table.shape[1],
                         num_slots=num_slots or 3, num_splits=num_splits, num_extend_tiles=nte,
-                        sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
-                        io_rows=io_rows)
+                        sm_scale=sm_scale, windowed=windowed,
+                        logit_softcap=float(logit_softcap or 0.0), io_rows=io_rows)
 
 
-def _tile_metadata(seq_lens, query_start, positions, layer, *, te, be, cfg: KernelConfig):
-    """-> meta [NT, 7] int32 (columns kv_schedule.META) and tok0 [NT], each tile's first
+def _tile_metadata(seq_lens, query_start, positions, layer, *, te, be, cfg: KernelConfig,
+                   window=0):
+    """-> meta [NT, 8] int32 (columns kv_schedule.META) and tok0 [NT], each tile's first
     token.
 
     Extend tiles first (row i owns cdiv(q_len_i, tile_tokens) consecutive tiles), then one
@@ -136,9 +140,10 @@ def _tile_metadata(seq_lens, query_start, positions, layer, *, te, be, cfg: Kern
         tok = te + jnp.arange(bd, dtype=jnp.int32)
         cols.append([row, kv, kv - 1, kv - 1, jnp.where(kv > 0, group, 0), tok, tok])
     meta = jnp.concatenate([jnp.stack(c[:6], axis=1) for c in cols]).astype(jnp.int32)
-    layer_col = jnp.broadcast_to(jnp.asarray(layer, jnp.int32), (meta.shape[0], 1))
+    scalars = jnp.stack([jnp.asarray(layer, jnp.int32), jnp.asarray(window, jnp.int32)])
+    scalar_cols = jnp.broadcast_to(scalars, (meta.shape[0], 2))  # layer, window
     tok0 = jnp.concatenate([c[6] for c in cols])  # [NT]
-    return jnp.concatenate([meta, layer_col], axis=1), tok0
+    return jnp.concatenate([meta, scalar_cols], axis=1), tok0
 
 
 def _page_aligned_new_kv(meta, query_start, k_new, v_new, *, te: int, be: int,
@@ -232,15 +237,17 @@ def paged_attention(
     num_extend_tokens: int,
     num_extend_seqs: int,
     sm_scale: float,
-    sliding_window: int | None = None,
-    soft_cap: float | None = None,
+    window: jax.Array | int | None = None,
+    sinks: jax.Array | None = None,
+    logit_softcap: float = 0.0,
     interpret: bool | None = None,
     impl: str | None = None,
     block_kv: int | None = None,
     num_slots: int | None = None,
     num_splits: int | None = None,
 ) -> jax.Array:
-    """The Pallas kernel version of `paged_attention_ref` -> [T, Hq, Dh].
+    """The Pallas kernel version of `paged_attention_ref` -> [T, Hq, Dh] (window, sinks,
+    logit_softcap: see attention_ref).
 
     interpret: None picks interpret mode on a CPU backend and compiled kernels otherwise.
     Tuning knobs (tests and scripts/bench/bench_kernels.py; None = default): impl "mosaic" /
@@ -253,11 +260,12 @@ def paged_attention(
         return q
     te, be = num_extend_tokens, num_extend_seqs
     cfg = _config(q, k_pool, page_table, te=te, be=be, sm_scale=sm_scale,
-                  sliding_window=sliding_window, soft_cap=soft_cap, impl=impl,
+                  windowed=window is not None, logit_softcap=logit_softcap, impl=impl,
                   block_kv=block_kv, num_slots=num_slots, num_splits=num_splits)
     if cfg.impl == "mosaic" and not interpret and (why := mosaic_unsupported(q.dtype)):
         raise NotImplementedError(why)
-    meta, tok0 = _tile_metadata(seq_lens, query_start, positions, layer, te=te, be=be, cfg=cfg)
+    meta, tok0 = _tile_metadata(seq_lens, query_start, positions, layer, te=te, be=be, cfg=cfg,
+                                window=0 if window is None else window)
     k_new, v_new = k_new.astype(k_pool.dtype), v_new.astype(k_pool.dtype)
     if cfg.impl == "mosaic":
         meta, k_new, v_new = _page_aligned_new_kv(meta, query_start, k_new, v_new, te=te,
@@ -269,6 +277,7 @@ def paged_attention(
         k_new, v_new = (jnp.pad(x, pad) for x in (k_new, v_new))
     q_tiles = _pack_q(q, tok0, te, cfg, k_pool.shape[1]).astype(k_pool.dtype)  # [NT, Hkv, Mq, Dh]
     body = paged_attention_mosaic if cfg.impl == "mosaic" else paged_attention_triton
+    sinks = None if sinks is None else sink_rows(sinks, k_pool.shape[1], cfg.q_rows, cfg.group)
     out = body.launch(meta, page_table.astype(jnp.int32), q_tiles, k_pool, v_pool, k_new, v_new,
-                      cfg, interpret)
+                      cfg, interpret, sinks=sinks)
     return _unpack_out(out, meta, tok0, te, cfg).astype(q.dtype)

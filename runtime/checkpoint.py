@@ -62,6 +62,9 @@ _NAMES: dict[str, tuple[str, str]] = {
     "w_gate": ("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     "w_up": ("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
     "w_down": ("blk.{i}.ffn_down.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    "q_norm": ("blk.{i}.attn_q_norm.weight", "model.layers.{i}.self_attn.q_norm.weight"),
+    "k_norm": ("blk.{i}.attn_k_norm.weight", "model.layers.{i}.self_attn.k_norm.weight"),
+    "sinks": ("blk.{i}.attn_sinks.weight", "model.layers.{i}.self_attn.sinks"),
 }
 # Hugging Face names of the MoE families' own tensors; {j} is the expert index (those
 # keys are stacked [L, E, ...]).
@@ -77,8 +80,6 @@ _MOE_HF_NAMES: dict[str, dict[str, str]] = {
         "ws_up": _QWEN_MOE + "shared_expert.up_proj.weight",
         "ws_down": _QWEN_MOE + "shared_expert.down_proj.weight",
         "ws_router": _QWEN_MOE + "shared_expert_gate.weight",
-        "q_norm": "model.layers.{i}.self_attn.q_norm.weight",
-        "k_norm": "model.layers.{i}.self_attn.k_norm.weight",
     },
     "mixtral": {
         "router": _MIXTRAL_MOE + "gate.weight",
@@ -95,7 +96,6 @@ _MOE_HF_NAMES: dict[str, dict[str, str]] = {
         "be_gate_up": _QWEN_MOE + "experts.gate_up_proj_bias",
         "we_down": _QWEN_MOE + "experts.down_proj",
         "be_down": _QWEN_MOE + "experts.down_proj_bias",
-        "sinks": "model.layers.{i}.self_attn.sinks",
     },
 }
 # Stored [out, in] by both sources, [in, out] by us.

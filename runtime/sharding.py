@@ -42,6 +42,7 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "w_down": ("layers", "mlp", "embed"),
     "q_norm": ("layers", None),
     "k_norm": ("layers", None),
+    "sinks": ("layers", "q_heads"),  # one logit per query head: split with the heads
     "router": ("layers", "embed", None),
     "we_gate": ("layers", "experts", "embed", None),
     "we_up": ("layers", "experts", "embed", None),

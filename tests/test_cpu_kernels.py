@@ -450,31 +450,40 @@ def test_bad_operands_are_rejected_by_the_kernels():
 def _attention(batch, args, backend: str, **kw) -> np.ndarray:
     from pallas_kernels import get_paged_attention_fn
 
+    traced = {k: kw.pop(k) for k in ("window", "sinks") if k in kw}  # jit operands
     fn = functools.partial(get_paged_attention_fn(backend),
                            num_extend_tokens=batch.num_extend_tokens,
                            num_extend_seqs=batch.num_extend_seqs, sm_scale=0.125, **kw)
-    return np.asarray(jax.jit(fn)(*args))
+    return np.asarray(jax.jit(lambda a, t: fn(*a, **t))(args, traced))
 
 
 # Decode rows from 1 token (own key only) to 10 pages, plus the seq_len-0 padding row that
 # _batch adds; extend rows fresh and on cached prefixes (mid-page starts and ends), the
 # bucket's padding tokens and a padding row; MIXED batches; GQA groups 1/3/8 (8: the
-# general, not register-resident path); window and soft cap.
-@pytest.mark.parametrize("page_size,group,extend,window,cap", [
-    (16, 3, [], None, None), (64, 1, [], None, None), (16, 8, [(9, 20)], None, None),
-    (16, 3, [(40, 0)], 37, None), (16, 3, [], None, 5.0), (16, 3, [(9, 30)], 20, 5.0),
-    (16, 3, [(1, 0), (16, 0), (17, 3), (5, 16), (2, 31), (76, 33)], None, None),
-    (64, 8, [(70, 0), (3, 100)], 37, 5.0)])
+# general, not register-resident path); window (traced; 5 tokens: pages wholly outside it,
+# a window starting mid-page; 0: none at run time), soft cap and sinks.
+@pytest.mark.parametrize("page_size,group,extend,window,cap,sinks", [
+    (16, 3, [], None, 0.0, False), (64, 1, [], None, 0.0, False),
+    (16, 8, [(9, 20)], None, 0.0, False), (16, 3, [(40, 0)], 37, 0.0, False),
+    (16, 3, [], None, 5.0, False), (16, 3, [(9, 30)], 20, 5.0, False),
+    (16, 3, [(1, 0), (16, 0), (17, 3), (5, 16), (2, 31), (76, 33)], None, 0.0, False),
+    (64, 8, [(70, 0), (3, 100)], 37, 5.0, False), (16, 3, [(9, 30)], None, 0.0, True),
+    (16, 3, [(40, 0), (9, 30)], 5, 0.0, True), (16, 8, [(9, 20)], 0, 5.0, True),
+    (16, 1, [(17, 3)], 6, 0.0, True)])
 @pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
-def test_attention_matches_reference(page_size, group, extend, window, cap, kv_dtype):
+def test_attention_matches_reference(page_size, group, extend, window, cap, sinks, kv_dtype):
     """bfloat16 pages: the kernel widens them to f32 and rounds this step's K/V to bf16
     (what the pool will hold); the jnp path in f32 on the same rounded values agrees to
     f32 rounding."""
-    from tests.test_pallas_attention import _batch, _inputs, _ragged_lens
+    from tests.test_pallas_attention import _batch, _inputs, _ragged_lens, _sinks
 
     batch, n_pages = _batch(extend, _ragged_lens(page_size), page_size)
     args = _inputs(batch, n_pages, page_size, group, jnp.float32, seed=group)
-    kw = dict(sliding_window=window, soft_cap=cap)
+    kw = dict(logit_softcap=cap)
+    if window is not None:
+        kw["window"] = jnp.int32(window)
+    if sinks:
+        kw["sinks"] = _sinks(group, seed=group)
     if kv_dtype == "bfloat16":
         kv = [jnp.asarray(a, jnp.bfloat16) for a in args[1:5]]  # k_new, v_new, pools
         args = (args[0], *kv, *args[5:])
@@ -545,7 +554,7 @@ def test_decode_attention_head_shapes(group, dh, kv_dtype):
     pools = [jnp.asarray(rng.standard_normal((2, hkv, n_pages, s, dh)), kv_dtype)
              for _ in "kv"]
     rest = (jnp.int32(1), jnp.asarray(table), jnp.asarray(lens))
-    kw = dict(sm_scale=dh ** -0.5, sliding_window=None, soft_cap=None)
+    kw = dict(sm_scale=dh ** -0.5)
     f32 = [a.astype(jnp.float32) for a in (k_new, v_new, *pools)]
     want = jax.jit(functools.partial(_decode, **kw))(q, *f32, *rest)
     got = jax.jit(functools.partial(cpu_kernels.decode_attention, **kw))(
@@ -582,7 +591,7 @@ def test_extend_attention_head_shapes_and_chunking(group, dh, window, kv_dtype):
 
     rng = np.random.default_rng(group * dh)
     q, k_new, v_new, pools, table, qs, positions = _extend_case(rng, group, dh, kv_dtype)
-    kw = dict(sm_scale=dh ** -0.5, sliding_window=window, soft_cap=None)
+    kw = dict(sm_scale=dh ** -0.5, window=window)
     rest = (jnp.int32(1), jnp.asarray(table), jnp.asarray(qs), jnp.asarray(positions))
     f32 = [a.astype(jnp.float32) for a in (k_new, v_new, *pools)]
     want = np.asarray(jax.jit(functools.partial(_extend, **kw))(q, *f32, *rest))

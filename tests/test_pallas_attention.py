@@ -79,15 +79,38 @@ def _inputs(batch, n_pages: int, page_size: int, group: int, dtype, seed: int) -
             batch.seq_lens, batch.query_start, batch.positions)
 
 
-def _check(extend, decode, *, page_size, group, dtype, impl=None, sliding_window=None,
-           soft_cap=None, num_splits=None, spare_row=True, seed=0):
+def _sinks(group: int, seed: int) -> jax.Array:
+    """[Hq] sink logits around the scores' scale, one well above them (its rows' outputs
+    shrink towards 0) and one well below (no effect)."""
+    s = 2 * np.random.default_rng(seed + 100).standard_normal(HKV * group)
+    s[0], s[-1] = 8.0, -30.0
+    return jnp.asarray(s, jnp.float32)
+
+
+def _traced_variants(fn, window, sinks):
+    """fn with the window and the sinks as traced arguments after the 10 attention
+    operands (as a model's layer scan passes them), or left out where None."""
+    names = [n for n, x in (("window", window), ("sinks", sinks)) if x is not None]
+    extra = tuple(jnp.int32(window) if n == "window" else sinks for n in names)
+
+    def call(*args):
+        return fn(*args[:10], **dict(zip(names, args[10:], strict=True)))
+    return jax.jit(call), extra
+
+
+def _check(extend, decode, *, page_size, group, dtype, impl=None, window=None,
+           logit_softcap=0.0, sinks=False, num_splits=None, spare_row=True, seed=0):
     batch, n_pages = _batch(extend, decode, page_size, spare_row=spare_row)
     args = _inputs(batch, n_pages, page_size, group, dtype, seed)
     kw = dict(num_extend_tokens=batch.num_extend_tokens, num_extend_seqs=batch.num_extend_seqs,
-              sm_scale=DH ** -0.5, sliding_window=sliding_window, soft_cap=soft_cap)
-    ref = jax.jit(functools.partial(paged_attention_ref, **kw))(*args)
-    out = jax.jit(functools.partial(paged_attention, impl=impl, interpret=True,
-                                    num_splits=num_splits, **kw))(*args)
+              sm_scale=DH ** -0.5, logit_softcap=logit_softcap)
+    sink_arr = _sinks(group, seed) if sinks else None
+    ref_fn, extra = _traced_variants(functools.partial(paged_attention_ref, **kw), window,
+                                     sink_arr)
+    ref = ref_fn(*args, *extra)
+    out_fn, _ = _traced_variants(functools.partial(paged_attention, impl=impl, interpret=True,
+                                                   num_splits=num_splits, **kw), window, sink_arr)
+    out = out_fn(*args, *extra)
     assert out.shape == ref.shape and out.dtype == ref.dtype
     # Padding tokens and the seq_len-0 decode row give exact zeros from the kernels; the
     # reference lets some of them attend to padding K/V (don't-care outputs), so only
@@ -123,14 +146,37 @@ def test_mixed_batch(group):
            dtype=jnp.float32)
 
 
-@pytest.mark.parametrize("sliding_window,soft_cap", [(20, None), (None, 5.0), (37, 5.0)])
-def test_sliding_window_and_soft_cap(sliding_window, soft_cap):
+@pytest.mark.parametrize("window,cap,sinks", [(20, 0.0, False), (None, 5.0, False),
+                                              (37, 5.0, False), (None, 0.0, True),
+                                              (0, 0.0, True), (5, 5.0, True)])
+def test_window_soft_cap_and_sinks(window, cap, sinks):
+    """The window is traced (0: none at run time); 5 tokens leaves most of a 16-token page
+    outside it, so decode rows skip whole pages and extend rows start mid-page."""
     _check([(40, 0), (9, 30)], [1, 19, 21, 150], page_size=16, group=3, dtype=jnp.float32,
-           sliding_window=sliding_window, soft_cap=soft_cap)
+           window=window, logit_softcap=cap, sinks=sinks)
 
 
-@pytest.mark.parametrize("page_size,window,cap", [(16, None, None), (16, 37, 5.0),
-                                                   (64, None, None)])
+def test_window_is_one_trace_for_every_layer():
+    """Layers of different windows (Gemma 3 / gpt-oss interleave them) share one trace:
+    the window is an operand, and a window of 0 is the full causal attention."""
+    batch, n_pages = _batch([(20, 5)], [1, 40], 16)
+    args = _inputs(batch, n_pages, 16, 3, jnp.float32, 0)
+    kw = dict(num_extend_tokens=batch.num_extend_tokens, num_extend_seqs=batch.num_extend_seqs,
+              sm_scale=DH ** -0.5)
+    traces = []
+
+    @jax.jit
+    def f(*a):
+        traces.append(1)
+        return paged_attention_ref(*a[:10], window=a[10], **kw)
+    full = jax.jit(functools.partial(paged_attention_ref, **kw))(*args)
+    np.testing.assert_allclose(np.asarray(f(*args, jnp.int32(0))), np.asarray(full), atol=1e-6)
+    assert np.abs(np.asarray(f(*args, jnp.int32(4))) - np.asarray(full)).max() > 1e-3
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("page_size,window,cap", [(16, None, 0.0), (16, 37, 5.0),
+                                                   (64, None, 0.0), (16, 5, 0.0)])
 def test_reference_decode_walks_blocks(monkeypatch, page_size, window, cap):
     """The jnp decode path walks each batch's prefix in blocks, as many as its longest row
     needs (a dynamic trip count). Force one-page blocks so the rows span 1 to 10 of them
@@ -138,10 +184,10 @@ def test_reference_decode_walks_blocks(monkeypatch, page_size, window, cap):
     from pallas_kernels import attention_ref
     monkeypatch.setattr(attention_ref, "_DECODE_BLOCK_TOKENS", page_size)
     _check([(9, 20)], _ragged_lens(page_size), page_size=page_size, group=3,
-           dtype=jnp.float32, sliding_window=window, soft_cap=cap)
+           dtype=jnp.float32, window=window, logit_softcap=cap, sinks=window is not None)
 
 
-@pytest.mark.parametrize("window,cap", [(None, None), (37, 5.0)])
+@pytest.mark.parametrize("window,cap", [(None, 0.0), (37, 5.0)])
 def test_reference_extend_walks_blocks(monkeypatch, window, cap):
     """The jnp extend path scores new tokens in query blocks against the key blocks from
     the block's earliest row start on (a dynamic trip count). With 8-token blocks the rows
@@ -150,8 +196,8 @@ def test_reference_extend_walks_blocks(monkeypatch, window, cap):
     from pallas_kernels import attention_ref
     monkeypatch.setattr(attention_ref, "_EXTEND_BLOCK_TOKENS", 8)
     rows = [(1, 0), (16, 0), (17, 3), (5, 16), (2, 31), (76, 33)]  # 117 + 3 padding = 120
-    _check(rows, [1, 40], page_size=16, group=3, dtype=jnp.float32, sliding_window=window,
-           soft_cap=cap)
+    _check(rows, [1, 40], page_size=16, group=3, dtype=jnp.float32, window=window,
+           logit_softcap=cap, sinks=window is not None)
 
 
 def test_reference_extend_one_row(monkeypatch):
@@ -189,15 +235,22 @@ def test_padding_tokens_in_last_row():
 # The Mosaic GPU body: in bf16 as the GPU runs it, and in f32 to hold its logic to 1e-5.
 # Rows of 300+ tokens span several KV blocks, so the slot ring and the online softmax
 # across blocks are exercised; with 3 KV splits some splits of short rows are empty.
-@pytest.mark.parametrize("dtype,page_size,group,window,cap,splits", [
-    (jnp.bfloat16, 16, 3, None, None, 1),
-    (jnp.bfloat16, 64, 8, 100, 20.0, 3),
-    (jnp.float32, 16, 3, 150, 5.0, 3),
+@pytest.mark.parametrize("dtype,page_size,group,window,cap,sinks,splits", [
+    (jnp.bfloat16, 16, 3, None, 0.0, False, 1),
+    (jnp.bfloat16, 64, 8, 100, 20.0, True, 3),
+    (jnp.float32, 16, 3, 150, 5.0, True, 3),
+    (jnp.float32, 16, 3, 5, 0.0, True, 1),
 ])
-def test_mosaic_body(dtype, page_size, group, window, cap, splits):
+def test_mosaic_body(dtype, page_size, group, window, cap, sinks, splits):
     s = page_size
     _check([(s + 1, 0), (30, 300)], [1, s, s + 1, 520], page_size=page_size, group=group,
-           dtype=dtype, impl="mosaic", sliding_window=window, soft_cap=cap, num_splits=splits)
+           dtype=dtype, impl="mosaic", window=window, logit_softcap=cap, sinks=sinks,
+           num_splits=splits)
+
+
+def test_mosaic_decode_only_sinks_and_window():
+    _check([], _ragged_lens(16), page_size=16, group=3, dtype=jnp.float32, impl="mosaic",
+           window=20, sinks=True, num_splits=3)
 
 
 def test_mosaic_decode_only_group_1_split():
@@ -215,11 +268,11 @@ def test_mosaic_decode_only_moves_live_rows(group, splits, rows):
     q = jnp.zeros((3, 2 * group, 64), jnp.bfloat16)
     pool = jnp.zeros((1, 2, 4, 16, 64), jnp.bfloat16)
     cfg = rpa._config(q, pool, batch.page_table, te=0, be=0, sm_scale=1.0,
-                      sliding_window=None, soft_cap=None, impl="mosaic", block_kv=None,
+                      windowed=False, logit_softcap=0.0, impl="mosaic", block_kv=None,
                       num_slots=None, num_splits=splits)
     assert (cfg.tile_rows, cfg.q_rows) == (64, rows)
     mixed = rpa._config(q, pool, batch.page_table, te=2, be=1, sm_scale=1.0,
-                        sliding_window=None, soft_cap=None, impl="mosaic", block_kv=None,
+                        windowed=False, logit_softcap=0.0, impl="mosaic", block_kv=None,
                         num_slots=None, num_splits=splits)
     assert mixed.q_rows == mixed.tile_rows == 64
 
@@ -238,7 +291,7 @@ def test_mosaic_new_tokens_start_page_aligned(page_size, decode_only):
                                          batch.num_extend_tokens)
     be = batch.num_extend_seqs
     cfg = rpa._config(q, k_pool, batch.page_table, te=te, be=be, sm_scale=1.0,
-                      sliding_window=None, soft_cap=None, impl="mosaic", block_kv=None,
+                      windowed=False, logit_softcap=0.0, impl="mosaic", block_kv=None,
                       num_slots=None, num_splits=1)
     meta, _ = rpa._tile_metadata(batch.seq_lens, batch.query_start, batch.positions, 1,
                                  te=te, be=be, cfg=cfg)
@@ -316,13 +369,19 @@ def test_split_kv_lowers_for_cuda(mode):
                                                                  jnp.bfloat16))
 
 
-@pytest.mark.parametrize("page_size", [16, 64])
-def test_llama8b_heads_lower_for_cuda(page_size):
+@pytest.mark.parametrize("page_size,dtype", [(16, jnp.bfloat16), (64, jnp.bfloat16),
+                                             (16, jnp.float32)])
+def test_llama8b_heads_lower_for_cuda(page_size, dtype):
+    """With every variant on: a traced window, sinks and the soft cap, in both bodies."""
     cfg = dataclasses.replace(SMOLLM2, **LLAMA8B_HEADS)
     bucket = BUCKETS["mixed"]
-    fn = _compiled(bucket, sm_scale=128 ** -0.5, sliding_window=4096, soft_cap=50.0)
-    args = _attention_args(cfg, bucket, page_size, jnp.bfloat16)
-    assert "mosaic_gpu" in _lower_for_cuda(fn, *args)
+    fn = _compiled(bucket, sm_scale=128 ** -0.5, logit_softcap=50.0)
+    args = _attention_args(cfg, bucket, page_size, dtype)
+    variants = lambda *a: fn(*a[:10], window=a[10], sinks=a[11])  # noqa: E731
+    sds = jax.ShapeDtypeStruct
+    extra = (sds((), jnp.int32), sds((cfg.num_heads,), jnp.float32))
+    text = _lower_for_cuda(variants, *args, *extra)
+    assert ("mosaic_gpu" if dtype == jnp.bfloat16 else "triton") in text
 
 
 @pytest.mark.parametrize("bucket,splits", [((0, 0, 8, 2048), 4), ((0, 0, 64, 2048), 1),

@@ -117,8 +117,8 @@ def _attn_fn(kind: str, te: int, be: int, sm_scale: float, **kw):
     """-> attn(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, query_start,
     positions): the kernels ("pallas", kw may hold their tuning knobs) or the reference."""
     common = dict(num_extend_tokens=te, num_extend_seqs=be, sm_scale=sm_scale,
-                  sliding_window=kw.pop("sliding_window", None),
-                  soft_cap=kw.pop("soft_cap", None))
+                  window=kw.pop("window", None), sinks=kw.pop("sinks", None),
+                  logit_softcap=kw.pop("logit_softcap", 0.0))
     if kind == "pallas":
         return functools.partial(paged_attention, interpret=_interpret(), **common, **kw)
     return functools.partial(paged_attention_ref, **common)
@@ -220,7 +220,9 @@ def bench_correctness(rng) -> list[dict]:
         t = te + len(decode)
         # The padding decode row: zeros from the kernels, don't-care in the reference.
         real = np.array([True] * te + [n > 0 for n in decode])
-        extras = ({}, {"sliding_window": 100, "soft_cap": 20.0}) if mode == "mixed" else ({},)
+        variants = {"window": 100, "logit_softcap": 20.0,
+                    "sinks": jnp.linspace(-2.0, 4.0, hq, dtype=jnp.float32)}
+        extras = ({}, variants) if mode == "mixed" else ({},)
         extras = extras[:1] if FLAGS.smoke else extras
         for dtype, tol in ((jnp.bfloat16, 2e-2), (jnp.float32, 1e-5 if _interpret() else 1e-4)):
             if FLAGS.smoke and dtype not in _SMOKE_DTYPES[mode]:
@@ -232,7 +234,7 @@ def bench_correctness(rng) -> list[dict]:
                     meta["seq_lens"], meta["query_start"], meta["positions"])
             for extra in extras:
                 t0 = time.perf_counter()
-                name = jnp.dtype(dtype).name
+                name, variants = jnp.dtype(dtype).name, sorted(extra)
                 try:
                     # The reference at full f32 precision: XLA on a GPU may otherwise use
                     # tf32.
@@ -241,14 +243,14 @@ def bench_correctness(rng) -> list[dict]:
                     got = jax.jit(_attn_fn("pallas", te, be, dh ** -0.5, **extra))(*args)
                     err = _max_err(got[real], ref[real])
                 except Exception as e:  # one case failing must not hide the others
-                    out.append(dict(mode=mode, dtype=name, **extra, ok=False,
+                    out.append(dict(mode=mode, dtype=name, variants=variants, ok=False,
                                     error=repr(e)[:2000], traceback=traceback.format_exc()))
-                    print(f"correctness {mode} {name} {extra}: ERROR {e!r}"[:2000], flush=True)
+                    print(f"correctness {mode} {name} {variants}: ERROR {e!r}"[:2000], flush=True)
                     continue
                 secs = time.perf_counter() - t0  # both compiles and runs
-                out.append(dict(mode=mode, dtype=name, **extra, max_abs_err=err, tol=tol,
+                out.append(dict(mode=mode, dtype=name, variants=variants, max_abs_err=err, tol=tol,
                                 ok=err < tol, seconds=secs))
-                print(f"correctness {mode} {name} {extra}: max err {err:.3g} "
+                print(f"correctness {mode} {name} {variants}: max err {err:.3g} "
                       f"({'ok' if err < tol else 'FAIL'}, {secs:.1f} s)", flush=True)
     return out
 
