@@ -167,7 +167,7 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, top_l
 
 def _args(**kw) -> ServerArgs:
     base = dict(max_running_requests=4, decode_buckets=(4,), extend_token_buckets=(64,),
-                extend_seq_buckets=(1, 4), kv_len_buckets=(64,), max_prefill_tokens=64,
+                kv_len_buckets=(64,), max_prefill_tokens=64,
                 chunked_prefill_size=64, max_extend_seqs=4, max_total_tokens=1024, page_size=4,
                 compilation_cache_dir=None, strict_compile=True, max_top_logprobs=2,
                 attention_backend="xla", cpu_matmul="xla", disable_prefix_cache=True)
