@@ -168,7 +168,7 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, top_l
 def _args(**kw) -> ServerArgs:
     base = dict(max_running_requests=4, decode_buckets=(4,), extend_token_buckets=(64,),
                 kv_len_buckets=(64,), max_prefill_tokens=64,
-                chunked_prefill_size=64, max_extend_seqs=4, max_total_tokens=1024, page_size=4,
+                chunked_prefill_size=64, max_extend_seqs=2, max_total_tokens=1024, page_size=4,
                 compilation_cache_dir=None, strict_compile=True, max_top_logprobs=2,
                 attention_backend="xla", cpu_matmul="xla", disable_prefix_cache=True)
     return ServerArgs(**{**base, **kw})
@@ -197,11 +197,12 @@ def test_greedy_32_matches_transformers(plain):
 
 
 def test_split_prefill_equals_plain(model, plain):
-    eng = Engine(_args(enable_split_prefill=True, split_prefill_layers=1,
+    eng = Engine(_args(enable_split_prefill=True, split_prefill_layers=2,
                        split_prefill_min_tokens=0), model=model)
     outs = eng.generate(_prompts(), GREEDY)
     check_same(outs, plain)
-    assert all(o.meta_info["prefill_intervals"] >= 4 for o in outs)
+    # Two intervals of two layers each: a sliding and a full layer in each.
+    assert all(o.meta_info["prefill_intervals"] >= 2 for o in outs)
     eng.runner.check_no_compiles()
 
 
