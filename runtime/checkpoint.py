@@ -435,7 +435,8 @@ def load_hf_config(folder: str) -> ModelConfig:
 
 
 def load_hf_safetensors(folder: str) -> tuple[ModelConfig, Params]:
-    """Import a Hugging Face Llama/Qwen2 folder (config.json + safetensors) as float32."""
+    """Import a Hugging Face folder (config.json + safetensors) as float32; MXFP4 expert
+    pairs (gpt-oss) are dequantized (runtime/mxfp4.py)."""
     folder = os.path.abspath(folder)
     cfg = load_hf_config(folder)
     owners = _open_safetensors(folder)
