@@ -149,7 +149,8 @@ def test_moe_block_ep4_and_micro_batch_pair_equal_ep1():
     np.testing.assert_allclose(np.concatenate([ya, yb]), want, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", ["xla", "cpu"])
+# Pallas in interpret mode: ~30 s here, so with the slow tests (make test-slow).
+@pytest.mark.parametrize("backend", ["xla", "cpu", pytest.param("pallas", marks=pytest.mark.slow)])
 def test_prefill_logits_match_transformers(model, backend):
     cfg, params = model
     # Page size 4 with window 4: the sliding layers' keys span page boundaries.
