@@ -12,14 +12,48 @@ __all__ = ["ModelConfig", "RopeScaling"]
 
 @dataclasses.dataclass(frozen=True)
 class RopeScaling:
-    """Rope scaling: Llama-3 style ("rope_type": "llama3") or "linear" (frequencies divided
-    by `factor`; Gemma 3's global layers)."""
+    """Rope scaling: Llama-3's frequency-dependent scaling ("llama3"), "linear" (frequencies
+    divided by `factor`; Gemma 3's global layers) or YaRN ("yarn": interpolation ramped
+    between beta_fast and beta_slow rotations, and cos / sin multiplied by an attention
+    factor; see models/layers.rope_inv_freq, rope_attention_scale)."""
 
     factor: float = 8.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
     rope_type: str = "llama3"
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True  # round the YaRN correction range outwards to whole dimensions
+    attention_factor: float | None = None  # None: derived from factor (and mscale)
+    mscale: float = 0.0
+    mscale_all_dim: float = 0.0
+
+    @classmethod
+    def from_hf(cls, rs: dict[str, Any]) -> RopeScaling:
+        """From an HF `rope_scaling` / `rope_parameters` dict of type llama3 or yarn."""
+        kind = rs.get("rope_type", rs.get("type"))
+        if kind == "llama3":
+            return cls(factor=float(rs["factor"]), low_freq_factor=float(rs["low_freq_factor"]),
+                       high_freq_factor=float(rs["high_freq_factor"]),
+                       original_max_position_embeddings=int(
+                           rs["original_max_position_embeddings"]))
+        if kind == "linear":
+            return cls(factor=float(rs["factor"]), rope_type="linear")
+        if kind == "yarn":
+            af = rs.get("attention_factor")
+            # transformers reads `x or default` for the betas: 0 / None mean the default
+            return cls(factor=float(rs["factor"]), rope_type="yarn",
+                       original_max_position_embeddings=int(
+                           rs["original_max_position_embeddings"]),
+                       beta_fast=float(rs.get("beta_fast") or 32.0),
+                       beta_slow=float(rs.get("beta_slow") or 1.0),
+                       truncate=bool(rs.get("truncate", True)),
+                       attention_factor=None if af is None else float(af),
+                       mscale=float(rs.get("mscale") or 0.0),
+                       mscale_all_dim=float(rs.get("mscale_all_dim") or 0.0))
+        raise ValueError(f"unsupported rope_scaling type {kind!r} "
+                         "(only 'llama3', 'linear', 'yarn')")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,6 +96,16 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None  # attention scale its**-0.5 (None: head_dim)
     final_logit_softcap: float | None = None  # logits = cap * tanh(logits / cap)
     rope_local_theta: float | None = None  # sliding layers' rope (unscaled); None: rope_theta
+    # gpt-oss: an o_proj bias; a router bias and softmax over the top-k logits (not top-k
+    # of the softmax); experts with biases, gate|up fused and interleaved, and the clamped
+    # SwiGLU "clamped_swiglu" (models/moe.py expert_act) instead of "silu".
+    attention_out_bias: bool = False
+    router_bias: bool = False
+    softmax_after_topk: bool = False
+    expert_bias: bool = False
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -71,6 +115,8 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ValueError(f"num_experts_per_tok={self.num_experts_per_tok} must be in "
                              f"[1, num_experts={self.num_experts}]")
+        if self.expert_act not in ("silu", "clamped_swiglu"):
+            raise ValueError(f"expert_act={self.expert_act!r} is not 'silu' or 'clamped_swiglu'")
         if self.layer_types and (len(self.layer_types) != self.num_layers
                                  or not set(self.layer_types) <= set(_LAYER_TYPES)):
             raise ValueError(f"layer_types must list {self.num_layers} of {_LAYER_TYPES}, "
@@ -129,7 +175,8 @@ class ModelConfig:
                  "qwen2": "qwen2", "MistralForCausalLM": "llama", "mistral": "llama",
                  "Qwen3ForCausalLM": "qwen3", "qwen3": "qwen3",
                  "Gemma3ForCausalLM": "gemma3", "gemma3_text": "gemma3",
-                 **{a: m for m, a in _MOE_ARCHS.items()}, **{m: m for m in _MOE_ARCHS}}
+                 **{a: m for m, a in _MOE_ARCHS.items()}, **{m: m for m in _MOE_ARCHS},
+                 "GptOssForCausalLM": "gpt_oss", "gpt_oss": "gpt_oss"}
         if arch not in known:
             supported = sorted(a for a in known if a[0].isupper())
             raise ValueError(f"unknown architecture {arch!r}; supported: {supported}")
@@ -138,19 +185,7 @@ class ModelConfig:
         # transformers >= 5 writes the scaling into rope_parameters
         rs = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
         kind = rs.get("rope_type", rs.get("type", "default"))
-        rope_scaling = None
-        if kind == "linear":
-            rope_scaling = RopeScaling(factor=float(rs["factor"]), rope_type="linear")
-        elif kind != "default":
-            if kind != "llama3":
-                raise ValueError(f"unsupported rope_scaling type {kind!r} "
-                                 "(only 'llama3' and 'linear')")
-            rope_scaling = RopeScaling(
-                factor=float(rs["factor"]),
-                low_freq_factor=float(rs["low_freq_factor"]),
-                high_freq_factor=float(rs["high_freq_factor"]),
-                original_max_position_embeddings=int(rs["original_max_position_embeddings"]),
-            )
+        rope_scaling = None if kind == "default" else RopeScaling.from_hf(rs)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         rope_theta = cfg.get("rope_theta")
@@ -170,13 +205,13 @@ class ModelConfig:
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             # Qwen2-MoE names its q/k/v bias qkv_bias (default on)
             attention_bias=bool(cfg.get("attention_bias", cfg.get(
-                "qkv_bias", family in ("qwen2", "qwen2_moe")))),
+                "qkv_bias", family in ("qwen2", "qwen2_moe", "gpt_oss")))),
             rope_scaling=rope_scaling,
             architecture=family,
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             qk_norm=family in ("qwen3", "qwen3_moe"),
-            **_moe_fields(cfg, family),
+            **(_gptoss_fields(cfg) if family == "gpt_oss" else _moe_fields(cfg, family)),
             **attention_variant_fields(cfg),
         )
         return cls(**{**fields, **_gemma3_fields(cfg, family)})
@@ -282,3 +317,16 @@ def _gemma3_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
         query_pre_attn_scalar=float(cfg.get("query_pre_attn_scalar", 256)),
         final_logit_softcap=cfg.get("final_logit_softcapping"),
     )
+
+
+def _gptoss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The ModelConfig fields of an HF GptOssConfig beyond the shared ones (its experts are
+    intermediate_size wide; attention_bias covers q, k, v and o)."""
+    bias = bool(cfg.get("attention_bias", True))
+    return dict(num_experts=cfg["num_local_experts"],
+                num_experts_per_tok=cfg["num_experts_per_tok"],
+                moe_intermediate_size=cfg["intermediate_size"], attention_out_bias=bias,
+                router_bias=True, softmax_after_topk=True, expert_bias=True,
+                expert_act="clamped_swiglu",
+                swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), attention_sinks=True)

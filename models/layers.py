@@ -47,7 +47,9 @@ def norm(x: jax.Array, w: jax.Array, cfg: ModelConfig) -> jax.Array:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> np.ndarray:
-    """[Dh/2] inverse frequencies, with Llama-3 frequency-dependent or linear scaling."""
+    """[Dh/2] inverse frequencies, with Llama-3 frequency-dependent, linear or YaRN scaling."""
+    if scaling is not None and scaling.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, theta, scaling)
     inv = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if scaling is None:
         return inv.astype(np.float32)
@@ -62,6 +64,54 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: RopeScaling | None) -> n
     mid = (wavelen <= lo_wavelen) & (wavelen >= hi_wavelen)
     scaled = np.where(mid, (1 - smooth) * inv / scaling.factor + smooth * inv, scaled)
     return scaled.astype(np.float32)
+
+
+def _yarn_inv_freq(dim: int, theta: float, s: RopeScaling) -> np.ndarray:
+    """YaRN: interpolated (divided by factor) frequencies for the dimensions that turn
+    fewer than beta_slow times over the original context, the original ones above
+    beta_fast turns, a linear ramp between; f32 as transformers computes them."""
+    pos = np.float32(theta) ** (np.arange(0, dim, 2, dtype=np.float32) / np.float32(dim))
+
+    def correction_dim(rotations: float) -> float:  # dimension that turns `rotations` times
+        return dim * math.log(s.original_max_position_embeddings / (rotations * 2 * math.pi)
+                              ) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.beta_fast), correction_dim(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    extrapolate = (1 - ramp).astype(np.float32)  # [Dh/2] 1: keep the original frequency
+    inv = (1 / (s.factor * pos)) * (1 - extrapolate) + (1 / pos) * extrapolate
+    return inv.astype(np.float32)
+
+
+def rope_attention_scale(scaling: RopeScaling | None) -> float:
+    """The factor transformers multiplies rope's cos and sin by (so q.k by its square):
+    YaRN's attention factor, given or 0.1 ln(factor) + 1 (DeepSeek: the ratio of that
+    with mscale and mscale_all_dim); 1 otherwise."""
+    if scaling is None or scaling.rope_type != "yarn":
+        return 1.0
+    if scaling.attention_factor is not None:
+        return scaling.attention_factor
+
+    def mscale(factor: float, m: float = 1.0) -> float:
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if scaling.mscale and scaling.mscale_all_dim:
+        return mscale(scaling.factor, scaling.mscale) / mscale(scaling.factor,
+                                                                scaling.mscale_all_dim)
+    return mscale(scaling.factor)
+
+
+def rope_for(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+    """positions [T] -> cos, sin [T, Dh/2] of cfg's rope, times its attention scale."""
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+                                                     cfg.rope_scaling))
+    scale = rope_attention_scale(cfg.rope_scaling)
+    return (cos, sin) if scale == 1.0 else (cos * scale, sin * scale)
 
 
 def rope_cos_sin(positions: jax.Array, inv_freq: np.ndarray) -> tuple[jax.Array, jax.Array]:
@@ -112,7 +162,7 @@ def init_from_shapes(shapes: dict, key: jax.Array, dtype: jnp.dtype = jnp.float3
         x = jax.random.normal(k, shape)
         if "norm" in name:
             w = 1.0 + 0.1 * x
-        elif name in ("bq", "bk", "bv"):
+        elif name in ("bq", "bk", "bv", "bo"):
             w = 0.1 * x
         elif name in ("embed", "sinks"):
             w = x
@@ -129,6 +179,8 @@ def attention_shapes(cfg: ModelConfig) -> dict:
            "wv": (L, D, cfg.kv_size), "wo": (L, cfg.q_size, D), "mlp_norm": (L, D)}
     if cfg.attention_bias:
         out.update(bq=(L, cfg.q_size), bk=(L, cfg.kv_size), bv=(L, cfg.kv_size))
+    if cfg.attention_out_bias:
+        out.update(bo=(L, D))
     if cfg.qk_norm:
         out.update(q_norm=(L, cfg.head_dim), k_norm=(L, cfg.head_dim))
     if cfg.attention_sinks:
@@ -298,11 +350,18 @@ def write_step_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
                      out_specs=pool)(kv, layers, slots, k, v)
 
 
+def attn_out(lp: dict, o: jax.Array) -> jax.Array:
+    """Attention's output projection o [T, Hq*Dh] -> [T, D], with its bias where the family
+    has one (gpt-oss)."""
+    y = linear(o, lp["wo"])
+    return y + lp["bo"] if "bo" in lp else y
+
+
 def out_mlp(lp: dict, h: jax.Array, o: jax.Array, cfg: ModelConfig, mlp: Mlp) -> jax.Array:
     """Attention output projection and the MLP, both residual: h [T, D] -> [T, D]. Where
     the layer has them (Gemma 3), `post_attn_norm` / `post_mlp_norm` norm the attention
     and MLP outputs before their residual adds."""
-    a = linear(o, lp["wo"])  # [T, D]
+    a = attn_out(lp, o)  # [T, D]
     if "post_attn_norm" in lp:
         a = norm(a, lp["post_attn_norm"], cfg)
     h = h + a
@@ -369,10 +428,10 @@ def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
 
 
 def _rope(batch: ForwardBatch, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [T, Dh/2]; with a local rope for the sliding layers (rope_local_theta),
-    [2, T, Dh/2]: the global layers' then the sliding layers'."""
-    cos, sin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
-                                                           cfg.rope_scaling))
+    """cos, sin [T, Dh/2] (times the rope's attention scale, see rope_for); with a local
+    rope for the sliding layers (rope_local_theta), [2, T, Dh/2]: the global layers' then
+    the sliding layers'."""
+    cos, sin = rope_for(batch.positions, cfg)
     if cfg.rope_local_theta is None:
         return cos, sin
     lcos, lsin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim,

@@ -14,9 +14,16 @@ peer holds every pair its tokens could send there (tokens x min(top_k, local exp
 The stages (route, dispatch, exchange, experts, combine) are separate functions over
 explicit arrays, so two micro-batches can interleave them (two-batch overlap).
 
+gpt-oss's variant (cfg.router_bias, softmax_after_topk, expert_bias, expert_act): the
+router has a bias and the softmax runs over the k selected logits; the experts hold gate
+and up fused with their columns interleaved as the checkpoint has them, biases on both
+products, and a clamped SwiGLU (expert_act).
+
 Parameter layout (models/params_layout.md), per layer on top of the attention weights:
   router [L, D, E]; we_gate, we_up [L, E, D, Fm]; we_down [L, E, Fm, D];
-  with a shared expert: ws_gate, ws_up [L, D, Fs], ws_down [L, Fs, D], ws_router [L, D, 1].
+  with a shared expert: ws_gate, ws_up [L, D, Fs], ws_down [L, Fs, D], ws_router [L, D, 1];
+  gpt-oss: router_bias [L, E]; we_gate_up [L, E, D, 2Fm] (gate, up, gate, up, ... columns)
+  and be_gate_up [L, E, 2Fm] instead of we_gate / we_up; be_down [L, E, D].
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ __all__ = ["compute_logits", "embed", "forward", "fuse_projections", "init_param
            "MoeMlp"]
 
 EP_AXIS = "ep"
-EXPERT_KEYS = ("we_gate", "we_up", "we_down")
+EXPERT_KEYS = ("we_gate", "we_up", "we_down", "we_gate_up", "be_gate_up", "be_down")
 
 
 def param_shapes(cfg: ModelConfig) -> dict:
@@ -48,6 +55,11 @@ def param_shapes(cfg: ModelConfig) -> dict:
     L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     mlp = {"router": (L, D, E), "we_gate": (L, E, D, F), "we_up": (L, E, D, F),
            "we_down": (L, E, F, D)}
+    if cfg.router_bias:
+        mlp["router_bias"] = (L, E)
+    if cfg.expert_bias:  # gpt-oss: its fused, interleaved gate|up with biases
+        del mlp["we_gate"], mlp["we_up"]
+        mlp.update(we_gate_up=(L, E, D, 2 * F), be_gate_up=(L, E, 2 * F), be_down=(L, E, D))
     fs = cfg.shared_expert_intermediate_size
     if fs:
         mlp.update(ws_gate=(L, D, fs), ws_up=(L, D, fs), ws_down=(L, fs, D),
@@ -68,9 +80,15 @@ def pack_for_cpu(params: dict, quantization: str | None = None) -> dict:
 # ---------------------------------------------------------------- the stages
 
 
-def route(x: jax.Array, router: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
+def route(x: jax.Array, router: jax.Array, cfg: ModelConfig,
+          bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """x [T, D] -> top-k weights [T, k] (f32) and expert ids [T, k] int32."""
-    probs = jax.nn.softmax((x @ router).astype(jnp.float32), axis=-1)  # [T, E]
+    logits = x @ router if bias is None else x @ router + bias  # [T, E]
+    logits = logits.astype(jnp.float32)
+    if cfg.softmax_after_topk:  # gpt-oss: the k best logits, then a softmax over them
+        top, ids = jax.lax.top_k(logits, cfg.num_experts_per_tok)  # [T, k]
+        return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
+    probs = jax.nn.softmax(logits, axis=-1)  # [T, E]
     w, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [T, k]
     if cfg.norm_topk_prob:
         w = w / w.sum(-1, keepdims=True)
@@ -109,18 +127,42 @@ def exchange(buf: jax.Array, axis: str | None) -> jax.Array:
     return jax.lax.all_to_all(buf, axis, split_axis=0, concat_axis=0)
 
 
-def experts(recv_x: jax.Array, recv_e: jax.Array, lp: dict) -> jax.Array:
-    """SwiGLU of each received pair through its local expert: recv_x [R, C, D],
-    recv_e [R, C] -> [R, C, D]; empty slots (id = local experts) come back as zeros."""
+def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -> jax.Array:
+    """gpt-oss's expert activation: gate clamped above at limit, up to [-limit, limit],
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    gate = jnp.minimum(gate, limit)
+    up = jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+
+
+def experts(recv_x: jax.Array, recv_e: jax.Array, lp: dict,
+            cfg: ModelConfig | None = None) -> jax.Array:
+    """The gated MLP of each received pair through its local expert: recv_x [R, C, D],
+    recv_e [R, C] -> [R, C, D]; empty slots (id = local experts) come back as zeros.
+    SwiGLU, or cfg.expert_act; gpt-oss's fused interleaved gate|up and biases where lp
+    has them (cfg.expert_bias)."""
     r, c, d = recv_x.shape
-    n_local = lp["we_gate"].shape[0]
+    n_local = lp["we_down"].shape[0]
     xs, es = recv_x.reshape(r * c, d), recv_e.reshape(r * c)
     order = jnp.argsort(es, stable=True)  # group the pairs by expert; empties last
     sizes = jnp.bincount(es, length=n_local).astype(jnp.int32)  # [El]
     xs = xs[order]  # [R*C, D]
-    g = jax.lax.ragged_dot(xs, lp["we_gate"], sizes)  # [R*C, Fm]
-    u = jax.lax.ragged_dot(xs, lp["we_up"], sizes)
-    ys = jax.lax.ragged_dot(jax.nn.silu(g) * u, lp["we_down"], sizes)  # [R*C, D]
+    # Each sorted pair's expert, for its biases; the empties take expert n_local - 1's,
+    # and their rows of the result are never read (combine reads the real pairs only).
+    own = jnp.minimum(es[order], n_local - 1)  # [R*C]
+    if "we_gate_up" in lp:
+        gu = jax.lax.ragged_dot(xs, lp["we_gate_up"], sizes) + lp["be_gate_up"][own]
+        g, u = gu[:, ::2], gu[:, 1::2]  # [R*C, Fm] each: the columns interleave
+    else:
+        g = jax.lax.ragged_dot(xs, lp["we_gate"], sizes)  # [R*C, Fm]
+        u = jax.lax.ragged_dot(xs, lp["we_up"], sizes)
+    if cfg is not None and cfg.expert_act == "clamped_swiglu":
+        act = clamped_swiglu(g, u, cfg.swiglu_alpha, cfg.swiglu_limit)
+    else:
+        act = jax.nn.silu(g) * u
+    ys = jax.lax.ragged_dot(act, lp["we_down"], sizes)  # [R*C, D]
+    if "be_down" in lp:
+        ys = ys + lp["be_down"][own]
     return jnp.zeros_like(ys).at[order].set(ys).reshape(r, c, d)
 
 
@@ -141,10 +183,10 @@ def moe_stages(lp: dict, cfg: ModelConfig, axis: str | None = None,
     with "out" [T, D]. Communication (exchange) opens the dispatch and combine stages, so
     an overlapped schedule can put the other micro-batch's compute beside it
     (models/moe_overlap.py); moe_block runs the list in order."""
-    n_local = lp["we_gate"].shape[0]
+    n_local = lp["we_down"].shape[0]
 
     def prepare(s: dict) -> dict:  # gate, select experts, pack the per-peer buffers
-        w, ids = route(s["x"], lp["router"], cfg)
+        w, ids = route(s["x"], lp["router"], cfg, lp.get("router_bias"))
         send_x, send_e, where = dispatch(s["x"], ids, num_ranks, n_local)
         return {**s, "w": w, "where": where, "send_x": send_x, "send_e": send_e}
 
@@ -157,7 +199,7 @@ def moe_stages(lp: dict, cfg: ModelConfig, axis: str | None = None,
         return out
 
     def run_experts(s: dict) -> dict:
-        return {**s, "y": experts(s["recv_x"], s["recv_e"], lp)}  # [R, C, D]
+        return {**s, "y": experts(s["recv_x"], s["recv_e"], lp, cfg)}  # [R, C, D]
 
     def combine_send(s: dict) -> dict:  # results back to the tokens' ranks
         return {**s, "back": exchange(s["y"], axis)}

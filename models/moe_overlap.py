@@ -79,7 +79,7 @@ def _attention(lp: dict, h: jax.Array, kv: KVPool, layer: jax.Array, batch: Forw
     q, k, v = layers.qkv(lp, h, *rope, cfg)  # [T, Hq, Dh], [T, Hkv, Dh] x 2
     o = layers.attend(q, k, v, kv, layer, batch, cfg, attention_backend,
                       sinks=lp.get("sinks"), model_layer=model_layer)  # [T, Hq*Dh]
-    return h + layers.linear(o, lp["wo"]), k, v
+    return h + layers.attn_out(lp, o), k, v
 
 
 def _pages_with(kv: KVPool, layer: jax.Array, batch: ForwardBatch, slots: jax.Array,
@@ -119,8 +119,7 @@ def forward(params: dict, kv: KVPool, batches: tuple[ForwardBatch, ForwardBatch]
     if mesh is not None and mesh.shape.get("tp", 1) > 1:
         raise ValueError("two-batch overlap runs expert parallelism without tp")
     a, b = batches
-    ropes = tuple(layers.rope_cos_sin(x.positions, layers.rope_inv_freq(
-        cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)) for x in batches)
+    ropes = tuple(layers.rope_for(x.positions, cfg) for x in batches)
     attention = functools.partial(_attention, cfg=cfg, attention_backend=attention_backend)
     write = functools.partial(layers.write_step_kv, mesh=None,
                               attention_backend=attention_backend)

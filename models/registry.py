@@ -17,7 +17,7 @@ from models.config import ModelConfig
 
 _FAMILIES: dict[str, ModuleType] = {
     "llama": llama, "qwen2": llama, "qwen3": llama, "qwen2_moe": moe, "qwen3_moe": moe,
-    "mixtral": moe, "gemma3": gemma3,
+    "mixtral": moe, "gemma3": gemma3, "gpt_oss": moe,
 }
 
 # Random-weight models for tests and demos: the SmolLM2 tokenizer's vocabulary, weights

@@ -29,7 +29,7 @@ import orbax.checkpoint as ocp
 
 from models.config import ModelConfig
 from models.registry import model_module
-from runtime import sharding
+from runtime import mxfp4, sharding
 
 Params = dict[str, Any]
 CONFIG_FILE = "model_config.json"
@@ -57,6 +57,7 @@ _NAMES: dict[str, tuple[str, str]] = {
     "bq": ("blk.{i}.attn_q.bias", "model.layers.{i}.self_attn.q_proj.bias"),
     "bk": ("blk.{i}.attn_k.bias", "model.layers.{i}.self_attn.k_proj.bias"),
     "bv": ("blk.{i}.attn_v.bias", "model.layers.{i}.self_attn.v_proj.bias"),
+    "bo": ("blk.{i}.attn_output.bias", "model.layers.{i}.self_attn.o_proj.bias"),
     "mlp_norm": ("blk.{i}.ffn_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
     "w_gate": ("blk.{i}.ffn_gate.weight", "model.layers.{i}.mlp.gate_proj.weight"),
     "w_up": ("blk.{i}.ffn_up.weight", "model.layers.{i}.mlp.up_proj.weight"),
@@ -86,6 +87,16 @@ _MOE_HF_NAMES: dict[str, dict[str, str]] = {
         "we_up": _MIXTRAL_MOE + "experts.{j}.w3.weight",
         "we_down": _MIXTRAL_MOE + "experts.{j}.w2.weight",
     },
+    # Experts stacked [E, in, out] in one tensor each (MXFP4 `_blocks` / `_scales` pairs:
+    # runtime/mxfp4.py); gate_up's columns interleave gate and up, kept as they are.
+    "gpt_oss": {
+        "router": _QWEN_MOE + "router.weight",
+        "router_bias": _QWEN_MOE + "router.bias",
+        "we_gate_up": _QWEN_MOE + "experts.gate_up_proj",
+        "be_gate_up": _QWEN_MOE + "experts.gate_up_proj_bias",
+        "we_down": _QWEN_MOE + "experts.down_proj",
+        "be_down": _QWEN_MOE + "experts.down_proj_bias",
+    },
 }
 # Hugging Face names of Gemma 3's norms: its post_attention_layernorm follows attention
 # (our post_attn_norm); the pre-MLP norm, Llama's post_attention_layernorm, is
@@ -98,6 +109,12 @@ _GEMMA3_HF_NAMES: dict[str, str] = {
 # Stored [out, in] by both sources, [in, out] by us.
 _TRANSPOSED = {"lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router",
                "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router"}
+# Except where a family stores them [in, out] already.
+_NOT_TRANSPOSED = {"gpt_oss": {"we_down"}}
+
+
+def _transposed(cfg: ModelConfig, key: str) -> bool:
+    return key in _TRANSPOSED and key not in _NOT_TRANSPOSED.get(cfg.architecture, ())
 # GGUF architectures we read -> whether llama.cpp permuted the Q/K rows.
 _GGUF_ARCHS = {"llama": True, "qwen2": False}
 
@@ -146,7 +163,7 @@ def _source_name(cfg: ModelConfig, key: str, src: int) -> str:
         return _GEMMA3_HF_NAMES[key]
     if key in _NAMES:
         return _NAMES[key][src]
-    family = "mixtral" if cfg.architecture == "mixtral" else "qwen"
+    family = cfg.architecture if cfg.architecture in ("mixtral", "gpt_oss") else "qwen"
     if src == 0 or key not in _MOE_HF_NAMES[family]:
         raise CheckpointError(f"{cfg.architecture}: tensor {key!r} has no "
                               f"{('GGUF', 'Hugging Face')[src]} name")
@@ -163,7 +180,7 @@ def _plan(cfg: ModelConfig, src: int) -> list[_Job]:
         if "{j}" in name:
             grid.append(range(cfg.num_experts))
         one = shape[len(grid):]
-        want = tuple(reversed(one)) if key in _TRANSPOSED else tuple(one)
+        want = tuple(reversed(one)) if _transposed(cfg, key) else tuple(one)
         for index in itertools.product(*grid):
             fmt = dict(zip("ij", index, strict=False))  # layer i, expert j
             jobs.append((key, index, name.format(**fmt), want))
@@ -204,7 +221,7 @@ def _assemble(
     def fill(job: _Job) -> None:
         key, index, name, _ = job
         arr = fix(key, read(name).astype(np.float32, copy=False))  # [out, in]
-        out[key][index] = arr.T if key in _TRANSPOSED else arr  # [in, out]
+        out[key][index] = arr.T if _transposed(cfg, key) else arr  # [in, out]
 
     # numpy's dequantize and copies release the GIL for part of the work.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
@@ -351,7 +368,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, Params]:
 # ---------------------------------------------------------------- HF safetensors
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-              "F64": np.float64}
+              "F64": np.float64, "U8": np.uint8}
 
 
 class _SafetensorsFile:
@@ -428,16 +445,21 @@ def load_hf_config(folder: str) -> ModelConfig:
 
 
 def load_hf_safetensors(folder: str) -> tuple[ModelConfig, Params]:
-    """Import a Hugging Face Llama/Qwen2 folder (config.json + safetensors) as float32."""
+    """Import a Hugging Face folder (config.json + safetensors) as float32; MXFP4 expert
+    pairs (gpt-oss) are dequantized (runtime/mxfp4.py)."""
     folder = os.path.abspath(folder)
     cfg = load_hf_config(folder)
     owners = _open_safetensors(folder)
     shapes = {n: st.shapes[n] for n, st in owners.items()}
+    try:  # MXFP4 experts (gpt-oss) read as the f32 tensors they encode
+        shapes, read = mxfp4.dequantizing(shapes, lambda n: owners[n].read(n),
+                                          lambda n: owners[n].path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
     ignore = {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         ignore.add("lm_head.weight")  # some exports keep the tied copy
-    return cfg, _assemble(cfg, 1, shapes, lambda n: owners[n].read(n), lambda k, a: a,
-                          folder, ignore)
+    return cfg, _assemble(cfg, 1, shapes, read, lambda k, a: a, folder, ignore)
 
 
 def load_any(path: str) -> tuple[ModelConfig, Params]:

@@ -53,6 +53,11 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "ws_up": ("layers", "embed", "mlp"),
     "ws_down": ("layers", "mlp", "embed"),
     "ws_router": ("layers", "embed", None),
+    "bo": ("layers", "embed"),
+    "router_bias": ("layers", None),
+    "we_gate_up": ("layers", "experts", "embed", None),
+    "be_gate_up": ("layers", "experts", None),
+    "be_down": ("layers", "experts", "embed"),
 }
 
 # Logical name -> mesh axis (None: replicated). The layer axis stays whole because

@@ -15,9 +15,13 @@ runs it, the tests only read what it writes:
       config.json) and ref_logits.npz: logits [T, V] of a fixed token sequence; the dense
       families (--only=tiny_dense: mistral with a 5-token sliding window, qwen3; --only=gemma3)
       also greedy.npz / greedy(): transformers' greedy tokens over 32 steps from a short prompt.
+  tests/fixtures/tiny_models/gpt_oss/             a tiny gpt-oss (alternating sliding-window
+      and full layers, sinks, YaRN, clamped-SwiGLU experts) saved in bf16; its ref_logits.npz
+      adds greedy() over a 20-token prompt, layer 0's MoE block on seeded inputs, the YaRN
+      frequencies and attention factor, and an MXFP4 tensor with transformers' dequantization.
 
 Usage: .venv/bin/python scripts/make_reference.py
-           [--only=smollm2|smollm2_bf16|smollm2_int8|tiny|tiny_moe|tiny_dense|gemma3]
+           [--only=smollm2|smollm2_bf16|smollm2_int8|tiny|tiny_moe|tiny_dense|gemma3|gptoss]
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from transformers import (
     AutoTokenizer,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GptOssConfig,
+    GptOssForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
     MistralConfig,
@@ -58,7 +64,7 @@ from runtime.checkpoint import default_gguf_path  # noqa: E402
 
 FLAGS = flags.DEFINE_string("out_dir", "tests/fixtures", "fixture folder")
 ONLY = flags.DEFINE_enum("only", None, ["smollm2", "smollm2_bf16", "smollm2_int8", "tiny",
-                                        "tiny_moe", "tiny_dense", "gemma3"],
+                                        "tiny_moe", "tiny_dense", "gemma3", "gptoss"],
                         "generate just one group")
 NUM_GREEDY = flags.DEFINE_integer("num_greedy", 32, "greedy tokens per prompt")
 
@@ -383,6 +389,59 @@ def make_gemma3(out_dir: str, seed0: int = 200) -> None:
               f"{res['greedy_margins'].min():.4f}")
 
 
+def gptoss_config() -> GptOssConfig:
+    """4 layers alternating sliding (window 4) and full attention; YaRN over an original
+    context of 16 positions, so the scaled frequencies matter within the prompt; 8 experts
+    top-2; swiglu_limit 1.5 so the clamps bind on O(1) activations."""
+    return GptOssConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"] * 2, num_local_experts=8,
+        num_experts_per_tok=2, max_position_embeddings=512, rms_norm_eps=1e-5,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, swiglu_limit=1.5,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16},
+        attn_implementation="eager")
+
+
+def make_gptoss(out_dir: str, seed: int = 201) -> None:
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    cfg = gptoss_config()
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(cfg).eval()
+    randomize(model, seed)
+    folder = os.path.join(out_dir, "tiny_models", "gpt_oss")
+    os.makedirs(folder, exist_ok=True)
+    for old in os.listdir(folder):
+        os.remove(os.path.join(folder, old))
+    model.to(torch.bfloat16).save_pretrained(folder)
+    model = GptOssForCausalLM.from_pretrained(folder, dtype=torch.float32,
+                                              attn_implementation="eager").eval()
+    tokens = torch.tensor([TINY_TOKENS])
+    logits = model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits[0]
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(3, cfg.vocab_size, (20,), generator=gen).tolist()
+    res = greedy(model, prompt, NUM_GREEDY.value)
+    x = torch.randn(1, 16, cfg.hidden_size, generator=gen)
+    moe_out = model.model.layers[0].mlp(x)[0][0]  # [16, D]
+    rope = model.model.rotary_emb
+    # [E, out, in / 32, 16] codes and [E, out, in / 32] exponents of 2 experts 8 x 64
+    blocks = torch.randint(0, 256, (2, 8, 2, 16), generator=gen, dtype=torch.uint8)
+    scales = torch.randint(120, 134, (2, 8, 2), generator=gen, dtype=torch.uint8)
+    mx = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    np.savez_compressed(
+        os.path.join(folder, "ref_logits.npz"), tokens=np.array(TINY_TOKENS, np.int32),
+        logits=logits.float().numpy(), moe_in=x[0].numpy(), moe_out=moe_out.float().numpy(),
+        yarn_inv_freq=rope.inv_freq.float().numpy(),
+        yarn_attention_scaling=np.float64(rope.attention_scaling),
+        mxfp4_blocks=blocks.numpy(), mxfp4_scales=scales.numpy(), mxfp4_hf=mx.numpy(),
+        **{f"p0_{k}": v for k, v in res.items()})
+    print(f"gpt_oss: {sorted(os.listdir(folder))}, logits std {float(logits.std()):.3f}, "
+          f"greedy {res['greedy_ids'].tolist()}, min margin {res['greedy_margins'].min():.4f}")
+
+
 def main(argv: list[str]) -> None:
     del argv
     out_dir = os.path.abspath(FLAGS.value)
@@ -397,6 +456,8 @@ def main(argv: list[str]) -> None:
         make_tiny_dense(out_dir)
     if ONLY.value in (None, "gemma3"):
         make_gemma3(out_dir)
+    if ONLY.value in (None, "gptoss"):
+        make_gptoss(out_dir)
     if ONLY.value in (None, "smollm2"):
         make_smollm2(out_dir)
     if ONLY.value in (None, "smollm2_bf16"):
