@@ -15,6 +15,10 @@ from runtime.server_args import ServerArgs
 # The flags belong to the module that calls define_flags (its --help lists them).
 flags.disclaim_key_flags()
 
+# SGLang's spellings that name a field under another name (--model_path is SGLang's
+# --model-path, the form its users type).
+ALIASES = {"model_path": "model"}
+
 
 def _flag_type(hint: Any) -> Any:
     """The field's type without its `| None`."""
@@ -47,6 +51,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
             flags.DEFINE_list(f.name, default, helptext, **kw)
         else:
             raise TypeError(f"ServerArgs.{f.name}: no flag for type {kind}")
+    for alias, name in ALIASES.items():
+        flags.DEFINE_alias(alias, name, flag_values=flag_values)
 
 
 def args_from_flags(flag_values: flags.FlagValues = flags.FLAGS) -> ServerArgs:

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 from absl import flags
 
-from runtime.arg_flags import args_from_flags, define_flags
+from runtime.arg_flags import ALIASES, args_from_flags, define_flags
 from runtime.config import CacheConfig, SchedulerConfig
 from runtime.server_args import Platform, ServerArgs
 
@@ -23,7 +23,7 @@ def test_every_field_is_a_flag_with_its_default_and_help():
     fv = flags.FlagValues()
     define_flags(fv)
     fields = {f.name: f for f in dataclasses.fields(ServerArgs)}
-    assert set(fv) == set(fields)
+    assert set(fv) == set(fields) | set(ALIASES)
     for name, f in fields.items():
         assert f.metadata["help"] and fv[name].help.endswith(f.metadata["help"]), name
         default = fv[name].default
@@ -31,6 +31,10 @@ def test_every_field_is_a_flag_with_its_default_and_help():
                            else f.default), name
     assert fv["dtype"].parser.enum_values == ["float32", "bfloat16"]
     assert _parse() == ServerArgs()
+
+
+def test_model_path_is_sglangs_spelling_of_model():
+    assert _parse("--model_path=/ckpt").model == "/ckpt"
 
 
 def test_flag_values_become_field_values():
