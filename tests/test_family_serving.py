@@ -11,7 +11,6 @@ top-20 logprobs each (SGLang's and OpenAI's cap; the vocab is 256).
 
 from __future__ import annotations
 
-import os
 import signal
 import socket
 import subprocess
@@ -81,19 +80,59 @@ class Served:
         return r.json()
 
     def stop(self) -> None:
+        """SIGTERM (graceful, as a user's Ctrl-C); `reap` waits for the exit."""
         self.http.close()
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # graceful, as a user's Ctrl-C
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+            self.proc.send_signal(signal.SIGTERM)
+
+    def reap(self) -> None:
+        self.stop()
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Servers:
+    """The module's servers, each started once. The next selected folder's server starts
+    while the current one warms up and is tested: the two start-ups (imports, compiles;
+    about 10 s each) overlap, and the requests themselves take a fraction of a second."""
+
+    def __init__(self, order: list[str], tmp: pytest.TempPathFactory) -> None:
+        self.order, self.tmp = order, tmp
+        self.started: dict[str, Served] = {}
+
+    def start(self, name: str) -> Served:
+        if name not in self.started:
+            self.started[name] = Served(name, self.tmp.mktemp(name) / "serve.log")
+        return self.started[name]
+
+    def take(self, name: str) -> Served:
+        s = self.start(name)
+        i = self.order.index(name)
+        if i + 1 < len(self.order):
+            self.start(self.order[i + 1])
+        return s
+
+
+@pytest.fixture(scope="module")
+def servers(request, tmp_path_factory) -> Iterator[Servers]:
+    """Torn down after every `served`: waits for every server it started to exit."""
+    order = list(dict.fromkeys(  # the folders the selected tests use, in run order
+        item.callspec.params["served"] for item in request.session.items
+        if "served" in getattr(getattr(item, "callspec", None), "params", {})))
+    pool = Servers(order, tmp_path_factory)
+    try:
+        yield pool
+    finally:
+        for s in pool.started.values():
+            s.reap()
 
 
 @pytest.fixture(scope="module", params=FOLDERS)
-def served(request, tmp_path_factory) -> Iterator[Served]:
-    s = Served(request.param, tmp_path_factory.mktemp(request.param) / "serve.log")
+def served(request, servers) -> Iterator[Served]:
+    s = servers.take(request.param)
     try:
         s.wait_ready()
         yield s
