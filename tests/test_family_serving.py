@@ -164,14 +164,16 @@ def _check_top(top: list[list[Any]], ref_logits: np.ndarray, where: str) -> None
 
 
 def _greedy_reference(name: str) -> dict[str, np.ndarray] | None:
-    """Transformers' greedy run of the folder, wherever the family's fixture keeps it:
-    {prompt_ids, greedy_ids, greedy_margins, last_logits} or None."""
+    """Transformers' greedy run of the folder, wherever and under whatever prefix the
+    family's fixture keeps it ("", "p0_", "greedy_"): {prompt_ids, greedy_ids,
+    greedy_margins, last_logits}, or None."""
     keys = ("prompt_ids", "greedy_ids", "greedy_margins", "last_logits")
     for file in ("greedy.npz", "ref_logits.npz"):
         if not (TINY / name / file).exists():
             continue
         z = np.load(TINY / name / file)
-        for prefix in ("", "p0_"):
+        for prefix in sorted(k[:-len("greedy_ids")] for k in z.files
+                             if k.endswith("greedy_ids")):
             if all(prefix + k in z.files for k in keys):
                 return {k: z[prefix + k] for k in keys}
     return None
