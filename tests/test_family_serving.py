@@ -6,7 +6,7 @@ one server per folder shared by the checks, on the smallest buckets.
 The server computes no prompt-token logprobs (logprob_start_len >= 0 is a 400), so each
 row of transformers' prefill logits is read as the next-token distribution of one prefix:
 one batched /generate of every prefix of the fixture tokens, max_new_tokens=1, greedy,
-top-20 logprobs each (SGLang's and OpenAI's cap; the vocab is 256).
+top-20 logprobs each (SGLang's and OpenAI's cap, of the fixtures' 256-token vocab).
 """
 
 from __future__ import annotations
