@@ -16,6 +16,7 @@ from models.forward_mode import ForwardMode
 from runtime.config import CacheConfig, RunnerConfig
 from runtime.engine import Engine
 from runtime.model_runner import ModelRunner
+from runtime.ngram import NgramDrafter
 from runtime.request import SamplingParams
 from tests.engine_utils import PAGE, check_same, engine_args, mixed_prompts
 from tests.model_utils import TINY
@@ -41,7 +42,30 @@ def runner(request) -> ModelRunner:
 
 
 _args = functools.partial(engine_args, max_running_requests=16, itl_target_ms=0)
-_spec = functools.partial(_args, speculative_algorithm="ngram", speculative_num_draft_tokens=K)
+
+
+class _AlwaysDrafts:
+    """Prompt lookup, else the last k tokens again: sampled rows of a random model leave
+    the prompt's spans at once and rarely repeat, so this keeps them drafting (and
+    mostly missing). Deterministic in the sequence, as the rejection rule needs."""
+
+    def __init__(self) -> None:
+        self.lookup = NgramDrafter(max_ngram=3, min_ngram=1)
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        return self.lookup.draft(tokens, k) or list(tokens[-k:]) if k > 0 else []
+
+
+def _spec_engine(runner: ModelRunner, always: bool = False, **kw) -> Engine:
+    """A prompt-lookup engine that speculates whatever the measured step costs say: on
+    this tiny model a verify step is never cheaper than the decode steps it saves."""
+    eng = Engine(_args(speculative_algorithm="ngram", speculative_num_draft_tokens=K, **kw),
+                 runner=runner)
+    assert eng.spec is not None
+    eng.spec.costs = None
+    if always:
+        eng.spec.drafter = _AlwaysDrafts()
+    return eng
 
 
 def copy_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -68,10 +92,88 @@ def test_greedy_equals_plain(runner, overlap):
     plain = Engine(_args(disable_overlap_schedule=not overlap), runner=runner).generate(
         prompts, GREEDY)
     before = _verify_steps(runner)
-    eng = Engine(_spec(disable_overlap_schedule=not overlap), runner=runner)
+    eng = _spec_engine(runner, disable_overlap_schedule=not overlap)
     spec = eng.generate(prompts, GREEDY)
     check_same(spec, plain)
     assert _verify_steps(runner) > before
     accepted = sum(o.meta_info.get("spec_accepted_tokens", 0) for o in spec)
     assert accepted > 0, [o.meta_info for o in spec]
     runner.check_no_compiles()
+
+
+def test_sampling_stops_logprobs_penalties_equal_plain(runner):
+    """Seeded sampled rows draw what the plain path draws (each position is seeded by its
+    place in the sequence); stop tokens and lengths ending inside a verify step, logprobs,
+    and penalised rows (which decode plainly beside the verify rows)."""
+    prompts = copy_prompts(6, seed=5)
+    sp = [SamplingParams(temperature=0.7, top_p=0.9, top_k=8, seed=s, max_new_tokens=9 + 3 * s,
+                         ignore_eos=True, logprobs=True, top_logprobs=2,
+                         repetition_penalty=1.3 if s == 4 else 1.0)
+          for s in range(6)]
+    free = Engine(_args(), runner=runner).generate(prompts, sp)
+    sp = [dataclasses.replace(p, stop_token_ids=(f.output_ids[5],)) if i % 2 else p
+          for i, (p, f) in enumerate(zip(sp, free, strict=True))]
+    plain = Engine(_args(), runner=runner).generate(prompts, sp)
+    before = _verify_steps(runner)
+    spec = _spec_engine(runner, always=True).generate(prompts, sp)
+    assert _verify_steps(runner) > before
+    for s, p in zip(spec, plain, strict=True):
+        assert s.output_ids == p.output_ids
+        assert s.meta_info["finish_reason"] == p.meta_info["finish_reason"]
+        np.testing.assert_allclose(s.meta_info["output_token_logprobs"],
+                                   p.meta_info["output_token_logprobs"], atol=1e-4)
+    assert any(o.meta_info["finish_reason"]["type"] == "stop" for o in plain)
+    assert spec[4].meta_info.get("spec_draft_tokens", 0) == 0  # penalised: never drafts
+    runner.check_no_compiles()
+
+
+def test_small_pool_retracts_and_matches(runner):
+    prompts = copy_prompts(8, seed=7)
+    plain = Engine(_args(), runner=runner).generate(prompts, GREEDY)
+    eng = _spec_engine(runner, max_total_tokens=40 * PAGE)
+    spec = eng.generate(prompts, GREEDY)
+    check_same(spec, plain)
+    assert eng.scheduler.stats().num_retractions > 0
+    st = eng.scheduler.stats()
+    assert st.num_used_pages == st.num_cached_pages  # rolled-back pages all came back
+
+
+def test_sampled_distribution_is_the_targets(runner):
+    """Seeds disjoint between the two runs: the spec run's tokens at each of the first
+    positions follow the plain run's distribution (two-sample chi-square)."""
+    from scipy.stats import chi2_contingency
+
+    prompt = copy_prompts(1, seed=11)[0]
+    n = 160
+    plain = Engine(_args(), runner=runner).generate(
+        [prompt] * n, [SamplingParams(temperature=1.0, top_k=3, seed=s, max_new_tokens=4,
+                                      ignore_eos=True) for s in range(n)])
+    # Draft each position's most frequent plain token: kept about as often as not.
+    columns = zip(*(o.output_ids for o in plain), strict=True)
+    modes = [max(set(col), key=col.count) for col in columns]
+    spec_eng = _spec_engine(runner)
+    spec_eng.spec.drafter = _ByPosition(len(prompt), modes)
+    spec = spec_eng.generate(
+        [prompt] * n, [SamplingParams(temperature=1.0, top_k=3, seed=s, max_new_tokens=4,
+                                      ignore_eos=True) for s in range(n, 2 * n)])
+    drafted = sum(o.meta_info.get("spec_draft_tokens", 0) for o in spec)
+    accepted = sum(o.meta_info.get("spec_accepted_tokens", 0) for o in spec)
+    assert 0 < accepted < drafted  # drafts both kept and rejected
+    for pos in range(1, 4):
+        a = [o.output_ids[pos] for o in plain]
+        b = [o.output_ids[pos] for o in spec]
+        vocab = sorted(set(a) | set(b))
+        table = [[a.count(t) for t in vocab], [b.count(t) for t in vocab]]
+        assert chi2_contingency(table).pvalue > 0.001, (pos, table)
+
+
+class _ByPosition:
+    """Drafts fixed tokens for the positions after a prompt of `start` tokens (a function
+    of the sequence, as the rejection rule needs)."""
+
+    def __init__(self, start: int, tokens: list[int]) -> None:
+        self.start, self.tokens = start, tokens
+
+    def draft(self, seq: list[int], k: int) -> list[int]:
+        i = len(seq) - self.start
+        return self.tokens[i:i + k]
