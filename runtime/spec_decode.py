@@ -8,7 +8,9 @@ token that differs (or the bonus token after the last draft). Drafts are determi
 (prompt lookup, or a draft model's argmax), so q is one-hot and this is exactly the
 rejection rule: draft x is kept with probability p(x), and on rejection the kept token is
 distributed as p conditioned on != x, i.e. norm(max(0, p - q)). Greedy rows get the plain
-path's tokens; sampled rows the target's distribution.
+path's tokens; sampled rows the target's distribution. A grammar-constrained row drafts only
+the prefix its grammar accepts, and each position samples under the mask of the grammar
+advanced over the drafts before it.
 
 Per row the draft length adapts to its acceptance: all drafts kept grows it by one, a
 rejection shrinks it to what was kept plus one, and a step with no draft or none kept turns
@@ -23,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from runtime.grammar import valid_draft
 from runtime.ngram import NgramDrafter
 from runtime.request import Req
 
@@ -85,10 +88,9 @@ class SpecDecoding:
 
     def eligible(self, req: Req) -> bool:
         """Whether req may draft this step. Penalties need the counts of every earlier
-        token at each position, so penalised rows decode plainly; grammar rows too."""
+        token at each position, so penalised rows decode plainly."""
         sp = req.sampling
-        if req.grammar is not None or sp.frequency_penalty or sp.presence_penalty or \
-                sp.repetition_penalty != 1:
+        if sp.frequency_penalty or sp.presence_penalty or sp.repetition_penalty != 1:
             return False
         st = self.state(req)
         return st.limit > 0 or req.num_generated >= st.resume_at
@@ -103,6 +105,8 @@ class SpecDecoding:
             st.limit = 1
         room = req.sampling.max_new_tokens - req.num_generated - 1
         d = self.drafter.draft(req.all_ids, min(st.limit, room))
+        if req.grammar is not None:
+            d = valid_draft(req.grammar, d)
         if not d and room > 0:
             self._miss(req, st)
         return d

@@ -171,3 +171,20 @@ def test_cost_model_turns_big_batches_off_and_probes():
     off = [spec.batch_on(8) for _ in range(PROBE_EVERY)]
     assert not any(off[:-1]) and off[-1]  # compute-bound; probed every PROBE_EVERY calls
     assert spec.batch_on(4)  # unmeasured: on
+
+
+def test_grammar_cuts_drafts_and_masks_each_position():
+    """A grammar row drafts only what its grammar accepts, and each verify position
+    samples under the grammar advanced over the drafts before it (then rolled back)."""
+    from runtime.grammar import GrammarSpec, draft_bitmasks, fill_bitmask, valid_draft
+    from tests.test_grammar import _cache, _ids
+
+    g = _cache().matcher(GrammarSpec("regex", "yes no yes"))
+    good = _ids("yes no")
+    assert valid_draft(g, good + _ids(" maybe")) == good
+    masks = draft_bitmasks(g, good, 49152)  # [len(good) + 1, W]
+    assert masks.shape[0] == len(good) + 1
+    for j, tok in enumerate(good):
+        assert masks[j, tok // 32] >> (tok % 32) & 1  # the draft's own token is allowed
+    assert (fill_bitmask([g], 49152)[0] == masks[0]).all()  # the draft was rolled back
+    assert not (masks[1] == masks[0]).all()

@@ -19,10 +19,12 @@ import numpy as np
 
 from models.forward_batch import ForwardBatch, real_token_mask
 from models.forward_mode import ForwardMode
+from runtime import sampling
 from runtime.batch_builder import BucketShape, input_layout, pack_flat, unflatten_inputs
 from runtime.executable_budget import MULTI_STEP_COST, PlanPart
+from runtime.grammar import draft_bitmasks, mask_width
 from runtime.paths.base import ExecPath, Lowering
-from runtime.request import Req
+from runtime.request import MAX_LOGIT_BIAS, Req
 from runtime.runner_sampling import PendingStep
 from runtime.schedule_batch import ScheduleBatch, StepOutput
 
@@ -114,14 +116,31 @@ class SpecPath(ExecPath):
             # Positions past a row's draft repeat its last one (the host never keeps them).
             index[i] = t + np.minimum(np.arange(width), n - 1)
             t += n
-        out, r.kv, r.state = self._exe[shape](r.params, r.kv, r.state, flat,
-                                              r.sample_words(positions))
+        words = r.sample_words(positions)
+        self._grammar_masks(words, rows, len(positions))
+        out, r.kv, r.state = self._exe[shape](r.params, r.kv, r.state, flat, words)
         r.check_no_compiles()
         r.step_counts[ForwardMode.TARGET_VERIFY] += 1
         r.costs.watch(verify_cost_key(shape.num_extend_seqs), out.next_tokens)
         pending = VerifyPending(batch, out, index, r.cfg.max_top_logprobs)
         pending.shape = shape
         return pending
+
+    def _grammar_masks(self, words: np.ndarray, rows: list, b: int) -> None:
+        """Each drafting grammar row's positions sample under the grammar advanced over
+        the drafts before them (sample_words gave every position the first's mask)."""
+        if not any(row.req.grammar is not None and len(row.input_ids) > 1 for row in rows):
+            return
+        v = self.runner.model_cfg.vocab_size
+        w = mask_width(v)
+        start = 2 * b + sampling.word_layout(b, w, MAX_LOGIT_BIAS)["token_bitmask"][0]
+        mask = words[start:start + b * w].reshape(b, w)  # a view: [T, W]
+        t = 0
+        for row in rows:
+            n = len(row.input_ids)
+            if row.req.grammar is not None and n > 1:
+                mask[t:t + n] = draft_bitmasks(row.req.grammar, row.input_ids[1:], v)
+            t += n
 
     def _program(self, shape: BucketShape) -> Callable:
         r = self.runner
