@@ -98,6 +98,11 @@ def test_greedy_equals_plain(runner, overlap):
     assert _verify_steps(runner) > before
     accepted = sum(o.meta_info.get("spec_accepted_tokens", 0) for o in spec)
     assert accepted > 0, [o.meta_info for o in spec]
+    # The execution trace names the verify steps, overall and per request.
+    assert eng.trace.step_counts().get("target_verify", 0) > 0
+    assert any(o.meta_info["steps_by_mode"].get("target_verify") for o in spec)
+    assert all(o.meta_info["spec_accept_length"] >= 1 for o in spec
+               if o.meta_info.get("spec_verify_steps"))
     runner.check_no_compiles()
 
 

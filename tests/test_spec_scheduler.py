@@ -188,3 +188,19 @@ def test_grammar_cuts_drafts_and_masks_each_position():
         assert masks[j, tok // 32] >> (tok % 32) & 1  # the draft's own token is allowed
     assert (fill_bitmask([g], 49152)[0] == masks[0]).all()  # the draft was rolled back
     assert not (masks[1] == masks[0]).all()
+
+
+def test_metrics_export_acceptance():
+    from runtime.metrics import ServerMetrics
+
+    spec = SpecDecoding(4, max_rows=8)
+    r = _req(1)
+    spec.observe(r, 4, 3)
+    spec.observe(r, 2, 0)
+    m = ServerMetrics()
+    m.spec = spec
+    text = m.render().decode()
+    assert "xlaserve_spec_draft_tokens_total 6.0" in text
+    assert "xlaserve_spec_accepted_tokens_total 3.0" in text
+    assert "xlaserve_spec_accept_rate 0.5" in text
+    assert "xlaserve_spec_accept_length 2.5" in text
