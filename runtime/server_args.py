@@ -299,8 +299,9 @@ def _spec_rules(a: ServerArgs) -> list[str]:
         out.append("--speculative_algorithm=eagle needs a trained EAGLE draft head for the "
                    "model, which xlaserve does not load: use ngram (prompt lookup)")
     if algo == "standalone":
-        out.append("--speculative_algorithm=standalone (a draft model with its own KV pool)"
-                   " is not built yet: use ngram (prompt lookup)")
+        out.append("--speculative_algorithm=standalone (the draft model of "
+                   "--speculative_draft_model_path, with its own KV pool) is not built yet: "
+                   "use ngram (prompt lookup)")
     if a.speculative_draft_model_path and algo != "standalone":
         out.append("--speculative_draft_model_path is the draft of "
                    "--speculative_algorithm=standalone: pass that too, or drop it")
