@@ -13,10 +13,11 @@ the prefix its grammar accepts, and each position samples under the mask of the 
 advanced over the drafts before it.
 
 Per row the draft length adapts to its acceptance: all drafts kept grows it by one, a
-rejection shrinks it to what was kept plus one, and a step with no draft or none kept turns
-the row off (plain decode, which keeps overlap scheduling) for a backoff that doubles with
-every miss. Per batch, speculation stops while the measured verify step costs more than the
-plain decode steps its accepted tokens replace (a big batch's decode is compute-bound), and
+rejection shrinks it to what was kept plus one, and a miss (no draft, or fewer tokens kept
+than the verify step costs in decode steps) turns the row off (plain decode, which keeps
+overlap scheduling) for a backoff that doubles with every miss in a row. Per batch,
+speculation stops while the measured verify step costs more than the plain decode steps
+its accepted tokens replace (a big batch's decode is compute-bound), and
 is probed again now and then.
 """
 
@@ -31,8 +32,8 @@ from runtime.request import Req
 
 # A row off after `misses` misses in a row drafts again after 2**misses tokens (capped).
 MAX_BACKOFF_LOG2 = 6
-# Verify steps between probes while the cost model turns speculation off for the batch.
-PROBE_EVERY = 32
+# Scheduling calls between probes while the cost model turns speculation off for the batch.
+PROBE_EVERY = 16
 # Weight of the newest step in the batch's mean tokens per verify row.
 GAIN_SMOOTHING = 0.2
 
@@ -74,7 +75,9 @@ class SpecDecoding:
         self.drafter = drafter or NgramDrafter()
         self.costs = costs
         self.rows: dict[str, RowSpec] = {}
-        self._gain = float(num_draft_tokens + 1)  # mean tokens a verify row yields
+        self._gain = float(num_draft_tokens + 1)  # mean tokens a drafting row yields
+        # Measured verify step / decode step time of the last batch size asked about.
+        self.ratio = 1.0
         self._off_steps = 0
         # Totals since start (the /metrics counters).
         self.total_steps = self.total_drafted = self.total_accepted = 0
@@ -120,10 +123,11 @@ class SpecDecoding:
         self.total_steps += 1
         self.total_drafted += drafted
         self.total_accepted += accepted
-        self._gain += GAIN_SMOOTHING * (1 + accepted - self._gain)
         if drafted == 0:
             return
-        if accepted == 0:
+        self._gain += GAIN_SMOOTHING * (1 + accepted - self._gain)
+        # A step that kept fewer tokens than its cost in decode steps lost time: back off.
+        if accepted == 0 or 1 + accepted < self.ratio:
             self._miss(req, st)
             return
         st.misses = 0
@@ -149,6 +153,7 @@ class SpecDecoding:
         if cost is None:
             return True
         decode_s, verify_s = cost
+        self.ratio = verify_s / decode_s
         if verify_s < self._gain * decode_s:
             self._off_steps = 0
             return True

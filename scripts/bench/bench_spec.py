@@ -92,7 +92,10 @@ CHAT = ["What is the capital of France?", "Write a haiku about the sea.",
 
 
 def _args(spec: bool) -> ServerArgs:
+    # Prefill first (itl_target_ms=0): both engines batch the prompts alike whatever the
+    # step times they measure, so their greedy tokens can be compared.
     base = ServerArgs(max_running_requests=max(8, FLAGS.streams), kv_len_buckets=(1024,),
+                      itl_target_ms=0,
                       max_top_logprobs=0, compilation_cache_dir=FLAGS.compilation_cache_dir
                       or None, speculative_algorithm="ngram" if spec else None,
                       speculative_num_draft_tokens=FLAGS.draft_tokens)
@@ -204,6 +207,9 @@ def main(argv: list[str]) -> None:
         "script": "bench_spec", "command": bc.command_line(),
         "git_revision": bc.git_revision(), "machine": bc.machine_info(),
         "engine_args": dataclasses.asdict(_args(True)), "new_tokens": n,
+        # Measured device seconds per step kind (decode/bdN against target_verify/bdN).
+        "step_costs": {k: v for k, v in spec.runner.costs.snapshot().items()
+                       if k.startswith(("decode/", "target_verify/"))},
         "results": results})
 
 
