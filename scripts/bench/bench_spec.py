@@ -35,6 +35,8 @@ flags.DEFINE_integer("new_tokens", 128, "most greedy tokens per request (EOS end
 flags.DEFINE_integer("streams", 8, "requests of the concurrent run")
 flags.DEFINE_integer("single_prompts", 4, "prompts of each set run as a single stream")
 flags.DEFINE_integer("draft_tokens", 4, "--speculative_num_draft_tokens")
+flags.DEFINE_list("kv_len_buckets", ["512", "1024"], "see ServerArgs (prompts + outputs "
+                  "here stay under 512 tokens)")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 
 _NAMES = ["total", "count", "items", "value", "result", "index", "buffer", "limit", "scale",
@@ -93,9 +95,11 @@ CHAT = ["What is the capital of France?", "Write a haiku about the sea.",
 
 def _args(spec: bool) -> ServerArgs:
     # Prefill first (itl_target_ms=0): both engines batch the prompts alike whatever the
-    # step times they measure, so their greedy tokens can be compared.
-    base = ServerArgs(max_running_requests=max(8, FLAGS.streams), kv_len_buckets=(1024,),
-                      itl_target_ms=0,
+    # step times they measure, so their greedy tokens can be compared. No prefix cache: the
+    # two engines share one runner's KV pool, each with its own page allocator.
+    base = ServerArgs(max_running_requests=max(8, FLAGS.streams),
+                      kv_len_buckets=tuple(int(b) for b in FLAGS.kv_len_buckets), itl_target_ms=0,
+                      disable_prefix_cache=True,
                       max_top_logprobs=0, compilation_cache_dir=FLAGS.compilation_cache_dir
                       or None, speculative_algorithm="ngram" if spec else None,
                       speculative_num_draft_tokens=FLAGS.draft_tokens)
