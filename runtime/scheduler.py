@@ -454,7 +454,8 @@ class Scheduler:
         if self._inflight:
             return _WAIT
         drafts = [spec.draft(r) for r in ready]
-        if not any(drafts):
+        drafting = sum(1 for d in drafts if d)
+        if not drafting or not spec.worth(len(ready), drafting):
             return None
         rows: list[BatchRow] = []
         scheduled: set[Req] = set()

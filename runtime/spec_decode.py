@@ -36,6 +36,8 @@ MAX_BACKOFF_LOG2 = 6
 PROBE_EVERY = 16
 # Weight of the newest step in the batch's mean tokens per verify row.
 GAIN_SMOOTHING = 0.2
+# Scheduling calls without speculation after a batch whose drafts were too few to pay.
+COOL_DOWN = 4
 
 
 @dataclasses.dataclass
@@ -76,8 +78,10 @@ class SpecDecoding:
         self.costs = costs
         self.rows: dict[str, RowSpec] = {}
         self._gain = float(num_draft_tokens + 1)  # mean tokens a drafting row yields
-        # Measured verify step / decode step time of the last batch size asked about.
-        self.ratio = 1.0
+        # Measured verify step / decode step time of the last batch size asked about
+        # (None: not measured yet).
+        self.ratio: float | None = None
+        self._cool = 0
         self._off_steps = 0
         # Totals since start (the /metrics counters).
         self.total_steps = self.total_drafted = self.total_accepted = 0
@@ -127,7 +131,7 @@ class SpecDecoding:
             return
         self._gain += GAIN_SMOOTHING * (1 + accepted - self._gain)
         # A step that kept fewer tokens than its cost in decode steps lost time: back off.
-        if accepted == 0 or 1 + accepted < self.ratio:
+        if accepted == 0 or 1 + accepted < (self.ratio or 1.0):
             self._miss(req, st)
             return
         st.misses = 0
@@ -149,6 +153,9 @@ class SpecDecoding:
         is not measured yet, or it is time to probe again)."""
         if rows > self.max_rows:
             return False
+        if self._cool:
+            self._cool -= 1
+            return False
         cost = self.costs(rows) if self.costs is not None else None
         if cost is None:
             return True
@@ -161,4 +168,17 @@ class SpecDecoding:
         if self._off_steps >= PROBE_EVERY:
             self._off_steps = 0
             return True
+        return False
+
+    def worth(self, rows: int, drafting: int) -> bool:
+        """Whether a verify step of `rows` rows, `drafting` of them with drafts, is expected
+        to yield tokens faster than a decode step: the drafts it should keep exceed what
+        the verify step costs beyond a decode step, in decode rows (rows x (ratio - 1)).
+        If not, speculation pauses for COOL_DOWN scheduling calls (each try drains the
+        overlapped pipeline)."""
+        if self.ratio is None:
+            return True
+        if (self._gain - 1) * drafting > rows * (self.ratio - 1):
+            return True
+        self._cool = COOL_DOWN
         return False

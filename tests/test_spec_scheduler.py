@@ -11,7 +11,7 @@ import pytest
 
 from models.forward_mode import ForwardMode
 from runtime.request import Req, SamplingParams
-from runtime.spec_decode import PROBE_EVERY, SpecDecoding
+from runtime.spec_decode import COOL_DOWN, PROBE_EVERY, SpecDecoding
 from tests.fake_runner import (
     VOCAB,
     FakeRunner,
@@ -204,3 +204,14 @@ def test_metrics_export_acceptance():
     assert "xlaserve_spec_accepted_tokens_total 3.0" in text
     assert "xlaserve_spec_accept_rate 0.5" in text
     assert "xlaserve_spec_accept_length 2.5" in text
+
+
+def test_a_batch_speculates_only_when_its_drafts_pay():
+    costs = {8: (0.1, 0.15)}  # a verify step costs half a decode step more
+    spec = SpecDecoding(4, max_rows=8, costs=costs.get)
+    assert spec.worth(8, 1)  # unmeasured: on
+    assert spec.batch_on(8) and spec.ratio == pytest.approx(1.5)
+    assert spec.worth(8, 8)  # 8 rows x 4 expected kept drafts > 8 x 0.5
+    spec._gain = 2.0  # one kept draft a drafting row
+    assert spec.worth(8, 5) and not spec.worth(8, 3)
+    assert [spec.batch_on(8) for _ in range(COOL_DOWN + 1)] == [False] * COOL_DOWN + [True]
