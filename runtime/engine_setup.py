@@ -274,6 +274,8 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         split_min_tokens=args.split_prefill_min_tokens,
         enable_two_batch_overlap=args.enable_two_batch_overlap,
         num_scheduler_steps=args.num_scheduler_steps,
+        speculative_num_draft_tokens=(args.speculative_num_draft_tokens
+                                      if args.speculative_algorithm else 0),
         tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
         tbo_min_tokens=(TBO_MIN_TOKENS_PER_RANK * args.ep if args.tbo_min_tokens is None
                         else args.tbo_min_tokens),

@@ -199,6 +199,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics.stats = engine.stats()
         self.metrics.trace = engine.trace
+        self.metrics.spec = engine.spec
         if engine.info.args.trace_dir:
             self._trace_writer = TraceDirWriter(engine.trace, engine.info.args.trace_dir)
         self.metrics.compiles_after_warmup = engine.compiles_after_warmup
