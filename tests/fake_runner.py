@@ -118,7 +118,6 @@ class FakeRunner:
         self.num_batches += 1
         return StepOutput(tokens)
 
-
     def _forward_verify(self, batch: ScheduleBatch) -> StepOutput:
         """A TARGET_VERIFY batch: every row's tokens written, then a token per position
         from the sequence read back up to it. Tokens [rows, width] (-1 past a row's)."""
