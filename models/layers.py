@@ -24,6 +24,7 @@ import cpu_kernels
 from cpu_kernels import PackedWeight, at_layer, packed_matmul
 from models.config import ModelConfig, RopeScaling
 from models.forward_batch import ForwardBatch, real_row_mask, real_token_mask
+from models.fp8 import Fp8Weight, fp8_linear
 from models.kv_pool import KVPool, write_kv
 from pallas_kernels import get_paged_attention_fn
 
@@ -68,9 +69,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
-    """x [..., K] @ w [K, N]; a PackedWeight runs the CPU kernel (cpu_kernels)."""
-    return packed_matmul(x, w) if isinstance(w, PackedWeight) else x @ w
+def linear(x: jax.Array, w: jax.Array | PackedWeight | Fp8Weight) -> jax.Array:
+    """x [..., K] @ w [K, N]; a PackedWeight runs the CPU kernel (cpu_kernels), an
+    Fp8Weight the FP8 product (models/fp8.py)."""
+    if isinstance(w, PackedWeight):
+        return packed_matmul(x, w)
+    return fp8_linear(x, w) if isinstance(w, Fp8Weight) else x @ w
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -159,7 +163,8 @@ def fuse_projections(params: dict) -> dict:
     def fuse_layer(lp: dict) -> dict:
         out = dict(lp)
         for name, parts in FUSED_PROJECTIONS.items():
-            if all(p in lp for p in parts):
+            # FP8 parts keep their own scales: fusing them would need one block grid.
+            if all(p in lp and not isinstance(lp[p], Fp8Weight) for p in parts):
                 out[name] = jnp.concatenate([out.pop(p) for p in parts], axis=-1)
         return out
 

@@ -1,0 +1,212 @@
+"""Hugging Face folders straight onto the device or mesh, one tensor at a time.
+
+`restore_hf` reads each source tensor (one layer's, one expert's) from its safetensors
+shard into a buffer of its stored dtype, puts it on the device(s) that hold its part of
+the parameter (runtime/sharding.py), and there casts / transposes / dequantizes it into
+its slot of the stacked [L, ...] array, which is updated in place (donated). So host
+memory holds one source tensor at a time: no float32 copy of the model, no full copy of
+a stacked parameter. FP8 checkpoints (runtime/fp8_checkpoint.py) load as
+models/fp8.Fp8Weight (the GPU path) or dequantized to the serving dtype (CPU, mesh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import time
+from collections import defaultdict
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec, Sharding
+
+from models.config import ModelConfig
+from models.fp8 import FP8, Fp8Weight, dequantize
+from runtime import checkpoint, fp8_checkpoint, sharding
+from runtime.checkpoint import CheckpointError, Params
+
+# Layout keys whose FP8 weights stay FP8 on the GPU path: they reach layers.linear or a
+# plain `x @ w` (Fp8Weight.__rmatmul__). Others (stacked experts, read by einsum) are
+# dequantized at load.
+FP8_KEEP_KEYS = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "ws_gate", "ws_up",
+                 "ws_down"}
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadStats:
+    """What a load took: wall seconds, the largest shard file, the loaded params."""
+
+    seconds: float
+    largest_shard_bytes: int
+    params_bytes: int
+    num_shards: int
+
+
+def _leaves_bytes(params: Params) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(params))
+
+
+@functools.cache
+def _zeros(shape: tuple[int, ...], dtype: Any, out: Sharding):
+    return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=out)
+
+
+def _convert(piece: jax.Array, scale: jax.Array | None, block: tuple[int, int] | None,
+             transpose: bool, dtype: Any) -> jax.Array:
+    """One source tensor [out, in] (or a vector) -> our layout [in, out] in `dtype`;
+    an FP8 piece with its scale [Kb_out, Kb_in] is dequantized (in f32) first."""
+    if scale is not None:
+        piece = dequantize(Fp8Weight(piece, scale, block), jnp.float32)
+    piece = piece.T if transpose else piece
+    return piece.astype(dtype)
+
+
+@functools.cache
+def _placer(depth: int, transpose: bool, block: tuple[int, int] | None, dtype: Any,
+            out: Sharding):
+    """jit: (stacked [*grid, ...], index [depth], piece, scale) -> stacked with the
+    converted piece at `index`, the stacked buffer donated (updated in place)."""
+
+    def place(stacked, index, piece, scale):
+        new = _convert(piece, scale, block, transpose, dtype)
+        starts = (*[index[i] for i in range(depth)], *[0] * new.ndim)
+        return jax.lax.dynamic_update_slice(stacked, new.reshape((1,) * depth + new.shape),
+                                            starts)
+
+    return jax.jit(place, donate_argnums=0, out_shardings=out)
+
+
+@functools.cache
+def _whole(transpose: bool, block: tuple[int, int] | None, dtype: Any, out: Sharding):
+    return jax.jit(lambda piece, scale: _convert(piece, scale, block, transpose, dtype),
+                   out_shardings=out)
+
+
+def _piece_sharding(sh: Sharding, depth: int, transpose: bool) -> Sharding:
+    """Where one source tensor goes: the parameter's sharding less its stacked dims, in
+    the source's [out, in] order, so each device receives only its own part."""
+    if not isinstance(sh, NamedSharding):
+        return sh
+    spec = tuple(sh.spec) + (None,) * (depth + 2 - len(sh.spec))
+    rest = spec[depth:]
+    return NamedSharding(sh.mesh, PartitionSpec(*(reversed(rest) if transpose else rest)))
+
+
+def _replicated(sh: Sharding) -> Sharding:
+    return NamedSharding(sh.mesh, PartitionSpec()) if isinstance(sh, NamedSharding) else sh
+
+
+class _Reader:
+    """Source tensors (and their FP8 scales) as device arrays, one at a time."""
+
+    def __init__(self, owners: dict[str, checkpoint._SafetensorsFile],
+                 scheme: fp8_checkpoint.Fp8Scheme | None):
+        self.owners, self.scheme = owners, scheme
+
+    def is_fp8(self, name: str) -> bool:
+        return self.owners[name].dtype(name) == "F8_E4M3"
+
+    def get(self, name: str, sh: Sharding) -> jax.Array:
+        return jax.device_put(self.owners[name].read_copy(name), sh)
+
+    def scale(self, name: str, sh: Sharding) -> tuple[jax.Array, tuple[int, int]]:
+        """The [out-blocks, in-blocks] f32 scale and the (out, in) block of an FP8 tensor."""
+        scale, block = fp8_checkpoint.read_scale(self.scheme, self.owners, name)
+        return jax.device_put(scale, _replicated(sh)), block
+
+
+def _load_key(reader: _Reader, key: str, shape: tuple[int, ...],
+              jobs: list[checkpoint._Job], dtype: Any, sh: Sharding, keep_fp8: bool) -> Any:
+    """One layout key's parameter from its source tensors, placed on `sh`."""
+    transpose = key in checkpoint._TRANSPOSED
+    depth = len(jobs[0][1])
+    fp8 = [reader.is_fp8(j[2]) for j in jobs]
+    if any(fp8) and not all(fp8):
+        mixed = [j[2] for j, f in zip(jobs, fp8, strict=True) if not f][:3]
+        raise CheckpointError(f"{key}: some source tensors are FP8 and others are not "
+                              f"(e.g. {mixed}); a stacked parameter needs one dtype")
+    if all(fp8) and keep_fp8 and key in FP8_KEEP_KEYS and transpose:
+        return _load_fp8(reader, shape, jobs, sh, depth)
+    piece_sh = _piece_sharding(sh, depth, transpose)
+    if depth == 0:
+        (_, _, name, _), = jobs
+        scale, block = reader.scale(name, sh) if fp8[0] else (None, None)
+        return _whole(transpose, block, dtype, sh)(reader.get(name, piece_sh), scale)
+    out = _zeros(shape, dtype, sh)()
+    for _, index, name, _ in jobs:
+        scale, block = reader.scale(name, sh) if fp8[0] else (None, None)
+        place = _placer(depth, transpose, block, dtype, sh)
+        out = place(out, np.asarray(index, np.int32), reader.get(name, piece_sh), scale)
+    return out
+
+
+def _load_fp8(reader: _Reader, shape: tuple[int, ...], jobs: list[checkpoint._Job],
+              sh: Sharding, depth: int) -> Fp8Weight:
+    """A stacked FP8 weight [*grid, K, N] with its stacked scales [*grid, Kb, Nb]."""
+    w = _zeros(shape, FP8, sh)()
+    scales, block = None, None
+    for _, index, name, _ in jobs:
+        scale, (bo, bi) = reader.scale(name, sh)
+        if scales is None:
+            block = (bi, bo)  # ours is [in, out]
+            scales = _zeros((*shape[:depth], scale.shape[1], scale.shape[0]), jnp.float32,
+                            _replicated(sh))()
+        idx = np.asarray(index, np.int32)
+        w = _placer(depth, True, None, FP8, sh)(w, idx, reader.get(name, _replicated(sh)), None)
+        scales = _placer(depth, True, None, jnp.float32, _replicated(sh))(scales, idx, scale,
+                                                                           None)
+    return Fp8Weight(w, scales, block)
+
+
+def _target_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh | None) -> dict[str, Sharding]:
+    if mesh is None:
+        one = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        return dict.fromkeys(checkpoint._flat_shapes(cfg), one)
+    return checkpoint._flatten(sharding.param_shardings(cfg, mesh))
+
+
+def _read_raw_config(folder: str) -> dict:
+    path = os.path.join(folder, "config.json")
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: cannot read config: {e}") from e
+
+
+def restore_hf(folder: str, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | None = None,
+               keep_fp8: bool = False) -> tuple[ModelConfig, Params, LoadStats]:
+    """A Hugging Face folder's weights on the device (or `mesh`, with the tensor-parallel
+    rules of runtime/sharding.py), cast to `dtype`. FP8 weights stay FP8 where
+    `keep_fp8` (one device; the GPU path) and are dequantized to `dtype` otherwise."""
+    t0 = time.perf_counter()
+    folder = os.path.abspath(folder)
+    cfg = checkpoint.load_hf_config(folder)
+    scheme = fp8_checkpoint.scheme(_read_raw_config(folder), os.path.join(folder, "config.json"))
+    owners = checkpoint._open_safetensors(folder)
+    shapes = {n: st.shapes[n] for n, st in owners.items()}
+    jobs = checkpoint._plan(cfg, 1)
+    ignore = {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
+    if cfg.tie_word_embeddings:
+        ignore.add("lm_head.weight")
+    ignore |= fp8_checkpoint.auxiliary_names(scheme, owners, [j[2] for j in jobs], folder)
+    checkpoint._validate(cfg, jobs, shapes, folder, ignore)
+    by_key: dict[str, list[checkpoint._Job]] = defaultdict(list)
+    for job in jobs:
+        by_key[job[0]].append(job)
+    target = _target_shardings(cfg, mesh)
+    reader = _Reader(owners, scheme)
+    np_dtype = checkpoint.DTYPES[dtype]
+    flat = {key: _load_key(reader, key, shape, by_key[key], np_dtype, target[key],
+                           keep_fp8 and mesh is None)
+            for key, (shape, _) in checkpoint._flat_shapes(cfg).items()}
+    params = checkpoint._unflatten(cfg, flat)
+    jax.block_until_ready(params)
+    files = {st.path: st.size for st in owners.values()}
+    stats = LoadStats(seconds=time.perf_counter() - t0, largest_shard_bytes=max(files.values()),
+                      params_bytes=_leaves_bytes(params), num_shards=len(files))
+    return cfg, params, stats
