@@ -86,12 +86,12 @@ def _whole(transpose: bool, block: tuple[int, int] | None, dtype: Any, out: Shar
                    out_shardings=out)
 
 
-def _piece_sharding(sh: Sharding, depth: int, transpose: bool) -> Sharding:
+def _piece_sharding(sh: Sharding, ndim: int, depth: int, transpose: bool) -> Sharding:
     """Where one source tensor goes: the parameter's sharding less its stacked dims, in
     the source's [out, in] order, so each device receives only its own part."""
     if not isinstance(sh, NamedSharding):
         return sh
-    spec = tuple(sh.spec) + (None,) * (depth + 2 - len(sh.spec))
+    spec = tuple(sh.spec) + (None,) * (ndim - len(sh.spec))
     rest = spec[depth:]
     return NamedSharding(sh.mesh, PartitionSpec(*(reversed(rest) if transpose else rest)))
 
@@ -131,7 +131,7 @@ def _load_key(reader: _Reader, key: str, shape: tuple[int, ...],
                               f"(e.g. {mixed}); a stacked parameter needs one dtype")
     if all(fp8) and keep_fp8 and key in FP8_KEEP_KEYS and transpose:
         return _load_fp8(reader, shape, jobs, sh, depth)
-    piece_sh = _piece_sharding(sh, depth, transpose)
+    piece_sh = _piece_sharding(sh, len(shape), depth, transpose)
     if depth == 0:
         (_, _, name, _), = jobs
         scale, block = reader.scale(name, sh) if fp8[0] else (None, None)
