@@ -24,8 +24,9 @@ FP8 = jnp.float8_e4m3fn
 # Up to this many rows a block-scaled weight takes the K-blocked product; above it the
 # weight is dequantized once per call. Its f32 partials [T, K/bk, N] cost 4T/bk bytes per
 # weight byte: Llama-3-8B's w_gate on an H100 (compiled HLO, scripts/bench/fp8_aot.py)
-# moves 0.53x the bf16 product's bytes at 1 row, 0.73x at 8, 2.2x at 64.
-BLOCKED_MAX_ROWS = 16
+# moves 0.53x the bf16 product's bytes at 1 row, 0.73x at 8, 1.3x at 32; dequantizing
+# moves 2.3x at any row count, so it only pays where the gemm is compute bound.
+BLOCKED_MAX_ROWS = 64
 
 
 @jax.tree_util.register_dataclass
@@ -74,6 +75,17 @@ def dequantize(w: Fp8Weight, dtype: jnp.dtype = jnp.float32) -> jax.Array:
     """W [..., K, N] in `dtype` (the product computed in f32)."""
     k, n = w.shape[-2:]
     return (w.w.astype(jnp.float32) * expand_scale(w.scale, w.block, k, n)).astype(dtype)
+
+
+def concat_columns(parts: list[Fp8Weight]) -> Fp8Weight | None:
+    """The weights side by side along N ([..., K, sum N]), as layers.fuse_projections
+    fuses wq|wk|wv; None where their scale grids do not line up (different blocks, or a
+    part's N not a whole number of column blocks)."""
+    block = parts[0].block
+    if any(p.block != block or p.shape[-1] % block[1] for p in parts):
+        return None
+    return Fp8Weight(jnp.concatenate([p.w for p in parts], axis=-1),
+                     jnp.concatenate([p.scale for p in parts], axis=-1), block)
 
 
 def fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:

@@ -24,7 +24,7 @@ import cpu_kernels
 from cpu_kernels import PackedWeight, at_layer, packed_matmul
 from models.config import ModelConfig, RopeScaling
 from models.forward_batch import ForwardBatch, real_row_mask, real_token_mask
-from models.fp8 import Fp8Weight, fp8_linear
+from models.fp8 import Fp8Weight, concat_columns, fp8_linear
 from models.kv_pool import KVPool, write_kv
 from pallas_kernels import get_paged_attention_fn
 
@@ -163,9 +163,18 @@ def fuse_projections(params: dict) -> dict:
     def fuse_layer(lp: dict) -> dict:
         out = dict(lp)
         for name, parts in FUSED_PROJECTIONS.items():
-            # FP8 parts keep their own scales: fusing them would need one block grid.
-            if all(p in lp and not isinstance(lp[p], Fp8Weight) for p in parts):
-                out[name] = jnp.concatenate([out.pop(p) for p in parts], axis=-1)
+            if not all(p in lp for p in parts):
+                continue
+            if all(isinstance(lp[p], Fp8Weight) for p in parts):
+                fused = concat_columns([lp[p] for p in parts])  # None: scale grids differ
+            elif any(isinstance(lp[p], Fp8Weight) for p in parts):
+                fused = None
+            else:
+                fused = jnp.concatenate([lp[p] for p in parts], axis=-1)
+            if fused is not None:
+                out[name] = fused
+                for p in parts:
+                    del out[p]
         return out
 
     if "layer_list" in params:

@@ -141,6 +141,27 @@ def test_fp8_linear_matches_dequantize_then_matmul(rows, block):
     np.testing.assert_allclose(x @ weight, want, rtol=1e-5, atol=1e-4)  # __rmatmul__
 
 
+@pytest.mark.parametrize("block,fuses", [((32, 32), True), ((64, 1), True), ((64, 48), False)])
+def test_fp8_fused_projections(block, fuses):
+    """wq|wk|wv fuse as one Fp8Weight where the column blocks line up (the GPU runner's
+    default), and the fused product equals the separate ones."""
+    from models.fp8 import concat_columns
+    from models.layers import fuse_projections
+
+    rng = np.random.default_rng(1)
+    parts = {}
+    for name, n in (("wq", 64), ("wk", 32), ("wv", 32)):
+        q, s = hf_folder.quantize_fp8_blocks(rng.standard_normal((n, 64)).astype(np.float32),
+                                             (block[1], block[0]))
+        parts[name] = Fp8Weight(jnp.asarray(q.T), jnp.asarray(s.T), block)
+    fused = fuse_projections({"layers": dict(parts)})["layers"]
+    assert ("wqkv" in fused) == fuses and (concat_columns(list(parts.values())) is None) != fuses
+    if fuses:
+        x = jnp.asarray(rng.standard_normal((3, 64)), jnp.float32)
+        want = jnp.concatenate([fp8_linear(x, parts[n]) for n in ("wq", "wk", "wv")], -1)
+        np.testing.assert_allclose(fp8_linear(x, fused["wqkv"]), want, rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- errors
 
 
@@ -242,3 +263,36 @@ def test_peak_memory_within_one_shard(tmp_path):
     assert run["params_bytes"] > 2.5 * shard
     assert run["transient_bytes"] <= 1.3 * shard + (96 << 20), run
     assert not list(tmp_path.glob("hf_load_*"))  # the folder is deleted
+
+
+# ---------------------------------------------------------------- serving
+
+
+def test_load_model_serves_fp8_folder(tmp_path):
+    """--model_path=<FP8 folder> on the CPU: dequantized at load to the serving dtype."""
+    from runtime.engine_setup import load_model
+    from tests.engine_utils import engine_args
+
+    fp8, deq = _fp8_copy(tmp_path, (32, 32))
+    cfg, params, tokenizer = load_model(engine_args(model=str(fp8), dtype="float32"))
+    assert tokenizer is None  # the fixture folder has no tokenizer.json
+    _, ref = checkpoint.load_hf_safetensors(str(deq))
+    for k, v in _flat(params).items():
+        np.testing.assert_array_equal(np.asarray(v), _flat(ref)[k], err_msg=k)
+
+
+def test_runner_with_fp8_weights_generates_as_dequantized(tmp_path):
+    """The GPU path's FP8 weights through the runner (per-layer buffers, fused
+    projections) give the dequantized model's greedy tokens."""
+    from runtime.request import SamplingParams
+    from tests.engine_utils import check_same, each_alone, prompts, small_runner
+
+    fp8, _ = _fp8_copy(tmp_path, (32, 32))
+    cfg, kept, _ = hf_loader.restore_hf(str(fp8), "float32", keep_fp8=True)
+    _, deq, _ = hf_loader.restore_hf(str(fp8), "float32")
+    runner = small_runner(cfg, kept, fuse_projections=True)
+    assert isinstance(runner.params["layer_list"][0]["wqkv"], Fp8Weight)
+    greedy = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True, top_logprobs=2)
+    ps = prompts(cfg.vocab_size)[:3]
+    check_same(each_alone(runner, ps, greedy, 64),
+               each_alone(small_runner(cfg, deq), ps, greedy, 64))
