@@ -586,7 +586,12 @@ def restore_checkpoint(directory: str, mesh: jax.sharding.Mesh | None = None,
 def convert(input_path: str, output_dir: str, dtype: str = "float32") -> ModelConfig:
     """GGUF file or HF folder -> orbax checkpoint, printing timings."""
     t0 = time.perf_counter()
-    cfg, params = load_any(input_path)
+    if os.path.isdir(input_path):  # in the saved dtype, a tensor at a time (FP8 dequantized)
+        from runtime import hf_loader
+
+        cfg, params, _ = hf_loader.restore_hf(input_path, dtype)
+    else:
+        cfg, params = load_gguf(input_path)
     t1 = time.perf_counter()
     print(f"[checkpoint] imported {input_path} in {t1 - t0:.2f}s", flush=True)
     save_checkpoint(output_dir, cfg, params, dtype)

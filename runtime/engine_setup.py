@@ -172,7 +172,9 @@ def _restore_hf_folder(args: ServerArgs, path: str, dtype: str) -> tuple[ModelCo
 
     from runtime import checkpoint, hf_loader
 
-    mesh = serving_mesh(args, checkpoint.load_hf_config(path))
+    # Several processes: each loads to its own device and the runner places its shards.
+    mesh = (serving_mesh(args, checkpoint.load_hf_config(path)) if jax.process_count() == 1
+            else None)
     cfg, params, stats = hf_loader.restore_hf(path, dtype, mesh=mesh,
                                               keep_fp8=on_gpu() and mesh is None)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB

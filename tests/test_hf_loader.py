@@ -281,6 +281,25 @@ def test_load_model_serves_fp8_folder(tmp_path):
         np.testing.assert_array_equal(np.asarray(v), _flat(ref)[k], err_msg=k)
 
 
+def test_fp8_folder_onto_mesh_and_orbax(tmp_path):
+    """On a mesh FP8 weights are dequantized into their tensor-parallel shards; the
+    conversion to orbax reads the folder the same way."""
+    if jax.device_count() < 4:
+        pytest.skip("needs 4 (fake) devices: tests/conftest.py sets them")
+    fp8, deq = _fp8_copy(tmp_path, (32, 32))
+    _, ref = checkpoint.load_hf_safetensors(str(deq))
+    mesh = sharding.make_mesh(dp=1, tp=4)
+    cfg, got, _ = hf_loader.restore_hf(str(fp8), "float32", mesh=mesh, keep_fp8=True)
+    want = _flat(sharding.param_shardings(cfg, mesh))
+    for k, v in _flat(got).items():
+        assert v.sharding.is_equivalent_to(want[k], v.ndim), k
+        np.testing.assert_array_equal(np.asarray(v), _flat(ref)[k], err_msg=k)
+    checkpoint.convert(str(fp8), str(tmp_path / "orbax"), "float32")
+    _, restored = checkpoint.restore_checkpoint(str(tmp_path / "orbax"))
+    for k, v in _flat(restored).items():
+        np.testing.assert_array_equal(np.asarray(v), _flat(ref)[k], err_msg=k)
+
+
 def test_runner_with_fp8_weights_generates_as_dequantized(tmp_path):
     """The GPU path's FP8 weights through the runner (per-layer buffers, fused
     projections) give the dequantized model's greedy tokens."""
