@@ -400,10 +400,15 @@ class _SafetensorsFile:
         """The tensor in a fresh array, read with read() rather than a memmap: mapped file
         pages count in the process's resident set until unmapped, a copy only its bytes."""
         info = self.header[name]
-        out = np.empty(self.shapes[name], _ST_DTYPES[info["dtype"]])
-        buf = memoryview(out.reshape(-1).view(np.uint8))
+        begin, end = info["data_offsets"]
+        # 64-byte aligned, so that jax on the CPU takes the buffer without a copy.
+        raw = np.empty(end - begin + 64, np.uint8)
+        skip = -raw.ctypes.data % 64
+        out = raw[skip:skip + end - begin].view(_ST_DTYPES[info["dtype"]]).reshape(
+            self.shapes[name])
+        buf = memoryview(raw[skip:skip + end - begin])
         with open(self.path, "rb", buffering=0) as f:
-            f.seek(self.start + info["data_offsets"][0])
+            f.seek(self.start + begin)
             done = 0
             while done < len(buf):
                 n = f.readinto(buf[done:done + _READ_CHUNK])

@@ -66,18 +66,44 @@ def _convert(piece: jax.Array, scale: jax.Array | None, block: tuple[int, int] |
 
 
 @functools.cache
-def _placer(depth: int, transpose: bool, block: tuple[int, int] | None, dtype: Any,
-            out: Sharding):
-    """jit: (stacked [*grid, ...], index [depth], piece, scale) -> stacked with the
-    converted piece at `index`, the stacked buffer donated (updated in place)."""
+def _placer(depth: int, out: Sharding):
+    """jit: (stacked [*grid, ...] as ints, index [depth], piece) -> stacked with the piece
+    at `index`, the stacked buffer donated (updated in place)."""
 
-    def place(stacked, index, piece, scale):
-        new = _convert(piece, scale, block, transpose, dtype)
+    def place(stacked, index, piece):
+        new = jax.lax.bitcast_convert_type(piece, stacked.dtype)
         starts = (*[index[i] for i in range(depth)], *[0] * new.ndim)
         return jax.lax.dynamic_update_slice(stacked, new.reshape((1,) * depth + new.shape),
                                             starts)
 
     return jax.jit(place, donate_argnums=0, out_shardings=out)
+
+
+def _bits(dtype: Any) -> jnp.dtype:
+    """The unsigned int type a stack is built in: XLA CPU updates a bf16 array in f32,
+    converting all of it, so each layer's placement would rewrite every layer; as ints
+    the update is in place. One bitcast at the end (_from_bits) gives the dtype back."""
+    return jnp.dtype(f"uint{8 * jnp.dtype(dtype).itemsize}")
+
+
+@functools.cache
+def _from_bits(dtype: Any, out: Sharding):
+    return jax.jit(lambda x: jax.lax.bitcast_convert_type(x, dtype), donate_argnums=0,
+                   out_shardings=out)
+
+
+def _stack(shape: tuple[int, ...], dtype: Any, sh: Sharding, depth: int, transpose: bool,
+           pieces: list[tuple[tuple[int, ...], jax.Array, jax.Array | None,
+                              tuple[int, int] | None]]) -> jax.Array:
+    """A stacked [*grid, ...] array in `dtype` on `sh` from (index, piece, scale, block)."""
+    out = _zeros(shape, _bits(dtype), sh)()
+    # Converted in its own call: fused into the in-place update, XLA CPU's transposing
+    # reads take 3x as long.
+    piece_sh = _piece_sharding(sh, len(shape), depth, False)
+    for index, piece, scale, block in pieces:
+        new = _whole(transpose, block, dtype, piece_sh)(piece, scale)
+        out = _placer(depth, sh)(out, np.asarray(index, np.int32), new)
+    return _from_bits(dtype, sh)(out)
 
 
 @functools.cache
@@ -136,30 +162,29 @@ def _load_key(reader: _Reader, key: str, shape: tuple[int, ...],
         (_, _, name, _), = jobs
         scale, block = reader.scale(name, sh) if fp8[0] else (None, None)
         return _whole(transpose, block, dtype, sh)(reader.get(name, piece_sh), scale)
-    out = _zeros(shape, dtype, sh)()
-    for _, index, name, _ in jobs:
-        scale, block = reader.scale(name, sh) if fp8[0] else (None, None)
-        place = _placer(depth, transpose, block, dtype, sh)
-        out = place(out, np.asarray(index, np.int32), reader.get(name, piece_sh), scale)
-    return out
+
+    def pieces():  # one source tensor read at a time, as the stack takes it
+        for _, index, name, _ in jobs:
+            scale, block = reader.scale(name, sh) if fp8[0] else (None, None)
+            yield index, reader.get(name, piece_sh), scale, block
+
+    return _stack(shape, dtype, sh, depth, transpose, pieces())
 
 
 def _load_fp8(reader: _Reader, shape: tuple[int, ...], jobs: list[checkpoint._Job],
               sh: Sharding, depth: int) -> Fp8Weight:
     """A stacked FP8 weight [*grid, K, N] with its stacked scales [*grid, Kb, Nb]."""
-    w = _zeros(shape, FP8, sh)()
-    scales, block = None, None
-    for _, index, name, _ in jobs:
-        scale, (bo, bi) = reader.scale(name, sh)
-        if scales is None:
-            block = (bi, bo)  # ours is [in, out]
-            scales = _zeros((*shape[:depth], scale.shape[1], scale.shape[0]), jnp.float32,
-                            _replicated(sh))()
-        idx = np.asarray(index, np.int32)
-        w = _placer(depth, True, None, FP8, sh)(w, idx, reader.get(name, _replicated(sh)), None)
-        scales = _placer(depth, True, None, jnp.float32, _replicated(sh))(scales, idx, scale,
-                                                                           None)
-    return Fp8Weight(w, scales, block)
+    scales = [(index, *reader.scale(name, sh)) for _, index, name, _ in jobs]  # small
+    (bo, bi), s0 = scales[0][2], scales[0][1]
+    if any(b != (bo, bi) or s.shape != s0.shape for _, s, b in scales):
+        raise CheckpointError(f"{jobs[0][2]} ...: the stacked tensors' FP8 scales differ in "
+                              "block or shape")
+    rep = _replicated(sh)
+    w = _stack(shape, FP8, sh, depth, True,
+               ((index, reader.get(name, rep), None, None) for _, index, name, _ in jobs))
+    scale = _stack((*shape[:depth], s0.shape[1], s0.shape[0]), jnp.float32, rep, depth, True,
+                   ((index, s, None, None) for index, s, _ in scales))
+    return Fp8Weight(w, scale, (bi, bo))  # ours is [in, out]
 
 
 def _target_shardings(cfg: ModelConfig, mesh: jax.sharding.Mesh | None) -> dict[str, Sharding]:
