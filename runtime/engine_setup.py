@@ -168,8 +168,6 @@ def load_model(args: ServerArgs) -> tuple[ModelConfig, dict, Tokenizer | None]:
 def _restore_hf_folder(args: ServerArgs, path: str, dtype: str) -> tuple[ModelConfig, dict]:
     """A Hugging Face folder straight onto the device or the serving mesh (runtime/
     hf_loader.py): FP8 weights stay FP8 on one GPU, dequantized elsewhere."""
-    import resource
-
     from runtime import checkpoint, hf_loader
 
     # Several processes: each loads to its own device and the runner places its shards.
@@ -177,10 +175,13 @@ def _restore_hf_folder(args: ServerArgs, path: str, dtype: str) -> tuple[ModelCo
             else None)
     cfg, params, stats = hf_loader.restore_hf(path, dtype, mesh=mesh,
                                               keep_fp8=on_gpu() and mesh is None)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
-    logger.info("loaded %s in %.1f s: %d shard(s), largest %.2f GiB; params %.2f GiB; "
-                "peak RSS so far %.2f GiB", path, stats.seconds, stats.num_shards,
-                stats.largest_shard_bytes / 2**30, stats.params_bytes / 2**30, peak / 2**30)
+    shard, over = stats.largest_shard_bytes, stats.host_overhead_bytes(not on_gpu())
+    memory = ("" if over is None else
+              f"; peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB, the loader's host memory "
+              f"beyond the weights {over / 2**30:.2f} GiB = {over / shard:.2f}x the largest shard")
+    logger.info("loaded %s in %.1f s: %d shard(s), largest %.2f GiB, params %.2f GiB%s", path,
+                stats.seconds, stats.num_shards, shard / 2**30, stats.params_bytes / 2**30,
+                memory)
     return cfg, params
 
 

@@ -38,12 +38,44 @@ FP8_KEEP_KEYS = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "ws_gate", 
 
 @dataclasses.dataclass(frozen=True)
 class LoadStats:
-    """What a load took: wall seconds, the largest shard file, the loaded params."""
+    """What a load took: wall seconds, the largest shard file, the loaded params, and the
+    process's resident memory before and at its peak during the load (None off Linux)."""
 
     seconds: float
     largest_shard_bytes: int
     params_bytes: int
     num_shards: int
+    rss_before_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+
+    def host_overhead_bytes(self, params_on_host: bool) -> int | None:
+        """Host memory the load held beyond what was resident before it and, where the
+        device is host memory (the CPU backend), beyond the params themselves."""
+        if self.peak_rss_bytes is None or self.rss_before_bytes is None:
+            return None
+        held = self.params_bytes if params_on_host else 0
+        return self.peak_rss_bytes - self.rss_before_bytes - held
+
+
+def _proc_status(key: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _reset_peak_rss() -> int | None:
+    """The current RSS, after restarting the kernel's high-water mark (VmHWM) from it."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _proc_status("VmRSS")
 
 
 def _leaves_bytes(params: Params) -> int:
@@ -209,6 +241,7 @@ def restore_hf(folder: str, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | N
     rules of runtime/sharding.py), cast to `dtype`. FP8 weights stay FP8 where
     `keep_fp8` (one device; the GPU path) and are dequantized to `dtype` otherwise."""
     t0 = time.perf_counter()
+    rss_before = _reset_peak_rss()
     folder = os.path.abspath(folder)
     cfg = checkpoint.load_hf_config(folder)
     scheme = fp8_checkpoint.scheme(_read_raw_config(folder), os.path.join(folder, "config.json"))
@@ -233,5 +266,7 @@ def restore_hf(folder: str, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | N
     jax.block_until_ready(params)
     files = {st.path: st.size for st in owners.values()}
     stats = LoadStats(seconds=time.perf_counter() - t0, largest_shard_bytes=max(files.values()),
-                      params_bytes=_leaves_bytes(params), num_shards=len(files))
+                      params_bytes=_leaves_bytes(params), num_shards=len(files),
+                      rss_before_bytes=rss_before,
+                      peak_rss_bytes=_proc_status("VmHWM") if rss_before is not None else None)
     return cfg, params, stats

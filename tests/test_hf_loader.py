@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -268,13 +269,19 @@ def test_peak_memory_within_one_shard(tmp_path):
 # ---------------------------------------------------------------- serving
 
 
-def test_load_model_serves_fp8_folder(tmp_path):
-    """--model_path=<FP8 folder> on the CPU: dequantized at load to the serving dtype."""
+def test_load_model_serves_fp8_folder(tmp_path, caplog):
+    """--model_path=<FP8 folder> on the CPU: dequantized at load to the serving dtype; the
+    start-up log gives the load's time and host memory against the largest shard."""
+    import logging
+
     from runtime.engine_setup import load_model
     from tests.engine_utils import engine_args
 
     fp8, deq = _fp8_copy(tmp_path, (32, 32))
-    cfg, params, tokenizer = load_model(engine_args(model=str(fp8), dtype="float32"))
+    with caplog.at_level(logging.INFO, logger="runtime.engine_setup"):
+        cfg, params, tokenizer = load_model(engine_args(model=str(fp8), dtype="float32"))
+    assert any(re.search(r"loaded .* in [\d.]+ s: 1 shard\(s\), largest .* peak RSS .* GiB = "
+                         r"[\d.]+x the largest shard", r.message) for r in caplog.records)
     assert tokenizer is None  # the fixture folder has no tokenizer.json
     _, ref = checkpoint.load_hf_safetensors(str(deq))
     for k, v in _flat(params).items():
