@@ -135,6 +135,9 @@ def _stack(shape: tuple[int, ...], dtype: Any, sh: Sharding, depth: int, transpo
     for index, piece, scale, block in pieces:
         new = _whole(transpose, block, dtype, piece_sh)(piece, scale)
         out = _placer(depth, sh)(out, np.asarray(index, np.int32), new)
+        # Before the next read: dispatch is asynchronous, and reads that run ahead of the
+        # device queue their tensors in host memory (4.7 GB of an 8B model's on the CPU).
+        out.block_until_ready()
     return _from_bits(dtype, sh)(out)
 
 
