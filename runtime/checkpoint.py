@@ -345,6 +345,14 @@ _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
 _READ_CHUNK = 1 << 30
 
 
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """np.empty, 64-byte aligned: jax on the CPU then takes the buffer without a copy."""
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(n + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip:skip + n].view(dtype).reshape(shape)
+
+
 class _SafetensorsFile:
     """Minimal safetensors reader: NumPy has no bfloat16, so safetensors' numpy backend
     cannot read bf16 checkpoints; ml_dtypes can, through a memmap."""
@@ -401,12 +409,8 @@ class _SafetensorsFile:
         pages count in the process's resident set until unmapped, a copy only its bytes."""
         info = self.header[name]
         begin, end = info["data_offsets"]
-        # 64-byte aligned, so that jax on the CPU takes the buffer without a copy.
-        raw = np.empty(end - begin + 64, np.uint8)
-        skip = -raw.ctypes.data % 64
-        out = raw[skip:skip + end - begin].view(_ST_DTYPES[info["dtype"]]).reshape(
-            self.shapes[name])
-        buf = memoryview(raw[skip:skip + end - begin])
+        out = aligned_empty(self.shapes[name], _ST_DTYPES[info["dtype"]])
+        buf = memoryview(out.reshape(-1).view(np.uint8))
         with open(self.path, "rb", buffering=0) as f:
             f.seek(self.start + begin)
             done = 0

@@ -280,8 +280,9 @@ def test_load_model_serves_fp8_folder(tmp_path, caplog):
     fp8, deq = _fp8_copy(tmp_path, (32, 32))
     with caplog.at_level(logging.INFO, logger="runtime.engine_setup"):
         cfg, params, tokenizer = load_model(engine_args(model=str(fp8), dtype="float32"))
+    msgs = [r.getMessage() for r in caplog.records]
     assert any(re.search(r"loaded .* in [\d.]+ s: 1 shard\(s\), largest .* peak RSS .* GiB = "
-                         r"[\d.]+x the largest shard", r.message) for r in caplog.records)
+                         r"-?[\d.]+x the largest shard", m) for m in msgs), msgs
     assert tokenizer is None  # the fixture folder has no tokenizer.json
     _, ref = checkpoint.load_hf_safetensors(str(deq))
     for k, v in _flat(params).items():
