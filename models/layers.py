@@ -24,6 +24,7 @@ import cpu_kernels
 from cpu_kernels import PackedWeight, at_layer, packed_matmul
 from models.config import ModelConfig, RopeScaling
 from models.forward_batch import ForwardBatch, real_row_mask, real_token_mask
+from models.fp8 import Fp8Weight, concat_columns, fp8_linear
 from models.kv_pool import KVPool, write_kv
 from pallas_kernels import get_paged_attention_fn
 
@@ -129,9 +130,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
-    """x [..., K] @ w [K, N]; a PackedWeight runs the CPU kernel (cpu_kernels)."""
-    return packed_matmul(x, w) if isinstance(w, PackedWeight) else x @ w
+def linear(x: jax.Array, w: jax.Array | PackedWeight | Fp8Weight) -> jax.Array:
+    """x [..., K] @ w [K, N]; a PackedWeight runs the CPU kernel (cpu_kernels), an
+    Fp8Weight the FP8 product (models/fp8.py)."""
+    if isinstance(w, PackedWeight):
+        return packed_matmul(x, w)
+    return fp8_linear(x, w) if isinstance(w, Fp8Weight) else x @ w
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -224,8 +228,18 @@ def fuse_projections(params: dict) -> dict:
     def fuse_layer(lp: dict) -> dict:
         out = dict(lp)
         for name, parts in FUSED_PROJECTIONS.items():
-            if all(p in lp for p in parts):
-                out[name] = jnp.concatenate([out.pop(p) for p in parts], axis=-1)
+            if not all(p in lp for p in parts):
+                continue
+            if all(isinstance(lp[p], Fp8Weight) for p in parts):
+                fused = concat_columns([lp[p] for p in parts])  # None: scale grids differ
+            elif any(isinstance(lp[p], Fp8Weight) for p in parts):
+                fused = None
+            else:
+                fused = jnp.concatenate([lp[p] for p in parts], axis=-1)
+            if fused is not None:
+                out[name] = fused
+                for p in parts:
+                    del out[p]
         return out
 
     if "layer_list" in params:

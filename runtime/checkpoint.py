@@ -368,7 +368,17 @@ def load_gguf(path: str) -> tuple[ModelConfig, Params]:
 # ---------------------------------------------------------------- HF safetensors
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-              "F64": np.float64, "U8": np.uint8}
+              "F64": np.float64, "U8": np.uint8, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+# Linux's read() returns at most this many bytes per call.
+_READ_CHUNK = 1 << 30
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """np.empty, 64-byte aligned: jax on the CPU then takes the buffer without a copy."""
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(n + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip:skip + n].view(dtype).reshape(shape)
 
 
 class _SafetensorsFile:
@@ -395,6 +405,11 @@ class _SafetensorsFile:
         self.shapes = {k: self._check(k, v) for k, v in header.items()}
 
     def _check(self, name: str, info: Any) -> tuple[int, ...]:
+        if isinstance(info, dict) and info.get("dtype") not in _ST_DTYPES:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has dtype {info.get('dtype')!r}, which is not "
+                f"supported (supported: {sorted(_ST_DTYPES)}; quantized integer weights "
+                "need a quantization_config this loader reads)")
         try:
             dtype, shape = _ST_DTYPES[info["dtype"]], info["shape"]
             begin, end = info["data_offsets"]
@@ -412,6 +427,27 @@ class _SafetensorsFile:
         begin, _ = info["data_offsets"]
         return np.memmap(self.path, dtype=_ST_DTYPES[info["dtype"]], mode="r",
                          offset=self.start + begin, shape=self.shapes[name])
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype name (F32, BF16, F8_E4M3, ...)."""
+        return self.header[name]["dtype"]
+
+    def read_copy(self, name: str) -> np.ndarray:
+        """The tensor in a fresh array, read with read() rather than a memmap: mapped file
+        pages count in the process's resident set until unmapped, a copy only its bytes."""
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        out = aligned_empty(self.shapes[name], _ST_DTYPES[info["dtype"]])
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.start + begin)
+            done = 0
+            while done < len(buf):
+                n = f.readinto(buf[done:done + _READ_CHUNK])
+                if not n:
+                    raise CheckpointError(f"{self.path}: tensor {name!r} is cut short")
+                done += n
+        return out
 
 
 def _open_safetensors(folder: str) -> dict[str, _SafetensorsFile]:
@@ -592,7 +628,12 @@ def restore_checkpoint(directory: str, mesh: jax.sharding.Mesh | None = None,
 def convert(input_path: str, output_dir: str, dtype: str = "float32") -> ModelConfig:
     """GGUF file or HF folder -> orbax checkpoint, printing timings."""
     t0 = time.perf_counter()
-    cfg, params = load_any(input_path)
+    if os.path.isdir(input_path):  # in the saved dtype, a tensor at a time (FP8 dequantized)
+        from runtime import hf_loader
+
+        cfg, params, _ = hf_loader.restore_hf(input_path, dtype)
+    else:
+        cfg, params = load_gguf(input_path)
     t1 = time.perf_counter()
     print(f"[checkpoint] imported {input_path} in {t1 - t0:.2f}s", flush=True)
     save_checkpoint(output_dir, cfg, params, dtype)

@@ -191,6 +191,11 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             engine = self._factory()
+        except ValueError as e:  # bad flags or model files (CheckpointError): the message
+            logger.error("engine failed to start: %s", e)  # says what, no stack trace
+            self._die(e)
+            self._close()
+            return
         except BaseException as e:  # reported through /health and on_fatal
             logger.exception("engine failed to start")
             self._die(e)
