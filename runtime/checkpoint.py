@@ -28,8 +28,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from models.config import ModelConfig
+from models.layers import layer_span
 from models.registry import model_module
-from runtime import sharding
+from runtime import checkpoint_deepseek, sharding
 
 Params = dict[str, Any]
 CONFIG_FILE = "model_config.json"
@@ -88,7 +89,8 @@ _MOE_HF_NAMES: dict[str, dict[str, str]] = {
 }
 # Stored [out, in] by both sources, [in, out] by us.
 _TRANSPOSED = {"lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router",
-               "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router"}
+               "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router",
+               *checkpoint_deepseek.TRANSPOSED}
 # GGUF architectures we read -> whether llama.cpp permuted the Q/K rows.
 _GGUF_ARCHS = {"llama": True, "qwen2": False}
 
@@ -133,6 +135,8 @@ _Job = tuple[str, tuple[int, ...], str, tuple[int, ...]]
 
 def _source_name(cfg: ModelConfig, key: str, src: int) -> str:
     """The name template of a layout key in source `src` (0 GGUF, 1 Hugging Face)."""
+    if cfg.mla is not None and src == 1 and key in checkpoint_deepseek.HF_NAMES:
+        return checkpoint_deepseek.HF_NAMES[key]
     if key in _NAMES:
         return _NAMES[key][src]
     family = "mixtral" if cfg.architecture == "mixtral" else "qwen"
@@ -148,13 +152,18 @@ def _plan(cfg: ModelConfig, src: int) -> list[_Job]:
     jobs = []
     for key, (shape, stacked) in _flat_shapes(cfg).items():
         name = _source_name(cfg, key, src)
-        grid = [range(cfg.num_layers)] if stacked else []
+        # DeepSeek's dense-then-MoE layers: a key may stack only some layers (layer_span)
+        first = layer_span(key, shape[0], cfg.num_layers)[0] if stacked else 0
+        grid = [range(shape[0])] if stacked else []
         if "{j}" in name:
             grid.append(range(cfg.num_experts))
         one = shape[len(grid):]
         want = tuple(reversed(one)) if key in _TRANSPOSED else tuple(one)
+        if key in checkpoint_deepseek.KV_B_KEYS:
+            want = checkpoint_deepseek.kv_b_shape(cfg)
         for index in itertools.product(*grid):
-            fmt = dict(zip("ij", index, strict=False))  # layer i, expert j
+            at = (index[0] + first, *index[1:]) if index else ()
+            fmt = dict(zip("ij", at, strict=False))  # layer i, expert j
             jobs.append((key, index, name.format(**fmt), want))
     return jobs
 
@@ -193,7 +202,10 @@ def _assemble(
     def fill(job: _Job) -> None:
         key, index, name, _ = job
         arr = fix(key, read(name).astype(np.float32, copy=False))  # [out, in]
-        out[key][index] = arr.T if key in _TRANSPOSED else arr  # [in, out]
+        if key in checkpoint_deepseek.KV_B_KEYS:
+            out[key][index] = checkpoint_deepseek.split_kv_b(cfg, key, arr)
+        else:
+            out[key][index] = arr.T if key in _TRANSPOSED else arr  # [in, out]
 
     # numpy's dequantize and copies release the GIL for part of the work.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
@@ -425,6 +437,8 @@ def load_hf_safetensors(folder: str) -> tuple[ModelConfig, Params]:
     ignore = {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         ignore.add("lm_head.weight")  # some exports keep the tied copy
+    if cfg.mla is not None:
+        ignore |= checkpoint_deepseek.beyond_layers(cfg, set(shapes))
     return cfg, _assemble(cfg, 1, shapes, lambda n: owners[n].read(n), lambda k, a: a,
                           folder, ignore)
 
