@@ -28,7 +28,9 @@ from tests.model_utils import all_position_logits
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tiny_models"
 NAMES = ["deepseek_v2", "deepseek_v3"]
-MIN_MARGIN = 0.05  # compare free-running greedy only up to the first near-tie
+# Compare free-running greedy up to the first near-tie: logits agree to 1e-4 (the prefill
+# test), so a top-2 margin of 1e-3 cannot flip.
+MIN_MARGIN = 1e-3
 GREEDY = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, top_logprobs=2)
 
 
@@ -134,7 +136,7 @@ def _greedy_vs_fixture(eng: Engine, name: str) -> None:
     want = ref["greedy_greedy_ids"].tolist()
     low = np.flatnonzero(ref["greedy_greedy_margins"] < MIN_MARGIN)
     n = int(low[0]) + 1 if low.size else len(want)
-    assert n >= 16, n  # the fixture's greedy run has few near-ties
+    assert n >= 24, n  # the fixture's greedy runs have few near-ties
     assert out.output_ids[:n] == want[:n], (out.output_ids, want)
 
 
@@ -148,14 +150,13 @@ def test_engine_greedy_matches_transformers(name):
 @pytest.mark.parametrize("name", NAMES)
 def test_engine_greedy_with_split_prefill_matches_transformers(name):
     """One layer per interval: intervals run the dense layer, then the MoE ones."""
+    sampling = dataclasses.replace(GREEDY, max_new_tokens=8)
+    plain = Engine(engine_args(), runner=_runner(name)).generate(prompts(256), sampling)
     r = _runner(name, enable_split_prefill=True, split_prefill_layers=1)
     eng = Engine(engine_args(enable_split_prefill=True, split_prefill_layers=1), runner=r)
     _greedy_vs_fixture(eng, name)
-    many = eng.generate(prompts(256), dataclasses.replace(GREEDY, max_new_tokens=8))
-    plain = Engine(engine_args(), runner=_runner(name)).generate(
-        prompts(256), dataclasses.replace(GREEDY, max_new_tokens=8))
-    check_same(many, plain)
-    r.check_no_compiles()
+    check_same(eng.generate(prompts(256), sampling), plain)
+    r.check_no_compiles()  # the compile counter is process-wide: before other warm-ups
 
 
 @pytest.mark.parametrize("tbo", [False, True], ids=["ep4", "ep4-tbo"])
@@ -167,14 +168,13 @@ def test_ep4_and_tbo_equal_ep1(tbo):
     want = Engine(engine_args(), runner=_runner(name)).generate(prompts(256), sampling)
     over = dict(enable_two_batch_overlap=True, tbo_min_tokens=1, per_layer_weights=False)
     r = small_runner(*_model(name), mesh=make_mesh(ep=4), **(over if tbo else {}))
-    if tbo:
-        assert r.paths.get("tbo") is not None
+    assert ("tbo" in r.paths) == tbo
     got = Engine(engine_args(enable_two_batch_overlap=tbo), runner=r).generate(
         prompts(256), sampling)
+    r.check_no_compiles()
     check_same(got, want)
-    for g, w in zip(got, want, strict=True):
-        n = min(len(g.meta_info["output_top_logprobs"]), 4)
+    for g, w in zip(got, want, strict=True):  # the first steps' top logprobs, not just ids
+        n = min(len(w.meta_info["output_top_logprobs"]), 4)
         np.testing.assert_allclose([lp[0] for _, lp in g.meta_info["output_top_logprobs"][:n]],
                                    [lp[0] for _, lp in w.meta_info["output_top_logprobs"][:n]],
                                    atol=1e-4)
-    r.check_no_compiles()
