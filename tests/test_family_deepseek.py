@@ -8,29 +8,33 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models import moe
+from models import deepseek, moe
 from models.config import ModelConfig
-from models.kv_pool import kv_bytes_per_token
+from models.forward_mode import ForwardMode
+from models.kv_pool import init_kv_pool, kv_bytes_per_token
 from models.layers import unstack_layers
 from runtime import checkpoint
+from runtime.batch_builder import BucketShape
+from runtime.config import CacheConfig
 from runtime.engine import Engine
-from runtime.model_runner import ModelRunner
 from runtime.request import SamplingParams
 from runtime.sharding import make_mesh, serving_mesh
 from tests.engine_utils import check_same, engine_args, prompts, small_runner
-from tests.model_utils import all_position_logits
+from tests.model_utils import SimpleRow, all_position_logits, make_batch
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tiny_models"
 NAMES = ["deepseek_v2", "deepseek_v3"]
 # Compare free-running greedy up to the first near-tie: logits agree to 1e-4 (the prefill
 # test), so a top-2 margin of 1e-3 cannot flip.
 MIN_MARGIN = 1e-3
+PAGE = 4
 GREEDY = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, top_logprobs=2)
 
 
@@ -81,6 +85,29 @@ def test_prefill_logits_match_transformers(name, per_layer):
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", ["xla", "cpu", "pallas"])
+def test_latent_pool_extend_then_decode_on_each_backend(backend):
+    """DeepSeek-V3 over the latent pool: 8 tokens, 2 more on top of them (a cached prefix),
+    then one decode step each for the last 2; every step's logits equal transformers' for
+    its position. The attention is MQA over the latent row on every backend."""
+    name = "deepseek_v3"
+    cfg, params = _model(name)
+    ref, toks = _ref(name), _ref(name)["tokens"].tolist()
+    fwd = jax.jit(functools.partial(deepseek.forward, cfg=cfg, attention_backend=backend))
+    kv = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=5), jnp.float32)
+    pages = [1, 2, 3]
+    steps = [(ForwardMode.EXTEND, SimpleRow(toks[:8], 0, pages[:2]), BucketShape(8, 1, 0, 0)),
+             (ForwardMode.EXTEND, SimpleRow(toks[8:10], 8, pages), BucketShape(2, 1, 0, 3)),
+             (ForwardMode.DECODE, SimpleRow(toks[10:11], 10, pages), BucketShape(0, 0, 1, 3)),
+             (ForwardMode.DECODE, SimpleRow(toks[11:], 11, pages), BucketShape(0, 0, 1, 3))]
+    for mode, row, shape in steps:
+        ext, dec = ([row], []) if mode is ForwardMode.EXTEND else ([], [row])
+        logits, kv = fwd(params, kv, make_batch(mode, ext, dec, shape, PAGE))
+        last = row.start_pos + len(row.input_ids) - 1
+        np.testing.assert_allclose(np.asarray(logits)[0], ref["logits"][last], atol=1e-4,
+                                   rtol=1e-4, err_msg=f"{mode} at {last}")
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_moe_block_matches_transformers(name):
     """The first MoE layer's block alone (routing, groups, bias, scaling, shared experts)."""
@@ -116,23 +143,21 @@ def test_group_limited_routing_picks_inside_the_best_groups():
         np.testing.assert_allclose(np.asarray(w), want_w * c.routed_scaling_factor, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", NAMES)
-def test_kv_pool_holds_the_latent(name):
-    cfg, params = _model(name)
-    latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
-    assert kv_bytes_per_token(cfg, jnp.float32) == cfg.num_layers * latent * 4
-    r = _runner(name)
-    assert r.kv.k.shape[1::3] == (1, latent) and r.kv.v.size == 0
-
-
 @functools.cache
-def _runner(name: str, **overrides) -> ModelRunner:
-    return small_runner(*_model(name), **overrides)
+def _plain(name: str) -> tuple[Any, list, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The plain path's runs (EP=1, per-layer weights): the fixture's greedy prompt, 8 greedy
+    tokens of engine_utils.prompts, and the pool's K and V shapes. Run as soon as the runner
+    is warm: the compile counter is process-wide, so any later warm-up would count."""
+    r = small_runner(*_model(name))
+    eng = Engine(engine_args(), runner=r)
+    fixture = eng.generate([_ref(name)["greedy_prompt_ids"].tolist()], GREEDY)[0]
+    many = eng.generate(prompts(256), dataclasses.replace(GREEDY, max_new_tokens=8))
+    r.check_no_compiles()
+    return fixture, many, (r.kv.k.shape, r.kv.v.shape)
 
 
-def _greedy_vs_fixture(eng: Engine, name: str) -> None:
+def _check_fixture_greedy(out: Any, name: str) -> None:
     ref = _ref(name)
-    out = eng.generate([ref["greedy_prompt_ids"].tolist()], GREEDY)[0]
     want = ref["greedy_greedy_ids"].tolist()
     low = np.flatnonzero(ref["greedy_greedy_margins"] < MIN_MARGIN)
     n = int(low[0]) + 1 if low.size else len(want)
@@ -141,22 +166,30 @@ def _greedy_vs_fixture(eng: Engine, name: str) -> None:
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_kv_pool_holds_the_latent(name):
+    cfg, _ = _model(name)
+    latent = cfg.mla.kv_lora_rank + cfg.mla.qk_rope_head_dim
+    assert kv_bytes_per_token(cfg, jnp.float32) == cfg.num_layers * latent * 4
+    k, v = _plain(name)[2]
+    assert (k[1], k[-1]) == (1, latent) and v[-1] == 0
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_engine_greedy_matches_transformers(name):
-    r = _runner(name)
-    _greedy_vs_fixture(Engine(engine_args(), runner=r), name)
-    r.check_no_compiles()
+    _check_fixture_greedy(_plain(name)[0], name)
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_engine_greedy_with_split_prefill_matches_transformers(name):
     """One layer per interval: intervals run the dense layer, then the MoE ones."""
-    sampling = dataclasses.replace(GREEDY, max_new_tokens=8)
-    plain = Engine(engine_args(), runner=_runner(name)).generate(prompts(256), sampling)
-    r = _runner(name, enable_split_prefill=True, split_prefill_layers=1)
+    plain = _plain(name)
+    r = small_runner(*_model(name), enable_split_prefill=True, split_prefill_layers=1)
     eng = Engine(engine_args(enable_split_prefill=True, split_prefill_layers=1), runner=r)
-    _greedy_vs_fixture(eng, name)
-    check_same(eng.generate(prompts(256), sampling), plain)
-    r.check_no_compiles()  # the compile counter is process-wide: before other warm-ups
+    _check_fixture_greedy(eng.generate([_ref(name)["greedy_prompt_ids"].tolist()], GREEDY)[0],
+                          name)
+    got = eng.generate(prompts(256), dataclasses.replace(GREEDY, max_new_tokens=8))
+    r.check_no_compiles()
+    check_same(got, plain[1])
 
 
 @pytest.mark.parametrize("tbo", [False, True], ids=["ep4", "ep4-tbo"])
@@ -165,7 +198,7 @@ def test_ep4_and_tbo_equal_ep1(tbo):
     stacked weights: its dense first layer behind a lax.cond), gives EP=1's tokens."""
     name = "deepseek_v3"
     sampling = dataclasses.replace(GREEDY, max_new_tokens=8)
-    want = Engine(engine_args(), runner=_runner(name)).generate(prompts(256), sampling)
+    want = _plain(name)[1]
     over = dict(enable_two_batch_overlap=True, tbo_min_tokens=1, per_layer_weights=False)
     r = small_runner(*_model(name), mesh=make_mesh(ep=4), **(over if tbo else {}))
     assert ("tbo" in r.paths) == tbo
