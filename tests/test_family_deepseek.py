@@ -96,7 +96,7 @@ def test_latent_pool_extend_then_decode_on_each_backend(backend):
     fwd = jax.jit(functools.partial(deepseek.forward, cfg=cfg, attention_backend=backend))
     kv = init_kv_pool(cfg, CacheConfig(page_size=PAGE, num_pages=5), jnp.float32)
     pages = [1, 2, 3]
-    steps = [(ForwardMode.EXTEND, SimpleRow(toks[:8], 0, pages[:2]), BucketShape(8, 1, 0, 0)),
+    steps = [(ForwardMode.EXTEND, SimpleRow(toks[:8], 0, pages[:2]), BucketShape(8, 1, 0, 3)),
              (ForwardMode.EXTEND, SimpleRow(toks[8:10], 8, pages), BucketShape(2, 1, 0, 3)),
              (ForwardMode.DECODE, SimpleRow(toks[10:11], 10, pages), BucketShape(0, 0, 1, 3)),
              (ForwardMode.DECODE, SimpleRow(toks[11:], 11, pages), BucketShape(0, 0, 1, 3))]
