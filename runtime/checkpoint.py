@@ -28,8 +28,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from models.config import ModelConfig
+from models.layers import layer_span
 from models.registry import model_module
-from runtime import mxfp4, sharding
+from runtime import checkpoint_deepseek, mxfp4, sharding
 
 Params = dict[str, Any]
 CONFIG_FILE = "model_config.json"
@@ -108,13 +109,16 @@ _GEMMA3_HF_NAMES: dict[str, str] = {
 }
 # Stored [out, in] by both sources, [in, out] by us.
 _TRANSPOSED = {"lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router",
-               "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router"}
+               "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router",
+               *checkpoint_deepseek.TRANSPOSED}
 # Except where a family stores them [in, out] already.
 _NOT_TRANSPOSED = {"gpt_oss": {"we_down"}}
 
 
 def _transposed(cfg: ModelConfig, key: str) -> bool:
     return key in _TRANSPOSED and key not in _NOT_TRANSPOSED.get(cfg.architecture, ())
+
+
 # GGUF architectures we read -> whether llama.cpp permuted the Q/K rows.
 _GGUF_ARCHS = {"llama": True, "qwen2": False}
 
@@ -161,6 +165,8 @@ def _source_name(cfg: ModelConfig, key: str, src: int) -> str:
     """The name template of a layout key in source `src` (0 GGUF, 1 Hugging Face)."""
     if cfg.architecture == "gemma3" and src == 1 and key in _GEMMA3_HF_NAMES:
         return _GEMMA3_HF_NAMES[key]
+    if cfg.mla is not None and src == 1 and key in checkpoint_deepseek.HF_NAMES:
+        return checkpoint_deepseek.HF_NAMES[key]
     if key in _NAMES:
         return _NAMES[key][src]
     family = cfg.architecture if cfg.architecture in ("mixtral", "gpt_oss") else "qwen"
@@ -176,13 +182,18 @@ def _plan(cfg: ModelConfig, src: int) -> list[_Job]:
     jobs = []
     for key, (shape, stacked) in _flat_shapes(cfg).items():
         name = _source_name(cfg, key, src)
-        grid = [range(cfg.num_layers)] if stacked else []
+        # DeepSeek's dense-then-MoE layers: a key may stack only some layers (layer_span)
+        first = layer_span(key, shape[0], cfg.num_layers)[0] if stacked else 0
+        grid = [range(shape[0])] if stacked else []
         if "{j}" in name:
             grid.append(range(cfg.num_experts))
         one = shape[len(grid):]
         want = tuple(reversed(one)) if _transposed(cfg, key) else tuple(one)
+        if key in checkpoint_deepseek.KV_B_KEYS:
+            want = checkpoint_deepseek.kv_b_shape(cfg)
         for index in itertools.product(*grid):
-            fmt = dict(zip("ij", index, strict=False))  # layer i, expert j
+            at = (index[0] + first, *index[1:]) if index else ()
+            fmt = dict(zip("ij", at, strict=False))  # layer i, expert j
             jobs.append((key, index, name.format(**fmt), want))
     return jobs
 
@@ -221,7 +232,10 @@ def _assemble(
     def fill(job: _Job) -> None:
         key, index, name, _ = job
         arr = fix(key, read(name).astype(np.float32, copy=False))  # [out, in]
-        out[key][index] = arr.T if _transposed(cfg, key) else arr  # [in, out]
+        if key in checkpoint_deepseek.KV_B_KEYS:
+            out[key][index] = checkpoint_deepseek.split_kv_b(cfg, key, arr)
+        else:
+            out[key][index] = arr.T if _transposed(cfg, key) else arr  # [in, out]
 
     # numpy's dequantize and copies release the GIL for part of the work.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
@@ -495,6 +509,8 @@ def load_hf_safetensors(folder: str) -> tuple[ModelConfig, Params]:
     ignore = {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         ignore.add("lm_head.weight")  # some exports keep the tied copy
+    if cfg.mla is not None:
+        ignore |= checkpoint_deepseek.beyond_layers(cfg, set(shapes))
     return cfg, _assemble(cfg, 1, shapes, read, lambda k, a: a, folder, ignore)
 
 

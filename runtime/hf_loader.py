@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec, Sharding
 
 from models.config import ModelConfig
 from models.fp8 import FP8, Fp8Weight, dequantize
-from runtime import checkpoint, fp8_checkpoint, mxfp4, sharding
+from runtime import checkpoint, checkpoint_deepseek, fp8_checkpoint, mxfp4, sharding
 from runtime.checkpoint import CheckpointError, Params
 
 # Layout keys whose FP8 weights stay FP8 on the GPU path: they reach layers.linear or a
@@ -193,10 +193,11 @@ class _Reader:
     def is_fp8(self, name: str) -> bool:
         return name in self.owners and self.owners[name].dtype(name) == "F8_E4M3"
 
+    def host(self, name: str) -> np.ndarray:
+        return self.owners[name].read_copy(name) if name in self.owners else self.decoded(name)
+
     def get(self, name: str, sh: Sharding) -> jax.Array:
-        host = (self.owners[name].read_copy(name) if name in self.owners
-                else self.decoded(name))
-        return jax.device_put(host, sh)
+        return jax.device_put(self.host(name), sh)
 
     def scale(self, name: str, sh: Sharding) -> tuple[jax.Array, tuple[int, int]]:
         """The [out-blocks, in-blocks] f32 scale and the (out, in) block of an FP8 tensor."""
@@ -204,11 +205,16 @@ class _Reader:
         return jax.device_put(scale, _replicated(sh)), block
 
 
-def _load_key(reader: _Reader, key: str, shape: tuple[int, ...],
-              jobs: list[checkpoint._Job], dtype: Any, sh: Sharding, keep_fp8: bool,
-              transpose: bool) -> Any:
-    """One layout key's parameter from its source tensors ([out, in] where `transpose`),
-    placed on `sh`."""
+def _load_key(reader: _Reader, cfg: ModelConfig, key: str, shape: tuple[int, ...],
+              jobs: list[checkpoint._Job], dtype: Any, sh: Sharding, keep_fp8: bool) -> Any:
+    """One layout key's parameter from its source tensors, placed on `sh`."""
+    if key in checkpoint_deepseek.KV_B_KEYS:  # MLA: each head's key or value rows, split here
+        out = checkpoint.aligned_empty(shape, dtype)
+        for _, index, name, _ in jobs:
+            out[index] = checkpoint_deepseek.split_kv_b(
+                cfg, key, reader.host(name).astype(np.float32))
+        return jax.device_put(out, sh)
+    transpose = checkpoint._transposed(cfg, key)
     depth = len(jobs[0][1])
     fp8 = [reader.is_fp8(j[2]) for j in jobs]
     if any(fp8) and not all(fp8):
@@ -284,6 +290,8 @@ def restore_hf(folder: str, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | N
     ignore = {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         ignore.add("lm_head.weight")
+    if cfg.mla is not None:
+        ignore |= checkpoint_deepseek.beyond_layers(cfg, set(shapes))
     ignore |= fp8_checkpoint.auxiliary_names(scheme, owners, [j[2] for j in jobs], folder)
     checkpoint._validate(cfg, jobs, shapes, folder, ignore)
     by_key: dict[str, list[checkpoint._Job]] = defaultdict(list)
@@ -292,8 +300,8 @@ def restore_hf(folder: str, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | N
     target = _target_shardings(cfg, mesh)
     reader = _Reader(owners, scheme, decoded)
     np_dtype = checkpoint.DTYPES[dtype]
-    flat = {key: _load_key(reader, key, shape, by_key[key], np_dtype, target[key],
-                           keep_fp8 and mesh is None, checkpoint._transposed(cfg, key))
+    flat = {key: _load_key(reader, cfg, key, shape, by_key[key], np_dtype, target[key],
+                           keep_fp8 and mesh is None)
             for key, (shape, _) in checkpoint._flat_shapes(cfg).items()}
     params = checkpoint._unflatten(cfg, flat)
     jax.block_until_ready(params)
