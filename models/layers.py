@@ -110,7 +110,7 @@ def rope_attention_scale(scaling: RopeScaling | None) -> float:
 
 def rope_for(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """positions [T] -> cos, sin [T, Dh/2] of cfg's rope, times its attention scale."""
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.rope_dim, cfg.rope_theta,
                                                      cfg.rope_scaling))
     scale = rope_attention_scale(cfg.rope_scaling)
     return (cos, sin) if scale == 1.0 else (cos * scale, sin * scale)
@@ -497,7 +497,7 @@ def _rope(batch: ForwardBatch, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     cos, sin = rope_for(batch.positions, cfg)
     if cfg.rope_local_theta is None:
         return cos, sin
-    lcos, lsin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim,
+    lcos, lsin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.rope_dim,
                                                              cfg.rope_local_theta, None))
     return jnp.stack([cos, lcos]), jnp.stack([sin, lsin])
 
