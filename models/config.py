@@ -7,7 +7,7 @@ import dataclasses
 import json
 from typing import Any
 
-__all__ = ["ModelConfig", "RopeScaling"]
+__all__ = ["MlaConfig", "ModelConfig", "RopeScaling"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,27 @@ class RopeScaling:
                        mscale_all_dim=float(rs.get("mscale_all_dim") or 0.0))
         raise ValueError(f"unsupported rope_scaling type {kind!r} "
                          "(only 'llama3', 'linear', 'yarn')")
+
+
+@dataclasses.dataclass(frozen=True)
+class MlaConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): the pool caches one latent row per
+    token, [c_kv (kv_lora_rank) | k_pe (qk_rope_head_dim)], which every head reads."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int = 0  # 0: q_proj straight from the hidden state (V2-Lite)
+    rope_interleave: bool = True  # rope pairs (x0, x1), (x2, x3), ... as DeepSeek lays them out
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +127,16 @@ class ModelConfig:
     expert_act: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    # DeepSeek-MoE: an ungated shared expert, scaled routing weights, sigmoid scores with a
+    # selection bias (V3), group-limited routing, and dense MLPs in the first layers.
+    shared_expert_gate: bool = True  # Qwen2-MoE's sigmoid gate on the shared expert
+    routed_scaling_factor: float = 1.0
+    moe_scoring: str = "softmax"  # or "sigmoid" (V3; with a per-expert selection bias)
+    n_group: int = 1  # > 1: pick topk_group groups first (V2: by best, V3: by top-2 sum)
+    topk_group: int = 1
+    first_k_dense_replace: int = 0  # the first layers' MLP is dense (intermediate_size)
+    # Multi-head latent attention: num_kv_heads = 1 and head_dim = the latent row's width.
+    mla: MlaConfig | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
@@ -148,7 +179,10 @@ class ModelConfig:
 
     @property
     def sm_scale(self) -> float:
-        """The attention logits' scale."""
+        """The attention logits' scale: Gemma's query_pre_attn_scalar, MLA's full q/k head
+        (nope + rope dims), else the head dim."""
+        if self.mla is not None:
+            return self.mla.qk_head_dim ** -0.5
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property
@@ -157,6 +191,11 @@ class ModelConfig:
         by that, window or not)."""
         return tuple(t == "sliding_attention" for t in self.layer_types) or (
             (False,) * self.num_layers)
+
+    @property
+    def rope_dim(self) -> int:
+        """The rotated dims of a head (MLA rotates only qk_rope_head_dim of them)."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     @property
     def q_size(self) -> int:
@@ -175,6 +214,7 @@ class ModelConfig:
                  "qwen2": "qwen2", "MistralForCausalLM": "llama", "mistral": "llama",
                  "Qwen3ForCausalLM": "qwen3", "qwen3": "qwen3",
                  "Gemma3ForCausalLM": "gemma3", "gemma3_text": "gemma3",
+                 "DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
                  **{a: m for m, a in _MOE_ARCHS.items()}, **{m: m for m in _MOE_ARCHS},
                  "GptOssForCausalLM": "gpt_oss", "gpt_oss": "gpt_oss"}
         if arch not in known:
@@ -214,6 +254,8 @@ class ModelConfig:
             **(_gptoss_fields(cfg) if family == "gpt_oss" else _moe_fields(cfg, family)),
             **attention_variant_fields(cfg),
         )
+        if family.startswith("deepseek"):
+            fields.update(_deepseek_fields(cfg, family))
         return cls(**{**fields, **_gemma3_fields(cfg, family)})
 
     def to_json(self) -> str:
@@ -226,6 +268,8 @@ class ModelConfig:
             d["rope_scaling"] = RopeScaling(**d["rope_scaling"])
         d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         d["layer_types"] = tuple(d.get("layer_types", ()))
+        if d.get("mla") is not None:
+            d["mla"] = MlaConfig(**d["mla"])
         return cls(**d)
 
 
@@ -330,3 +374,34 @@ def _gptoss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
                 expert_act="clamped_swiglu",
                 swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
                 swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), attention_sinks=True)
+
+
+def _deepseek_fields(cfg: dict[str, Any], family: str) -> dict[str, Any]:
+    """The ModelConfig fields of a DeepSeek-V2/V3 config: MLA and DeepSeek-MoE."""
+    if cfg.get("attention_bias"):
+        raise ValueError("attention_bias with multi-head latent attention is not supported")
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"moe_layer_freq={cfg['moe_layer_freq']} is not supported (only 1)")
+    v3 = family == "deepseek_v3"
+    # transformers runs V3 as noaux_tc whatever the config says, V2 as its topk_method
+    method = "noaux_tc" if v3 else cfg.get("topk_method", "greedy")
+    if method not in ("greedy", "group_limited_greedy", "noaux_tc"):
+        raise ValueError(f"unsupported topk_method {method!r}")
+    grouped = method != "greedy"
+    mla = MlaConfig(kv_lora_rank=cfg["kv_lora_rank"], qk_nope_head_dim=cfg["qk_nope_head_dim"],
+                    qk_rope_head_dim=cfg["qk_rope_head_dim"], v_head_dim=cfg["v_head_dim"],
+                    q_lora_rank=cfg.get("q_lora_rank") or 0,
+                    rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True)
+    return dict(
+        num_kv_heads=1, head_dim=mla.latent_dim, mla=mla, qk_norm=False, attention_bias=False,
+        num_experts=cfg["n_routed_experts"], num_experts_per_tok=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg["moe_intermediate_size"],
+        shared_expert_intermediate_size=cfg.get("n_shared_experts", 0) *
+        cfg["moe_intermediate_size"], shared_expert_gate=False,
+        # transformers' V2 router never renormalizes
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) and v3,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        moe_scoring="sigmoid" if v3 else "softmax",
+        n_group=(cfg.get("n_group") or 1) if grouped else 1,
+        topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
+        first_k_dense_replace=cfg.get("first_k_dense_replace") or 0)

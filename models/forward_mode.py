@@ -18,6 +18,9 @@ class ForwardMode(enum.Enum):
     MIXED: extend rows (a chunked prefill) and decode rows in one forward.
     IDLE: nothing to run (a data-parallel rank with no work still joins collectives).
     SPLIT_PREFILL: an extend batch advanced a fixed chunk of layers per call.
+    TARGET_VERIFY: decode rows of 1 + k tokens each (the last token, then k drafted
+      ones) scored in one pass over the rows' caches, a token sampled at every position
+      (runtime/spec_decode.py).
     """
 
     EXTEND = "extend"
@@ -25,4 +28,5 @@ class ForwardMode(enum.Enum):
     MIXED = "mixed"
     IDLE = "idle"
     SPLIT_PREFILL = "split_prefill"
+    TARGET_VERIFY = "target_verify"
 

@@ -48,19 +48,28 @@ class KVPool:
 
 
 def kv_pool_shape(model: ModelConfig, cache: PoolGeometry) -> tuple[int, ...]:
+    """The K pool's shape (V's is the same, or empty under MLA: v_pool_shape)."""
     return (model.num_layers, model.num_kv_heads, cache.num_pages, cache.page_size, model.head_dim)
 
 
+def v_pool_shape(model: ModelConfig, cache: PoolGeometry) -> tuple[int, ...]:
+    """Multi-head latent attention caches only the latent row (in K): V is [..., 0]."""
+    shape = kv_pool_shape(model, cache)
+    return shape if model.mla is None else (*shape[:-1], 0)
+
+
 def kv_bytes_per_token(model: ModelConfig, dtype: jnp.dtype) -> int:
-    """Bytes of K plus V that one cached token costs across all layers."""
-    return 2 * model.num_layers * model.kv_size * jnp.dtype(dtype).itemsize
+    """Bytes of K plus V (MLA: of the latent row) that one cached token costs across all
+    layers."""
+    return (1 if model.mla else 2) * model.num_layers * model.kv_size * jnp.dtype(dtype).itemsize
 
 
 def init_kv_pool(model: ModelConfig, cache: PoolGeometry, dtype: jnp.dtype,
                  sharding: jax.sharding.Sharding | None = None) -> KVPool:
-    shape = kv_pool_shape(model, cache)
-    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
-    return KVPool(k=zeros(), v=zeros())
+    def zeros(shape: tuple[int, ...]) -> jax.Array:
+        return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)()
+
+    return KVPool(k=zeros(kv_pool_shape(model, cache)), v=zeros(v_pool_shape(model, cache)))
 
 
 def write_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
@@ -70,11 +79,12 @@ def write_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
     Called once per step after the layer stack (see pallas_kernels/attention_ref.py for
     why not inside it). The pool is viewed as [L, Hkv, P * S, Dh], a free reshape.
     """
-    L, H, P, S, D = kv.k.shape
+    L, H, P, S, _ = kv.k.shape
     idx = (layers[:, None, None], jnp.arange(H)[None, :, None], slots[None, None, :])  # [N, H, T]
 
     def put(pool: jax.Array, new: jax.Array) -> jax.Array:
+        d = pool.shape[-1]  # D, or 0 for MLA's empty V
         new = new.transpose(0, 2, 1, 3).astype(pool.dtype)  # [N, Hkv, T, Dh]
-        return pool.reshape(L, H, P * S, D).at[idx].set(new).reshape(L, H, P, S, D)
+        return pool.reshape(L, H, P * S, d).at[idx].set(new).reshape(L, H, P, S, d)
 
     return KVPool(k=put(kv.k, k), v=put(kv.v, v))

@@ -22,8 +22,10 @@ from jax.sharding import PartitionSpec as P
 
 import cpu_kernels
 from cpu_kernels import PackedWeight, at_layer, packed_matmul
+from models import mla
 from models.config import ModelConfig, RopeScaling
 from models.forward_batch import ForwardBatch, real_row_mask, real_token_mask
+from models.fp8 import Fp8Weight, concat_columns, fp8_linear
 from models.kv_pool import KVPool, write_kv
 from pallas_kernels import get_paged_attention_fn
 
@@ -108,7 +110,7 @@ def rope_attention_scale(scaling: RopeScaling | None) -> float:
 
 def rope_for(positions: jax.Array, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     """positions [T] -> cos, sin [T, Dh/2] of cfg's rope, times its attention scale."""
-    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.head_dim, cfg.rope_theta,
+    cos, sin = rope_cos_sin(positions, rope_inv_freq(cfg.rope_dim, cfg.rope_theta,
                                                      cfg.rope_scaling))
     scale = rope_attention_scale(cfg.rope_scaling)
     return (cos, sin) if scale == 1.0 else (cos * scale, sin * scale)
@@ -129,9 +131,12 @@ def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     return jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(x.dtype)
 
 
-def linear(x: jax.Array, w: jax.Array | PackedWeight) -> jax.Array:
-    """x [..., K] @ w [K, N]; a PackedWeight runs the CPU kernel (cpu_kernels)."""
-    return packed_matmul(x, w) if isinstance(w, PackedWeight) else x @ w
+def linear(x: jax.Array, w: jax.Array | PackedWeight | Fp8Weight) -> jax.Array:
+    """x [..., K] @ w [K, N]; a PackedWeight runs the CPU kernel (cpu_kernels), an
+    Fp8Weight the FP8 product (models/fp8.py)."""
+    if isinstance(w, PackedWeight):
+        return packed_matmul(x, w)
+    return fp8_linear(x, w) if isinstance(w, Fp8Weight) else x @ w
 
 
 def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array) -> jax.Array:
@@ -174,6 +179,8 @@ def init_from_shapes(shapes: dict, key: jax.Array, dtype: jnp.dtype = jnp.float3
 
 def attention_shapes(cfg: ModelConfig) -> dict:
     """The per-layer attention weights every family has (see params_layout.md)."""
+    if cfg.mla is not None:
+        return mla.attention_shapes(cfg)
     L, D = cfg.num_layers, cfg.hidden_size
     out = {"attn_norm": (L, D), "wq": (L, D, cfg.q_size), "wk": (L, D, cfg.kv_size),
            "wv": (L, D, cfg.kv_size), "wo": (L, cfg.q_size, D), "mlp_norm": (L, D)}
@@ -197,12 +204,42 @@ def model_shapes(cfg: ModelConfig, layer_shapes: dict) -> dict:
     return tree
 
 
+# A model whose first layers are dense and the rest MoE (DeepSeek's first_k_dense_replace)
+# stacks the dense MLP's weights over its first layers only and the MoE's over the rest;
+# every other per-layer weight covers all layers.
+DENSE_MLP_KEYS = frozenset({"w_gate", "w_up", "w_down", "w_gate_up"})
+
+
+def layer_span(key: str, n: int, n_layers: int) -> tuple[int, int]:
+    """(first layer, count) of a per-layer weight `key` stacked over n of n_layers layers."""
+    return (0, n) if n == n_layers or key in DENSE_MLP_KEYS else (n_layers - n, n)
+
+
+def layer_spans(stacked: dict) -> dict[str, tuple[int, int]]:
+    """{key: (first layer, layer count)} of a stacked layer tree (see DENSE_MLP_KEYS)."""
+    n_layers = stacked["attn_norm"].shape[0]
+    return {key: layer_span(key, n_layers if isinstance(w, PackedWeight) else w.shape[0],
+                            n_layers) for key, w in stacked.items()}
+
+
+def num_dense_layers(stacked: dict) -> int:
+    """How many first layers run the dense MLP where the others run the MoE (0: all alike)."""
+    spans = layer_spans(stacked)
+    n_layers = stacked["attn_norm"].shape[0]
+    if all(n == n_layers for _, n in spans.values()):
+        return 0
+    return next((n for k, (_, n) in spans.items() if k in DENSE_MLP_KEYS), 0)
+
+
 def unstack_layers(params: dict) -> dict:
     """Replace the stacked `layers` by `layer_list`, one dict of arrays per layer, for
-    run_layers' switch dispatch (same memory: the stacked copy is dropped)."""
+    run_layers' switch dispatch (same memory: the stacked copy is dropped). A layer's
+    dict holds the weights it has (dense MLP or MoE: see DENSE_MLP_KEYS)."""
     layers = params["layers"]
-    n = layers["attn_norm"].shape[0]
-    per_layer = [jax.tree.map(lambda w, i=i: w[i], layers) for i in range(n)]
+    spans = layer_spans(layers)
+    per_layer = [{k: w[i - spans[k][0]] for k, w in layers.items()
+                  if spans[k][0] <= i < sum(spans[k])}
+                 for i in range(layers["attn_norm"].shape[0])]
     return {**{k: v for k, v in params.items() if k != "layers"}, "layer_list": per_layer}
 
 
@@ -224,8 +261,18 @@ def fuse_projections(params: dict) -> dict:
     def fuse_layer(lp: dict) -> dict:
         out = dict(lp)
         for name, parts in FUSED_PROJECTIONS.items():
-            if all(p in lp for p in parts):
-                out[name] = jnp.concatenate([out.pop(p) for p in parts], axis=-1)
+            if not all(p in lp for p in parts):
+                continue
+            if all(isinstance(lp[p], Fp8Weight) for p in parts):
+                fused = concat_columns([lp[p] for p in parts])  # None: scale grids differ
+            elif any(isinstance(lp[p], Fp8Weight) for p in parts):
+                fused = None
+            else:
+                fused = jnp.concatenate([lp[p] for p in parts], axis=-1)
+            if fused is not None:
+                out[name] = fused
+                for p in parts:
+                    del out[p]
         return out
 
     if "layer_list" in params:
@@ -249,6 +296,8 @@ def embed(params: dict, input_ids: jax.Array) -> jax.Array:
 def qkv(lp: dict, h: jax.Array, cos: jax.Array, sin: jax.Array,
         cfg: ModelConfig) -> tuple[jax.Array, jax.Array, jax.Array]:
     """h [T, D] -> q [T, Hq, Dh], k, v [T, Hkv, Dh] (normed, projected, rope applied)."""
+    if cfg.mla is not None:
+        return mla.qkv(lp, h, cos, sin, cfg)
     t = h.shape[0]
     x = norm(h, lp["attn_norm"], cfg)
     if "wqkv" in lp:  # fused (fuse_projections, llama.pack_for_cpu): one matmul for all three
@@ -309,6 +358,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
     # This step's K/V as the pool will hold them: a key then reads the same whether it is
     # new or cached, so chunking and prefix caching cannot change a bf16 pool's results.
     k, v = k.astype(kv.k.dtype), v.astype(kv.v.dtype)
+    v_pool = kv.v
+    if cfg.mla is not None:  # MQA over the latent: the value is the key row (models/mla.py)
+        v, v_pool = k, kv.k
     fn = functools.partial(get_paged_attention_fn(attention_backend),
                            num_extend_tokens=batch.num_extend_tokens,
                            num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.sm_scale,
@@ -327,9 +379,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
         attn = shard_map(attn, mesh=mesh, out_specs=qkv_spec,
                          in_specs=(qkv_spec, qkv_spec, qkv_spec, pool, pool, P(), *[row] * 4,
                                    var_specs))
-    o = attn(q, k, v, kv.k, kv.v, layer, batch.page_table, batch.seq_lens, batch.query_start,
+    o = attn(q, k, v, kv.k, v_pool, layer, batch.page_table, batch.seq_lens, batch.query_start,
              batch.positions, variants)
-    return o.reshape(q.shape[0], cfg.q_size)
+    return o.reshape(q.shape[0], -1)  # [T, Hq*Dh]
 
 
 def write_step_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
@@ -339,7 +391,8 @@ def write_step_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
     each device scatters its own heads' K/V, under data parallelism each rank its own
     tokens into its own pages. With the CPU kernels the kernel side writes in place (XLA
     CPU's scatter converts a whole bf16 pool each step, see cpu_kernels/write_kv.cc)."""
-    if attention_backend == "cpu":  # after: see cpu_kernels.write_kv
+    # after: see cpu_kernels.write_kv. An MLA pool (no V) takes XLA's scatter.
+    if attention_backend == "cpu" and kv.v.shape[-1]:
         return KVPool(*cpu_kernels.write_kv(kv.k, kv.v, layers, slots, k, v, after))
     tok, heads = _split_axes(mesh)
     if not (tok or heads):
@@ -350,9 +403,11 @@ def write_step_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
                      out_specs=pool)(kv, layers, slots, k, v)
 
 
-def attn_out(lp: dict, o: jax.Array) -> jax.Array:
-    """Attention's output projection o [T, Hq*Dh] -> [T, D], with its bias where the family
-    has one (gpt-oss)."""
+def attn_out(lp: dict, o: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Attention's output projection o [T, Hq*Dh] -> [T, D]: through MLA's value weights
+    first (models/mla.py), with the family's o_proj bias where it has one (gpt-oss)."""
+    if cfg.mla is not None:
+        o = mla.output(lp, o, cfg)  # [T, H*Dv]
     y = linear(o, lp["wo"])
     return y + lp["bo"] if "bo" in lp else y
 
@@ -361,7 +416,7 @@ def out_mlp(lp: dict, h: jax.Array, o: jax.Array, cfg: ModelConfig, mlp: Mlp) ->
     """Attention output projection and the MLP, both residual: h [T, D] -> [T, D]. Where
     the layer has them (Gemma 3), `post_attn_norm` / `post_mlp_norm` norm the attention
     and MLP outputs before their residual adds."""
-    a = attn_out(lp, o)  # [T, D]
+    a = attn_out(lp, o, cfg)  # [T, D]
     if "post_attn_norm" in lp:
         a = norm(a, lp["post_attn_norm"], cfg)
     h = h + a
@@ -378,7 +433,15 @@ _out_mlp_jit = jax.jit(out_mlp, static_argnames=("cfg", "mlp"))
 def layer_weights(stacked: dict, layer: jax.Array) -> dict:
     """Layer `layer`'s weights from the stacked tree: packed matrices stay whole and the
     CPU kernel reads the layer's panels in place (cpu_kernels.at_layer); the rest (norm
-    vectors; XLA's dot operands off the packed path) are sliced."""
+    vectors; XLA's dot operands off the packed path) are sliced. Where the first layers
+    are dense and the rest MoE (DENSE_MLP_KEYS), both MLPs' weights are sliced (the
+    other's clamped to its nearest layer) and `dense_layer` [] bool says which runs."""
+    dense = num_dense_layers(stacked)
+    if dense:
+        spans = layer_spans(stacked)
+        lp = {k: w[jnp.clip(layer - spans[k][0], 0, spans[k][1] - 1)]
+              for k, w in stacked.items()}
+        return {**lp, "dense_layer": layer < dense}
     return jax.tree.map(
         lambda w: at_layer(w, layer) if isinstance(w, PackedWeight) else w[layer], stacked,
         is_leaf=lambda w: isinstance(w, PackedWeight))
@@ -434,7 +497,7 @@ def _rope(batch: ForwardBatch, cfg: ModelConfig) -> tuple[jax.Array, jax.Array]:
     cos, sin = rope_for(batch.positions, cfg)
     if cfg.rope_local_theta is None:
         return cos, sin
-    lcos, lsin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.head_dim,
+    lcos, lsin = rope_cos_sin(batch.positions, rope_inv_freq(cfg.rope_dim,
                                                              cfg.rope_local_theta, None))
     return jnp.stack([cos, lcos]), jnp.stack([sin, lsin])
 

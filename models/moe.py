@@ -3,7 +3,9 @@
 Attention, norms, the layer scan and the logits are the shared skeleton of
 models/layers.py; this module adds the routed-expert MLP. Routing is softmax top-k (f32),
 optionally renormalized (`norm_topk_prob`; Mixtral always), plus Qwen2-MoE's shared
-expert scaled by a sigmoid gate.
+expert scaled by a sigmoid gate. DeepSeek-MoE (models/deepseek.py) adds sigmoid scores
+with a per-expert selection bias (V3), group-limited selection, a routed scaling factor
+and an ungated shared expert.
 
 Expert parallelism (EP): with a mesh whose `ep` axis has n > 1 devices, experts are
 sharded over `ep` and the tokens split across it; each rank routes its own tokens,
@@ -21,9 +23,10 @@ products, and a clamped SwiGLU (expert_act).
 
 Parameter layout (models/params_layout.md), per layer on top of the attention weights:
   router [L, D, E]; we_gate, we_up [L, E, D, Fm]; we_down [L, E, Fm, D];
-  with a shared expert: ws_gate, ws_up [L, D, Fs], ws_down [L, Fs, D], ws_router [L, D, 1];
-  gpt-oss: router_bias [L, E]; we_gate_up [L, E, D, 2Fm] (gate, up, gate, up, ... columns)
-  and be_gate_up [L, E, 2Fm] instead of we_gate / we_up; be_down [L, E, D].
+  with a shared expert: ws_gate, ws_up [L, D, Fs], ws_down [L, Fs, D], and its gate
+  ws_router [L, D, 1] (not DeepSeek's); router_bias [L, E]: gpt-oss's router bias or
+  DeepSeek-V3's selection bias; gpt-oss: we_gate_up [L, E, D, 2Fm] (gate, up, gate, up, ...
+  columns) and be_gate_up [L, E, 2Fm] instead of we_gate / we_up; be_down [L, E, D].
 """
 
 from __future__ import annotations
@@ -50,9 +53,9 @@ EP_AXIS = "ep"
 EXPERT_KEYS = ("we_gate", "we_up", "we_down", "we_gate_up", "be_gate_up", "be_down")
 
 
-def param_shapes(cfg: ModelConfig) -> dict:
-    """The parameter tree as {key: shape tuple} (see the module docstring)."""
-    L, D, E, F = cfg.num_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+def mlp_shapes(cfg: ModelConfig, n_layers: int) -> dict:
+    """The MoE MLP's weights stacked over n_layers (see the module docstring)."""
+    L, D, E, F = n_layers, cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     mlp = {"router": (L, D, E), "we_gate": (L, E, D, F), "we_up": (L, E, D, F),
            "we_down": (L, E, F, D)}
     if cfg.router_bias:
@@ -62,9 +65,18 @@ def param_shapes(cfg: ModelConfig) -> dict:
         mlp.update(we_gate_up=(L, E, D, 2 * F), be_gate_up=(L, E, 2 * F), be_down=(L, E, D))
     fs = cfg.shared_expert_intermediate_size
     if fs:
-        mlp.update(ws_gate=(L, D, fs), ws_up=(L, D, fs), ws_down=(L, fs, D),
-                   ws_router=(L, D, 1))
-    return layers.model_shapes(cfg, {**layers.attention_shapes(cfg), **mlp})
+        mlp.update(ws_gate=(L, D, fs), ws_up=(L, D, fs), ws_down=(L, fs, D))
+        if cfg.shared_expert_gate:
+            mlp["ws_router"] = (L, D, 1)
+    if cfg.moe_scoring == "sigmoid":
+        mlp["router_bias"] = (L, E)
+    return mlp
+
+
+def param_shapes(cfg: ModelConfig) -> dict:
+    """The parameter tree as {key: shape tuple} (see the module docstring)."""
+    return layers.model_shapes(cfg, {**layers.attention_shapes(cfg),
+                                     **mlp_shapes(cfg, cfg.num_layers)})
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, dtype: jnp.dtype = jnp.float32) -> dict:
@@ -80,18 +92,46 @@ def pack_for_cpu(params: dict, quantization: str | None = None) -> dict:
 # ---------------------------------------------------------------- the stages
 
 
+def _limit_groups(choice: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """choice [T, E] with the experts outside each token's topk_group best groups at -inf;
+    a group scores its best expert (DeepSeek-V2) or its best two summed (V3, sigmoid)."""
+    t, e = choice.shape
+    g = choice.reshape(t, cfg.n_group, e // cfg.n_group)  # [T, G, E/G]
+    if cfg.moe_scoring == "sigmoid":
+        group_score = jax.lax.top_k(g, 2)[0].sum(-1)  # [T, G]
+    else:
+        group_score = g.max(-1)
+    _, top = jax.lax.top_k(group_score, cfg.topk_group)  # [T, topk_group]
+    keep = (top[:, :, None] == jnp.arange(cfg.n_group)[None, None, :]).any(1)  # [T, G]
+    return jnp.where(keep[:, :, None], g, -jnp.inf).reshape(t, e)
+
+
 def route(x: jax.Array, router: jax.Array, cfg: ModelConfig,
           bias: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """x [T, D] -> top-k weights [T, k] (f32) and expert ids [T, k] int32."""
-    logits = x @ router if bias is None else x @ router + bias  # [T, E]
-    logits = logits.astype(jnp.float32)
+    """x [T, D] -> top-k weights [T, k] (f32) and expert ids [T, k] int32. `bias` [E]:
+    with cfg.router_bias (gpt-oss) the router's own bias, added to the logits; with sigmoid
+    scoring (DeepSeek-V3) a selection bias, which shifts which experts are chosen, not
+    their weights."""
+    logits = x @ router if bias is None or not cfg.router_bias else x @ router + bias
+    logits = logits.astype(jnp.float32)  # [T, E]
     if cfg.softmax_after_topk:  # gpt-oss: the k best logits, then a softmax over them
         top, ids = jax.lax.top_k(logits, cfg.num_experts_per_tok)  # [T, k]
         return jax.nn.softmax(top, axis=-1), ids.astype(jnp.int32)
-    probs = jax.nn.softmax(logits, axis=-1)  # [T, E]
-    w, ids = jax.lax.top_k(probs, cfg.num_experts_per_tok)  # [T, k]
+    if cfg.router_bias:
+        bias = None
+    if cfg.moe_scoring == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    choice = scores if bias is None else scores + bias.astype(jnp.float32)
+    if cfg.n_group > 1:
+        choice = _limit_groups(choice, cfg)
+    _, ids = jax.lax.top_k(choice, cfg.num_experts_per_tok)  # [T, k]
+    w = jnp.take_along_axis(scores, ids, axis=-1)  # [T, k]
     if cfg.norm_topk_prob:
-        w = w / w.sum(-1, keepdims=True)
+        w = w / (w.sum(-1, keepdims=True) + 1e-20)
+    if cfg.routed_scaling_factor != 1.0:
+        w = w * cfg.routed_scaling_factor
     return w, ids.astype(jnp.int32)
 
 
@@ -195,7 +235,9 @@ def moe_stages(lp: dict, cfg: ModelConfig, axis: str | None = None,
         if "ws_gate" in lp:
             x = s["x"]
             shared = gated_mlp(x, lp["ws_gate"], lp["ws_up"], lp["ws_down"])  # [T, D]
-            out["shared"] = jax.nn.sigmoid(x @ lp["ws_router"]) * shared
+            if "ws_router" in lp:  # Qwen2-MoE gates it; DeepSeek's is always on
+                shared = jax.nn.sigmoid(x @ lp["ws_router"]) * shared
+            out["shared"] = shared
         return out
 
     def run_experts(s: dict) -> dict:

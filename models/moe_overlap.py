@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from models import layers, moe
+from models import layers, llama, moe
 from models.config import ModelConfig
 from models.forward_batch import ForwardBatch
 from models.kv_pool import KVPool, write_kv
@@ -79,7 +79,7 @@ def _attention(lp: dict, h: jax.Array, kv: KVPool, layer: jax.Array, batch: Forw
     q, k, v = layers.qkv(lp, h, *rope, cfg)  # [T, Hq, Dh], [T, Hkv, Dh] x 2
     o = layers.attend(q, k, v, kv, layer, batch, cfg, attention_backend,
                       sinks=lp.get("sinks"), model_layer=model_layer)  # [T, Hq*Dh]
-    return h + layers.attn_out(lp, o), k, v
+    return h + layers.attn_out(lp, o, cfg), k, v
 
 
 def _pages_with(kv: KVPool, layer: jax.Array, batch: ForwardBatch, slots: jax.Array,
@@ -136,7 +136,12 @@ def forward(params: dict, kv: KVPool, batches: tuple[ForwardBatch, ForwardBatch]
                 b_layer = jnp.zeros((), jnp.int32)
             hb, kb, vb = attention(lp, hb, pool, b_layer, b_batch, ropes[1], model_layer=layer)
         norm = functools.partial(layers.rms_norm, w=lp["mlp_norm"], eps=cfg.rms_norm_eps)
-        ya, yb = moe_pair(lp, norm(ha), norm(hb), cfg, mesh)
+        if "dense_layer" in lp:  # DeepSeek's first layers: the dense MLP, no exchange
+            ya, yb = jax.lax.cond(
+                lp["dense_layer"], lambda lp, xa, xb: (llama.mlp(lp, xa), llama.mlp(lp, xb)),
+                lambda lp, xa, xb: moe_pair(lp, xa, xb, cfg, mesh), lp, norm(ha), norm(hb))
+        else:
+            ya, yb = moe_pair(lp, norm(ha), norm(hb), cfg, mesh)
         return (ha + ya, hb + yb), (ka, va, kb, vb)
 
     h0 = (moe.embed(params, a.input_ids), moe.embed(params, b.input_ids))  # [Ta, D], [Tb, D]

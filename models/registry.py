@@ -12,12 +12,13 @@ from types import ModuleType
 import jax
 import jax.numpy as jnp
 
-from models import gemma3, llama, moe
+from models import deepseek, gemma3, llama, moe
 from models.config import ModelConfig
 
 _FAMILIES: dict[str, ModuleType] = {
     "llama": llama, "qwen2": llama, "qwen3": llama, "qwen2_moe": moe, "qwen3_moe": moe,
-    "mixtral": moe, "gemma3": gemma3, "gpt_oss": moe,
+    "mixtral": moe, "gemma3": gemma3, "gpt_oss": moe, "deepseek_v2": deepseek,
+    "deepseek_v3": deepseek,
 }
 
 # Random-weight models for tests and demos: the SmolLM2 tokenizer's vocabulary, weights

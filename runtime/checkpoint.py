@@ -28,8 +28,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from models.config import ModelConfig
+from models.layers import layer_span
 from models.registry import model_module
-from runtime import mxfp4, sharding
+from runtime import checkpoint_deepseek, mxfp4, sharding
 
 Params = dict[str, Any]
 CONFIG_FILE = "model_config.json"
@@ -108,13 +109,16 @@ _GEMMA3_HF_NAMES: dict[str, str] = {
 }
 # Stored [out, in] by both sources, [in, out] by us.
 _TRANSPOSED = {"lm_head", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "router",
-               "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router"}
+               "we_gate", "we_up", "we_down", "ws_gate", "ws_up", "ws_down", "ws_router",
+               *checkpoint_deepseek.TRANSPOSED}
 # Except where a family stores them [in, out] already.
 _NOT_TRANSPOSED = {"gpt_oss": {"we_down"}}
 
 
 def _transposed(cfg: ModelConfig, key: str) -> bool:
     return key in _TRANSPOSED and key not in _NOT_TRANSPOSED.get(cfg.architecture, ())
+
+
 # GGUF architectures we read -> whether llama.cpp permuted the Q/K rows.
 _GGUF_ARCHS = {"llama": True, "qwen2": False}
 
@@ -161,6 +165,8 @@ def _source_name(cfg: ModelConfig, key: str, src: int) -> str:
     """The name template of a layout key in source `src` (0 GGUF, 1 Hugging Face)."""
     if cfg.architecture == "gemma3" and src == 1 and key in _GEMMA3_HF_NAMES:
         return _GEMMA3_HF_NAMES[key]
+    if cfg.mla is not None and src == 1 and key in checkpoint_deepseek.HF_NAMES:
+        return checkpoint_deepseek.HF_NAMES[key]
     if key in _NAMES:
         return _NAMES[key][src]
     family = cfg.architecture if cfg.architecture in ("mixtral", "gpt_oss") else "qwen"
@@ -176,13 +182,18 @@ def _plan(cfg: ModelConfig, src: int) -> list[_Job]:
     jobs = []
     for key, (shape, stacked) in _flat_shapes(cfg).items():
         name = _source_name(cfg, key, src)
-        grid = [range(cfg.num_layers)] if stacked else []
+        # DeepSeek's dense-then-MoE layers: a key may stack only some layers (layer_span)
+        first = layer_span(key, shape[0], cfg.num_layers)[0] if stacked else 0
+        grid = [range(shape[0])] if stacked else []
         if "{j}" in name:
             grid.append(range(cfg.num_experts))
         one = shape[len(grid):]
         want = tuple(reversed(one)) if _transposed(cfg, key) else tuple(one)
+        if key in checkpoint_deepseek.KV_B_KEYS:
+            want = checkpoint_deepseek.kv_b_shape(cfg)
         for index in itertools.product(*grid):
-            fmt = dict(zip("ij", index, strict=False))  # layer i, expert j
+            at = (index[0] + first, *index[1:]) if index else ()
+            fmt = dict(zip("ij", at, strict=False))  # layer i, expert j
             jobs.append((key, index, name.format(**fmt), want))
     return jobs
 
@@ -221,7 +232,10 @@ def _assemble(
     def fill(job: _Job) -> None:
         key, index, name, _ = job
         arr = fix(key, read(name).astype(np.float32, copy=False))  # [out, in]
-        out[key][index] = arr.T if _transposed(cfg, key) else arr  # [in, out]
+        if key in checkpoint_deepseek.KV_B_KEYS:
+            out[key][index] = checkpoint_deepseek.split_kv_b(cfg, key, arr)
+        else:
+            out[key][index] = arr.T if _transposed(cfg, key) else arr  # [in, out]
 
     # numpy's dequantize and copies release the GIL for part of the work.
     with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1)) as pool:
@@ -368,7 +382,17 @@ def load_gguf(path: str) -> tuple[ModelConfig, Params]:
 # ---------------------------------------------------------------- HF safetensors
 
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
-              "F64": np.float64, "U8": np.uint8}
+              "F64": np.float64, "U8": np.uint8, "F8_E4M3": ml_dtypes.float8_e4m3fn}
+# Linux's read() returns at most this many bytes per call.
+_READ_CHUNK = 1 << 30
+
+
+def aligned_empty(shape: tuple[int, ...], dtype: Any) -> np.ndarray:
+    """np.empty, 64-byte aligned: jax on the CPU then takes the buffer without a copy."""
+    n = int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    raw = np.empty(n + 64, np.uint8)
+    skip = -raw.ctypes.data % 64
+    return raw[skip:skip + n].view(dtype).reshape(shape)
 
 
 class _SafetensorsFile:
@@ -395,6 +419,11 @@ class _SafetensorsFile:
         self.shapes = {k: self._check(k, v) for k, v in header.items()}
 
     def _check(self, name: str, info: Any) -> tuple[int, ...]:
+        if isinstance(info, dict) and info.get("dtype") not in _ST_DTYPES:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has dtype {info.get('dtype')!r}, which is not "
+                f"supported (supported: {sorted(_ST_DTYPES)}; quantized integer weights "
+                "need a quantization_config this loader reads)")
         try:
             dtype, shape = _ST_DTYPES[info["dtype"]], info["shape"]
             begin, end = info["data_offsets"]
@@ -412,6 +441,27 @@ class _SafetensorsFile:
         begin, _ = info["data_offsets"]
         return np.memmap(self.path, dtype=_ST_DTYPES[info["dtype"]], mode="r",
                          offset=self.start + begin, shape=self.shapes[name])
+
+    def dtype(self, name: str) -> str:
+        """The tensor's safetensors dtype name (F32, BF16, F8_E4M3, ...)."""
+        return self.header[name]["dtype"]
+
+    def read_copy(self, name: str) -> np.ndarray:
+        """The tensor in a fresh array, read with read() rather than a memmap: mapped file
+        pages count in the process's resident set until unmapped, a copy only its bytes."""
+        info = self.header[name]
+        begin, end = info["data_offsets"]
+        out = aligned_empty(self.shapes[name], _ST_DTYPES[info["dtype"]])
+        buf = memoryview(out.reshape(-1).view(np.uint8))
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.start + begin)
+            done = 0
+            while done < len(buf):
+                n = f.readinto(buf[done:done + _READ_CHUNK])
+                if not n:
+                    raise CheckpointError(f"{self.path}: tensor {name!r} is cut short")
+                done += n
+        return out
 
 
 def _open_safetensors(folder: str) -> dict[str, _SafetensorsFile]:
@@ -459,6 +509,8 @@ def load_hf_safetensors(folder: str) -> tuple[ModelConfig, Params]:
     ignore = {n for n in shapes if n.endswith("rotary_emb.inv_freq")}
     if cfg.tie_word_embeddings:
         ignore.add("lm_head.weight")  # some exports keep the tied copy
+    if cfg.mla is not None:
+        ignore |= checkpoint_deepseek.beyond_layers(cfg, set(shapes))
     return cfg, _assemble(cfg, 1, shapes, read, lambda k, a: a, folder, ignore)
 
 
@@ -592,7 +644,12 @@ def restore_checkpoint(directory: str, mesh: jax.sharding.Mesh | None = None,
 def convert(input_path: str, output_dir: str, dtype: str = "float32") -> ModelConfig:
     """GGUF file or HF folder -> orbax checkpoint, printing timings."""
     t0 = time.perf_counter()
-    cfg, params = load_any(input_path)
+    if os.path.isdir(input_path):  # in the saved dtype, a tensor at a time (FP8 dequantized)
+        from runtime import hf_loader
+
+        cfg, params, _ = hf_loader.restore_hf(input_path, dtype)
+    else:
+        cfg, params = load_gguf(input_path)
     t1 = time.perf_counter()
     print(f"[checkpoint] imported {input_path} in {t1 - t0:.2f}s", flush=True)
     save_checkpoint(output_dir, cfg, params, dtype)

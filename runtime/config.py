@@ -159,8 +159,14 @@ class RunnerConfig:
     # Decode steps of one multi-step program (runtime/multi_step.py), compiled for every
     # DECODE bucket when > 1 (vLLM's --num-scheduler-steps).
     num_scheduler_steps: int = _ARGS.num_scheduler_steps
+    # Drafted tokens a TARGET_VERIFY program scores per row (runtime/paths/spec.py),
+    # compiled for every decode bucket when > 0; 0: no speculative decoding.
+    speculative_num_draft_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.speculative_num_draft_tokens < 0:
+            raise ValueError(f"speculative_num_draft_tokens={self.speculative_num_draft_tokens}"
+                             " must be >= 0")
         if self.num_scheduler_steps < 1:
             raise ValueError(f"num_scheduler_steps={self.num_scheduler_steps} must be >= 1")
         if self.dtype not in ("float32", "bfloat16"):

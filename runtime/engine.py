@@ -25,6 +25,7 @@ from models.config import ModelConfig
 from models.forward_mode import ForwardMode
 from runtime import multihost
 from runtime.batch_builder import BucketShape
+from runtime.bucket_plan import cost_key
 from runtime.config import CacheConfig, SchedulerConfig, ServerArgs
 from runtime.dp_attention import DPScheduler
 from runtime.engine_info import EngineInfo
@@ -34,10 +35,12 @@ from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.paths import LaunchedForward
+from runtime.paths.spec import verify_cost_key
 from runtime.policy_setup import build_policy
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler, SchedulerStats
+from runtime.spec_decode import SpecDecoding
 from runtime.traced_launch import TracedStep, launch_traced, read_back
 
 if TYPE_CHECKING:  # imported with a tokenizer only: token-id engines run without `tokenizers`
@@ -162,6 +165,27 @@ class _SampleLauncher:
         return self._fwd.shape
 
 
+def _spec_decoding(args: ServerArgs, runner: ModelRunner) -> SpecDecoding | None:
+    """The scheduler's speculative decoding (--speculative_algorithm), over the runner's
+    TARGET_VERIFY programs, switched by the runner's measured decode and verify costs."""
+    if not args.speculative_algorithm:
+        return None
+    k, buckets = runner.cfg.speculative_num_draft_tokens, runner.cfg.decode_buckets
+    if k != args.speculative_num_draft_tokens:
+        raise ValueError(f"speculative_num_draft_tokens={args.speculative_num_draft_tokens} "
+                         "needs a runner compiled with RunnerConfig."
+                         f"speculative_num_draft_tokens={args.speculative_num_draft_tokens} "
+                         f"(it has {k})")
+
+    def costs(rows: int) -> tuple[float, float] | None:
+        b = next(b for b in buckets if b >= rows)
+        decode_s = runner.costs.get(cost_key(ForwardMode.DECODE, BucketShape(0, 0, b, 0)))
+        verify_s = runner.costs.get(verify_cost_key(b))
+        return None if decode_s is None or verify_s is None else (decode_s, verify_s)
+
+    return SpecDecoding(k, buckets[-1], costs=costs)
+
+
 def _constrained(batch: ScheduleBatch) -> bool:
     return any(r.req.grammar is not None for r in batch.rows)
 
@@ -223,8 +247,10 @@ class Engine:
         # Decode first by default (runtime/prefill_policy.py), sized from step costs
         # measured now; None: prefill first, or the path a flag picked.
         self.policy = build_policy(args, runner)
+        self.spec = _spec_decoding(args, runner)
         self.scheduler: Scheduler | DPScheduler = (
-            Scheduler(config, eos_token_ids=eos, decode_fn=decode_fn, policy=self.policy)
+            Scheduler(config, eos_token_ids=eos, decode_fn=decode_fn, policy=self.policy,
+                      spec=self.spec)
             if dp == 1 else DPScheduler(config, dp, eos, decode_fn))
         self.trace = ExecutionTrace(args.trace_buffer_steps)
         self.trace.policy = None if self.policy is None else self.policy.to_json()
@@ -297,7 +323,9 @@ class Engine:
 
     def abort(self, rid: str) -> None:
         """Abort a request wherever it is; its pages are freed at once."""
-        self.scheduler.abort(rid)
+        req = self.scheduler.abort(rid)
+        if self.spec is not None and req is not None:
+            self.spec.forget(req)
         if self._tracked.pop(rid, None) is not None:
             self.trace.finish_request(rid, time.perf_counter())
 
@@ -330,6 +358,9 @@ class Engine:
                                 "prefill_intervals": req.prefill_intervals}
         if event.finished:
             self._tracked.pop(req.rid, None)
+            spec = self.spec.forget(req) if self.spec is not None else None
+            if spec is not None:
+                meta.update(spec.to_json())
             meta["retracted"] = req.num_retractions > 0
             meta["num_retractions"] = req.num_retractions
             meta.update(self.trace.finish_request(

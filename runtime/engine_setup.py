@@ -154,12 +154,35 @@ def load_model(args: ServerArgs) -> tuple[ModelConfig, dict, Tokenizer | None]:
         cfg, params = checkpoint.restore_checkpoint(path, dtype=dtype)
         source = checkpoint.read_tokenizer_source(path)
         tokenizer = _tokenizer_for(source) if source else None
+    elif os.path.isdir(path):
+        cfg, params = _restore_hf_folder(args, path, dtype)
+        tokenizer = _tokenizer_for(path)
     else:
         cfg, params = checkpoint.load_any(path)
         tokenizer = _tokenizer_for(path)
     if tokenizer is None:
         logger.warning("no tokenizer found for %s: only input_ids prompts work", path)
     return cfg, params, tokenizer
+
+
+def _restore_hf_folder(args: ServerArgs, path: str, dtype: str) -> tuple[ModelConfig, dict]:
+    """A Hugging Face folder straight onto the device or the serving mesh (runtime/
+    hf_loader.py): FP8 weights stay FP8 on one GPU, dequantized elsewhere."""
+    from runtime import checkpoint, hf_loader
+
+    # Several processes: each loads to its own device and the runner places its shards.
+    mesh = (serving_mesh(args, checkpoint.load_hf_config(path)) if jax.process_count() == 1
+            else None)
+    cfg, params, stats = hf_loader.restore_hf(path, dtype, mesh=mesh,
+                                              keep_fp8=on_gpu() and mesh is None)
+    shard, over = stats.largest_shard_bytes, stats.host_overhead_bytes(not on_gpu())
+    memory = ("" if over is None else
+              f"; peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB, the loader's host memory "
+              f"beyond the weights {over / 2**30:.2f} GiB = {over / shard:.2f}x the largest shard")
+    logger.info("loaded %s in %.1f s: %d shard(s), largest %.2f GiB, params %.2f GiB%s", path,
+                stats.seconds, stats.num_shards, shard / 2**30, stats.params_bytes / 2**30,
+                memory)
+    return cfg, params
 
 
 def _powers(lo: int, hi: int, factor: int) -> tuple[int, ...]:
@@ -274,6 +297,8 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         split_min_tokens=args.split_prefill_min_tokens,
         enable_two_batch_overlap=args.enable_two_batch_overlap,
         num_scheduler_steps=args.num_scheduler_steps,
+        speculative_num_draft_tokens=(args.speculative_num_draft_tokens
+                                      if args.speculative_algorithm else 0),
         tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
         tbo_min_tokens=(TBO_MIN_TOKENS_PER_RANK * args.ep if args.tbo_min_tokens is None
                         else args.tbo_min_tokens),

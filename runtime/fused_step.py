@@ -89,8 +89,9 @@ class FusedExecutables:
             h_dec = model.embed(params, dec_ids)  # [B_d, D]
             # The decode rows' K/V of the layers outside the interval: written once, after
             # both loops (a pool carried through them is copied every trip on XLA CPU).
-            kv_shape = (cfg.num_layers, h_dec.shape[0], cfg.num_kv_heads, cfg.head_dim)
-            new_kv = tuple(jnp.zeros(kv_shape, p.dtype) for p in (kv.k, kv.v))  # [L, B_d, Hkv, Dh]
+            kv_shape = (cfg.num_layers, h_dec.shape[0], cfg.num_kv_heads)
+            new_kv = tuple(jnp.zeros((*kv_shape, p.shape[-1]), p.dtype)
+                           for p in (kv.k, kv.v))  # [L, B_d, Hkv, Dh] (MLA's V: Dh 0)
             h_dec, new_kv = model.run_layer_range(params, kv, h_dec, dec, cfg, jnp.int32(0),
                                                   start, new_kv, backend, mesh)
             h, kv = model.run_layers(params, kv, jnp.concatenate([hidden, h_dec]), mixed, cfg,

@@ -164,6 +164,33 @@ def fill_bitmask(grammars: Sequence[RequestGrammar | None], vocab_size: int) -> 
     return mask
 
 
+def draft_bitmasks(grammar: RequestGrammar, draft: Sequence[int], vocab_size: int
+                   ) -> np.ndarray:
+    """Bitmask [len(draft) + 1, mask_width(vocab)] of a verify row's positions: what may
+    follow the request's tokens, then each drafted prefix of them. The matcher consumes
+    the draft and rolls it back (the caller keeps only drafts it validated)."""
+    masks = np.empty((len(draft) + 1, mask_width(vocab_size)), np.int32)
+    taken = 0
+    for j in range(len(draft) + 1):
+        masks[j] = fill_bitmask([grammar], vocab_size)[0]
+        if j < len(draft):
+            if not grammar.matcher.consume_token(draft[j]):
+                masks[j + 1:] = -1  # unreachable: the draft was validated
+                break
+            taken += 1
+    if taken:
+        grammar.matcher.rollback(taken)
+    return masks
+
+
+def valid_draft(grammar: RequestGrammar, draft: list[int]) -> list[int]:
+    """The longest prefix of `draft` the grammar accepts from its current state: a
+    drafted token it refuses could never be sampled, so acceptance ends there."""
+    if grammar.done or grammar.error is not None:
+        return []
+    return draft[:grammar.matcher.validate_tokens(draft)]
+
+
 def schema_text(schema: object) -> str:
     """A JSON schema given as an object or as text, as compact text (the cache key)."""
     if isinstance(schema, str):

@@ -20,6 +20,7 @@ from runtime.compile_counter import compile_counter
 from runtime.exec_trace import ExecutionTrace
 from runtime.executable_budget import footprint
 from runtime.scheduler import SchedulerStats
+from runtime.spec_decode import SpecDecoding
 
 PREFIX = "xlaserve_"
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -51,6 +52,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.stats: SchedulerStats | None = None
         self.trace: ExecutionTrace | None = None  # the engine's, once it is up
+        # The engine's speculative decoding (--speculative_algorithm), if on.
+        self.spec: SpecDecoding | None = None
         self.compiles_after_warmup = 0
         self.executables = 0  # compiled by the model runner's warm-up
         r.register(_SchedulerCollector(self))
@@ -77,6 +80,8 @@ class _SchedulerCollector(Collector):
         yield late
         if self._metrics.trace is not None:
             yield from _trace_metrics(self._metrics.trace)
+        if self._metrics.spec is not None:
+            yield from _spec_metrics(self._metrics.spec)
         # What the executables cost: each one maps memory and the kernel caps the count
         # (runtime/executable_budget.py), so the headroom is worth watching.
         fp = footprint()
@@ -106,6 +111,21 @@ class _SchedulerCollector(Collector):
             yield GaugeMetricFamily(f"{PREFIX}{name}", doc, value=value)
         yield CounterMetricFamily(f"{PREFIX}retractions", "Requests sent back to the queue "
                                   "for lack of KV pages", value=s.num_retractions)
+
+
+def _spec_metrics(spec: SpecDecoding) -> Iterator[Metric]:
+    for name, doc, value in (
+        ("spec_verify_rows", "Rows of TARGET_VERIFY steps (one per request and step)",
+         spec.total_steps),
+        ("spec_draft_tokens", "Tokens drafted and verified", spec.total_drafted),
+        ("spec_accepted_tokens", "Drafted tokens the target kept", spec.total_accepted),
+    ):
+        yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)
+    rate = spec.total_accepted / spec.total_drafted if spec.total_drafted else 0.0
+    yield GaugeMetricFamily(f"{PREFIX}spec_accept_rate", "Accepted / drafted tokens", value=rate)
+    length = 1 + spec.total_accepted / spec.total_steps if spec.total_steps else 0.0
+    yield GaugeMetricFamily(f"{PREFIX}spec_accept_length", "Tokens a verify row yields "
+                            "(accepted drafts + 1)", value=length)
 
 
 def _trace_metrics(trace: ExecutionTrace) -> Iterator[Metric]:

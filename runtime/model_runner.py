@@ -33,6 +33,7 @@ from jax.sharding import Mesh
 import cpu_kernels
 from models.config import ModelConfig
 from models.forward_mode import ForwardMode
+from models.fp8 import Fp8Weight
 from models.kv_pool import KVPool, init_kv_pool, kv_pool_shape
 from models.registry import model_module
 from runtime import sharding
@@ -80,7 +81,10 @@ class ModelRunner(SamplingLaunch):
             # Weights a process loaded onto its own device would be a cross-host transfer
             # to the global mesh; from host memory each process places its own shards.
             params = jax.device_get(params)
-        self.params = jax.tree.map(lambda w: jnp.asarray(w, self.dtype), params)
+        # FP8 weights (models/fp8.py, loaded for the GPU path) stay FP8.
+        self.params = jax.tree.map(
+            lambda w: w if isinstance(w, Fp8Weight) else jnp.asarray(w, self.dtype), params,
+            is_leaf=lambda w: isinstance(w, Fp8Weight))
         if mesh is not None:
             self.params = jax.device_put(self.params, sharding.param_shardings(model_cfg, mesh))
         if runner_cfg.per_layer_weights:

@@ -53,7 +53,8 @@ class BatchRow:
 class ScheduleBatch:
     """Rows of one forward: extend rows first, then decode rows (one input token each).
     steps > 1: a DECODE batch run as one multi-step program of that many steps; each row
-    runs its own num_steps of them (runtime/multi_step.py)."""
+    runs its own num_steps of them (runtime/multi_step.py). A TARGET_VERIFY batch's decode
+    rows feed their last token and then their drafted ones (runtime/spec_decode.py)."""
 
     mode: ForwardMode
     extend_rows: list[BatchRow]
@@ -70,7 +71,7 @@ class ScheduleBatch:
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(r.input_ids) for r in self.extend_rows) + len(self.decode_rows)
+        return sum(len(r.input_ids) for r in self.rows)
 
 
 @dataclasses.dataclass

@@ -27,9 +27,12 @@ from runtime.prefill_policy import YOUNG_STREAM_TOKENS, PrefillPolicy
 from runtime.prefix_cache import make_prefix_cache
 from runtime.request import FinishReason, Req, ReqStatus
 from runtime.schedule_batch import PREV_TOKEN, BatchRow, ScheduleBatch, StepOutput
+from runtime.spec_decode import SpecDecoding
 
 # Past this queue length "lpm" falls back to fcfs: matching every waiting prompt costs too much.
 LPM_MAX_QUEUE = 128
+# next_batch's "nothing until the batch in flight is back" from the verify scheduling.
+_WAIT = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,14 +81,17 @@ class Scheduler:
         decode_fn: Callable[[list[int]], str] | None = None,
         first_slot: int = 0,
         policy: PrefillPolicy | None = None,
+        spec: SpecDecoding | None = None,
     ):
         """first_slot: requests take slots [first_slot, first_slot + max_running_requests)
-        (a data-parallel rank's share of the runner's slots, runtime/dp_attention.py)."""
+        (a data-parallel rank's share of the runner's slots, runtime/dp_attention.py).
+        spec: speculative decoding (TARGET_VERIFY batches) where it pays; None: off."""
         if policy is not None and (config.enable_mixed_chunk or config.chunk_size is None):
             raise ValueError("the prefill policy sizes token-axis chunks: it needs chunked "
                              "prefill and no enable_mixed_chunk")
         self.config = config
         self.policy = policy
+        self.spec = spec
         self.page_size = config.cache.page_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode_fn = decode_fn
@@ -105,6 +111,9 @@ class Scheduler:
         # interval has sampled, are never retracted, and if aborted mid-way cache only
         # those tokens' pages (the later intervals skip an aborted row).
         self._held: dict[Req, int] = {}
+        # Requests of the TARGET_VERIFY batch in flight: how many tokens they keep is known
+        # only once its results are back, so no other batch takes them before that.
+        self._verifying: set[Req] = set()
         self._prompt_tokens = 0
         self._prefix_hit_tokens = 0
         self._num_retractions = 0
@@ -158,6 +167,10 @@ class Scheduler:
     def next_batch(self) -> ScheduleBatch | None:
         """The next batch to run, or None when nothing can run until results arrive."""
         self._check_inflight()
+        if self.spec is not None:
+            verify = self._verify_batch()
+            if verify is not None:
+                return None if verify is _WAIT else verify
         steps = self._decode_steps()
         if steps > 1:
             rows = self._schedule_decode(steps)
@@ -249,6 +262,8 @@ class Scheduler:
             raise ValueError(f"{len(tokens)} tokens for {len(rows)} rows")
         if batch.mode is not ForwardMode.SPLIT_PREFILL:
             self._inflight -= 1
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            return self._accept_verified(batch, tokens, output)
         events = []
         for i, row in enumerate(rows):
             req = row.req
@@ -426,6 +441,82 @@ class Scheduler:
         ids = req.all_ids[start:end]
         return BatchRow(req, ids, start, req.pages[:], sample, new_slot)
 
+    # ---- speculative decoding (runtime/spec_decode.py) ----
+
+    def _verify_batch(self) -> ScheduleBatch | object | None:
+        """A TARGET_VERIFY batch of every decodable row (those with no draft verify their
+        last token alone), _WAIT while a batch is in flight (drafting needs the rows' last
+        tokens), or None: decode plainly (something to prefill, a batch the cost model or
+        the verify programs rule out, no row drafting)."""
+        spec = self.spec
+        assert spec is not None
+        if self._chunked is not None or (self.waiting and self._free_slots):
+            return None
+        ready = [r for r in self.running if not r.is_prefilling and r not in self._held
+                 and r.num_generated < r.sampling.max_new_tokens]
+        if not ready or not any(spec.eligible(r) for r in ready) \
+                or not spec.batch_on(len(ready)):
+            return None
+        if self._inflight:
+            return _WAIT
+        drafts = [spec.draft(r) for r in ready]
+        drafting = sum(1 for d in drafts if d)
+        if not drafting or not spec.worth(len(ready), drafting):
+            return None
+        rows: list[BatchRow] = []
+        scheduled: set[Req] = set()
+        for req, draft in zip(ready, drafts, strict=True):
+            # An earlier row's pages may have retracted it.
+            if req.status is not ReqStatus.RUNNING:
+                continue
+            if not self._reserve_decode_pages(req, scheduled, len(draft) + 1):
+                continue
+            assert req.kv_len == req.num_known - 1 and not req.num_pending, "verify row out of step"
+            rows.append(BatchRow(req, [req.all_ids[-1], *draft], req.kv_len, req.pages[:],
+                                 sample=True))
+            self._verifying.add(req)
+            req.kv_len += len(draft) + 1
+            req.num_pending += 1
+            scheduled.add(req)
+        if not rows:
+            return None
+        self._inflight += 1
+        return ScheduleBatch(ForwardMode.TARGET_VERIFY, [], rows)
+
+    def _accept_verified(self, batch: ScheduleBatch, tokens: list[list[int]],
+                         output: StepOutput) -> list[ReqEvent]:
+        """Each verify row keeps the tokens sampled at its positions up to the first that
+        differs from its draft (that one included). The KV of the rejected drafts is rolled
+        back: kv_len ends after the last kept input, and pages past it are freed (never
+        cached: only known tokens' pages ever reach the prefix cache)."""
+        assert self.spec is not None
+        events = []
+        for i, row in enumerate(batch.decode_rows):
+            req = row.req
+            req.num_pending -= 1
+            self._verifying.discard(req)
+            if req.finished:  # aborted while in flight
+                continue
+            draft, sampled = row.input_ids[1:], tokens[i]
+            n = 1
+            while n <= len(draft) and sampled[n - 1] == draft[n - 1]:
+                n += 1
+            self.spec.observe(req, len(draft), n - 1)
+            if req.status is ReqStatus.RUNNING:  # else retracted in flight: nothing held
+                req.kv_len = row.start_pos + n
+                keep = pages_for(req.kv_len, self.page_size)
+                self.allocator.free(req.pages[keep:])
+                del req.pages[keep:]
+            new, done = [], False
+            for j in range(n):
+                ev = self._accept(req, sampled[j], output, (i, j))
+                new += ev.new_token_ids
+                if ev.finished:
+                    done = True
+                    break
+            events.append(ReqEvent(req, new, done))
+        return events
+
     # ---- decode and retraction ----
 
     def _decode_steps(self) -> int:
@@ -446,7 +537,8 @@ class Scheduler:
         rows: list[BatchRow] = []
         scheduled: set[Req] = set()
         for req in list(self.running):  # oldest first: the newest get retracted
-            if req.status is not ReqStatus.RUNNING or req.is_prefilling or req in self._held:
+            if (req.status is not ReqStatus.RUNNING or req.is_prefilling or req in self._held
+                    or req in self._verifying):
                 continue
             if req.num_generated >= req.sampling.max_new_tokens:  # last token in flight
                 continue

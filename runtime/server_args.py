@@ -122,6 +122,17 @@ class ServerArgs:
         "can be admitted (vLLM's --num-scheduler-steps): the host schedules, launches and "
         "reads back once per that many tokens; 1 turns it off")
 
+    # ---- speculative decoding (runtime/spec_decode.py, docs/speculative.md) -------------
+    speculative_algorithm: str | None = option(
+        None, "ngram: draft by prompt lookup over the request's prompt and output, verify "
+        "1 + --speculative_num_draft_tokens tokens per row in one TARGET_VERIFY pass "
+        "(greedy rows keep the plain path's tokens, sampled rows its distribution)",
+        choices=("ngram", "standalone", "eagle"))
+    speculative_num_draft_tokens: int = option(
+        4, "most tokens a row drafts per step (each row adapts its own below this)")
+    speculative_draft_model_path: str | None = option(
+        None, "the draft model of --speculative_algorithm=standalone")
+
     # ---- shape buckets (None: derived from the limits above and the model) ---------------
     decode_buckets: tuple[int, ...] | None = option(
         None, "decode batch sizes to compile (default: powers of two up to "
@@ -241,7 +252,7 @@ def _ranges(a: ServerArgs) -> list[str]:
                 "dist_heartbeat_timeout": 1, "split_prefill_layers": 1,
                 "split_prefill_min_tokens": 0, "tbo_min_tokens": 0, "trace_buffer_steps": 0,
                 "multiplex_itl_target_ms": 0, "multiplex_max_stall_ms": 0,
-                "itl_target_ms": 0}
+                "itl_target_ms": 0, "speculative_num_draft_tokens": 1}
     for name, low in at_least.items():
         value = getattr(a, name)
         if value is not None and value < low:
@@ -277,7 +288,31 @@ def _rules(a: ServerArgs) -> list[str]:
         out.append(f"--num_scheduler_steps={a.num_scheduler_steps} runs in the plain step "
                    "loop, not with --enable_split_prefill / --enable_multiplexing (their "
                    "decode steps are one at a time between prefill intervals): drop one")
-    out += _mesh_rules(a) + _multihost_rules(a)
+    out += _spec_rules(a) + _mesh_rules(a) + _multihost_rules(a)
+    return out
+
+
+def _spec_rules(a: ServerArgs) -> list[str]:
+    out = []
+    algo = a.speculative_algorithm
+    if algo == "eagle":
+        out.append("--speculative_algorithm=eagle needs a trained EAGLE draft head for the "
+                   "model, which xlaserve does not load: use ngram (prompt lookup)")
+    if algo == "standalone":
+        out.append("--speculative_algorithm=standalone (the draft model of "
+                   "--speculative_draft_model_path, with its own KV pool) is not built yet: "
+                   "use ngram (prompt lookup)")
+    if a.speculative_draft_model_path and algo != "standalone":
+        out.append("--speculative_draft_model_path is the draft of "
+                   "--speculative_algorithm=standalone: pass that too, or drop it")
+    if algo:
+        off = [flag for flag, on in (
+            ("--enable_split_prefill", a.enable_split_prefill),
+            ("--enable_multiplexing", a.enable_multiplexing), (f"--dp={a.dp}", a.dp > 1))
+            if on]
+        if off:
+            out.append(f"--speculative_algorithm={algo} runs in the plain step loop on one "
+                       f"data-parallel rank, not with {', '.join(off)}: drop one")
     return out
 
 

@@ -58,6 +58,14 @@ PARAM_AXES: dict[str, tuple[str | None, ...]] = {
     "we_gate_up": ("layers", "experts", "embed", None),
     "be_gate_up": ("layers", "experts", None),
     "be_down": ("layers", "experts", "embed"),
+    # Multi-head latent attention (models/mla.py): replicated (serving_mesh refuses tp).
+    "wq_a": ("layers", "embed", None),
+    "q_a_norm": ("layers", None),
+    "wq_b": ("layers", None, None),
+    "w_kv_a": ("layers", "embed", None),
+    "kv_a_norm": ("layers", None),
+    "w_uk": ("layers", None, None, None),
+    "w_uv": ("layers", None, None, None),
 }
 
 # Logical name -> mesh axis (None: replicated). The layer axis stays whole because
@@ -158,6 +166,9 @@ def serving_mesh(cfg: ModelConfig, dp: int = 1, tp: int = 1, ep: int = 1) -> Mes
     tp divides the query and KV heads (each rank owns whole heads and its KV pages), ep
     the experts; anything else is a start-up error that names the numbers. dp splits the
     KV pool's pages (the runner sizes it a multiple of dp) and each step's rows."""
+    if tp > 1 and cfg.mla is not None:
+        raise ValueError("tp > 1 with multi-head latent attention is not supported (its one "
+                         "latent KV head cannot be split over tp); use dp or ep")
     bad = [f"{name}={n}" for name, n in (("num_heads", cfg.num_heads),
                                          ("num_kv_heads", cfg.num_kv_heads)) if n % tp]
     if bad:

@@ -21,7 +21,7 @@ runs it, the tests only read what it writes:
       frequencies and attention factor, and an MXFP4 tensor with transformers' dequantization.
 
 Usage: .venv/bin/python scripts/make_reference.py
-           [--only=smollm2|smollm2_bf16|smollm2_int8|tiny|tiny_moe|tiny_dense|gemma3|gptoss]
+           [--only=smollm2|smollm2_bf16|smollm2_int8|tiny|tiny_moe|tiny_dense|gemma3|gptoss|deepseek]
 """
 
 from __future__ import annotations
@@ -39,6 +39,10 @@ from absl import app, flags
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
+    DeepseekV2Config,
+    DeepseekV2ForCausalLM,
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
     GptOssConfig,
@@ -64,7 +68,8 @@ from runtime.checkpoint import default_gguf_path  # noqa: E402
 
 FLAGS = flags.DEFINE_string("out_dir", "tests/fixtures", "fixture folder")
 ONLY = flags.DEFINE_enum("only", None, ["smollm2", "smollm2_bf16", "smollm2_int8", "tiny",
-                                        "tiny_moe", "tiny_dense", "gemma3", "gptoss"],
+                                        "tiny_moe", "tiny_dense", "gemma3", "gptoss",
+                                        "deepseek"],
                         "generate just one group")
 NUM_GREEDY = flags.DEFINE_integer("num_greedy", 32, "greedy tokens per prompt")
 
@@ -289,6 +294,27 @@ def make_tiny_dense(out_dir: str) -> None:
                             **greedy(model, DENSE_PROMPT, NUM_GREEDY.value))
 
 
+def deepseek_configs() -> dict[str, tuple[type, object]]:
+    """MLA + DeepSeek-MoE, 3 layers: V2-Lite style (no q_lora, softmax greedy top-k, all
+    layers MoE but the first) and V3 style (q_lora, sigmoid + correction bias, group-limited
+    top-2-sum routing, first layer dense)."""
+    common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
+                  qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
+                  moe_intermediate_size=24, n_shared_experts=2, num_experts_per_tok=2,
+                  first_k_dense_replace=1, max_position_embeddings=4096, rms_norm_eps=1e-5,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+                  rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    return {
+        "deepseek_v2": (DeepseekV2ForCausalLM, DeepseekV2Config(
+            **common, q_lora_rank=None, n_routed_experts=8, topk_method="greedy",
+            routed_scaling_factor=1.5)),
+        "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(
+            **common, q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,
+            routed_scaling_factor=2.5, norm_topk_prob=True)),
+    }
+
+
 @torch.no_grad()
 def randomize(model: torch.nn.Module, seed: int) -> None:
     """Weights with O(1) logits: HF's 0.02 init leaves them near-uniform and uninformative.
@@ -304,9 +330,13 @@ def randomize(model: torch.nn.Module, seed: int) -> None:
             p.copy_(0.3 * noise)  # tied heads reuse it: keeps logits O(1)
         else:
             p.copy_(noise * p.shape[-1] ** -0.5)
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias
+            b.copy_(0.1 * torch.randn(b.shape, generator=gen))
 
 
-def make_tiny(out_dir: str, configs: dict[str, tuple[type, object]], seed0: int = 0) -> None:
+def make_tiny(out_dir: str, configs: dict[str, tuple[type, object]], seed0: int = 0,
+              greedy_steps: int = 0) -> None:
     tokens = torch.tensor([TINY_TOKENS])
     for seed, (name, (cls, cfg)) in enumerate(configs.items(), start=seed0):
         torch.manual_seed(seed)
@@ -327,9 +357,14 @@ def make_tiny(out_dir: str, configs: dict[str, tuple[type, object]], seed0: int 
         logits = model(input_ids=tokens, attention_mask=torch.ones_like(tokens)).logits[0]
         extra = {}
         block = model.model.layers[0].mlp
+        if name.startswith("deepseek"):  # layer 0 is dense: the first MoE layer's block
+            block = model.model.layers[cfg.first_k_dense_replace].mlp
         if hasattr(block, "experts"):  # MoE: layer 0's block alone on seeded inputs
             x = torch.randn(1, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(seed))
             extra = {"moe_in": x[0].numpy(), "moe_out": block(x)[0].float().numpy()}  # [16, D]
+        if greedy_steps:  # greedy continuation of the first 6 tokens
+            res = greedy(model, TINY_TOKENS[:6], greedy_steps)
+            extra.update({f"greedy_{k}": v for k, v in res.items()})
         np.savez_compressed(os.path.join(folder, "ref_logits.npz"),
                             tokens=np.array(TINY_TOKENS, np.int32),
                             logits=logits.float().numpy(), **extra)  # [T, V]
@@ -458,6 +493,8 @@ def main(argv: list[str]) -> None:
         make_gemma3(out_dir)
     if ONLY.value in (None, "gptoss"):
         make_gptoss(out_dir)
+    if ONLY.value in (None, "deepseek"):
+        make_tiny(out_dir, deepseek_configs(), seed0=200, greedy_steps=NUM_GREEDY.value)
     if ONLY.value in (None, "smollm2"):
         make_smollm2(out_dir)
     if ONLY.value in (None, "smollm2_bf16"):

@@ -64,6 +64,8 @@ class FakeRunner:
         forward), failing on anything a real device could get wrong."""
         if batch.steps > 1:
             return self._forward_steps(batch)
+        if batch.mode is ForwardMode.TARGET_VERIFY:
+            return self._forward_verify(batch)
         writer: dict[int, int] = {}  # cache slot -> row that writes it in this batch
         for i, row in enumerate(batch.rows):
             prev = int(self.last[row.req.req_slot])
@@ -113,6 +115,23 @@ class FakeRunner:
             out = self.forward(ScheduleBatch(ForwardMode.DECODE, [], rows))
             tokens[live, j] = out.next_token_ids
             self.num_batches -= 1
+        self.num_batches += 1
+        return StepOutput(tokens)
+
+    def _forward_verify(self, batch: ScheduleBatch) -> StepOutput:
+        """A TARGET_VERIFY batch: every row's tokens written, then a token per position
+        from the sequence read back up to it. Tokens [rows, width] (-1 past a row's)."""
+        width = max(len(r.input_ids) for r in batch.rows)
+        tokens = np.full((len(batch.rows), width), -1, np.int64)
+        for i, row in enumerate(batch.rows):
+            assert min(row.input_ids) >= 0, "a verify row's tokens are known on the host"
+            assert len(row.pages) == pages_for(row.end_pos, self.page_size), "page count"
+            self.kv[cache_slots(row.pages, row.start_pos, row.end_pos, self.page_size)] = \
+                row.input_ids
+            for j in range(len(row.input_ids)):
+                seq = self.kv[cache_slots(row.pages, 0, row.start_pos + j + 1, self.page_size)]
+                assert (seq >= 0).all(), "read a slot nothing wrote"
+                tokens[i, j] = next_token(seq)
         self.num_batches += 1
         return StepOutput(tokens)
 

@@ -120,6 +120,14 @@ ROWS: tuple[Row, ...] = (
          "--num_scheduler_steps=4 runs in the plain step loop, not with "
          "--enable_split_prefill / --enable_multiplexing",
          num_scheduler_steps=4, enable_multiplexing=True),
+    # -- speculative decoding ---------------------------------------------------------------
+    _row("speculative_ngram", "speculative_algorithm speculative_num_draft_tokens",
+         speculative_algorithm="ngram", speculative_num_draft_tokens=3),
+    _row("speculative_eagle", "speculative_algorithm", "needs a trained EAGLE draft head",
+         speculative_algorithm="eagle"),
+    _row("speculative_standalone", "speculative_algorithm speculative_draft_model_path",
+         "is not built yet", speculative_algorithm="standalone",
+         speculative_draft_model_path="/nonexistent/draft"),
     # -- the mesh (4 fake CPU devices) ----------------------------------------------------
     _row("tp3", "tp", **TP3),
     _row("dp2", "dp", **DP2, **DEFAULTS),

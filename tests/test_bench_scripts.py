@@ -492,3 +492,18 @@ def test_bench_multi_step_smoke(tmp_path: Path) -> None:
               "K4_single_vs_K1", "K4_c4_vs_K1"):
         assert s[k] > 0, k
     assert r["rounds"][0]["4"]["single"]["new_tokens"] == r["new_tokens"] == 8
+
+
+def test_bench_spec_smoke(tmp_path: Path) -> None:
+    """scripts/bench/bench_spec.py at a tiny size: plain and prompt lookup alternately on one
+    runner, both prompt sets, the same greedy tokens, acceptance reported."""
+    r = _run("bench_spec.py", tmp_path, "--rounds=2", "--streams=4", png=False)
+    assert set(r["results"]) == {"copy_heavy", "chat"}
+    for res in r["results"].values():
+        s = res["summary"]
+        assert s["same_tokens_single"] and s["same_tokens_streams"]
+        for k in ("single_plain_tok_s", "single_ngram_tok_s", "streams_plain_tok_s",
+                  "streams_ngram_tok_s"):
+            assert s[k] > 0, k
+        assert len(res["rounds"]) == 2
+    assert r["results"]["copy_heavy"]["summary"]["single_accept_length"] > 1

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import random
 import signal
@@ -224,6 +225,20 @@ def test_health_is_503_until_warm():
         server.thread.join(30)
         assert not server.thread.is_alive()  # the failed engine stopped uvicorn
     assert isinstance(server.ctx.engine_loop.error, RuntimeError)
+
+
+def test_bad_model_folder_is_one_message(caplog):
+    """A model that cannot load (its error names the tensor and file) is logged as that
+    message, no stack trace, and the server stops."""
+    def bad_folder() -> Engine:
+        raise checkpoint.CheckpointError("/m/model.safetensors: tensor 'x' has dtype 'I8'")
+
+    server = LiveServer(bad_folder)
+    with caplog.at_level(logging.ERROR, logger="runtime.server.engine_loop"), server:
+        server.thread.join(30)
+        assert not server.thread.is_alive()
+    [rec] = [r for r in caplog.records if r.name == "runtime.server.engine_loop"]
+    assert "tensor 'x' has dtype 'I8'" in rec.getMessage() and rec.exc_info is None
 
 
 def _write_tiny_checkpoint(directory: str) -> str:

@@ -1,5 +1,6 @@
 """The execution paths a runner's RunnerConfig and mesh turn on, in dispatch order: the
-first path that claims a batch runs it (a multi-step batch, then a two-batch-overlap
+first path that claims a batch runs it (a speculative TARGET_VERIFY batch, a multi-step
+batch, then a two-batch-overlap
 split, then a data-parallel step, then the plain step, which takes every batch). The
 split-prefill and fused paths claim none: the multiplexing loop calls their own verbs.
 The protocol is runtime/paths/base.py.
@@ -18,6 +19,7 @@ from runtime.paths.dp import DPPath, check_dp
 from runtime.paths.fused import FusedPath
 from runtime.paths.multi import MultiStepPath
 from runtime.paths.plain import PlainPath
+from runtime.paths.spec import SpecPath
 from runtime.paths.split import SplitPath
 from runtime.paths.tbo import TboPath, check_tbo
 
@@ -39,7 +41,8 @@ def enabled_paths(runner: Any) -> dict[str, ExecPath]:
     """The runner's paths by name, in dispatch order."""
     cfg = runner.cfg
     split = SplitPath(runner) if cfg.enable_split_prefill else None
-    paths = [MultiStepPath(runner) if cfg.num_scheduler_steps > 1 else None,
+    paths = [SpecPath(runner) if cfg.speculative_num_draft_tokens else None,
+             MultiStepPath(runner) if cfg.num_scheduler_steps > 1 else None,
              TboPath(runner) if cfg.enable_two_batch_overlap else None,
              DPPath(runner) if runner.dp > 1 else None, PlainPath(runner), split,
              FusedPath(runner, split) if cfg.multiplex_fused else None]

@@ -191,6 +191,11 @@ class EngineLoop:
     def _run(self) -> None:
         try:
             engine = self._factory()
+        except ValueError as e:  # bad flags or model files (CheckpointError): the message
+            logger.error("engine failed to start: %s", e)  # says what, no stack trace
+            self._die(e)
+            self._close()
+            return
         except BaseException as e:  # reported through /health and on_fatal
             logger.exception("engine failed to start")
             self._die(e)
@@ -199,6 +204,7 @@ class EngineLoop:
         self.engine = engine
         self.metrics.stats = engine.stats()
         self.metrics.trace = engine.trace
+        self.metrics.spec = engine.spec
         if engine.info.args.trace_dir:
             self._trace_writer = TraceDirWriter(engine.trace, engine.info.args.trace_dir)
         self.metrics.compiles_after_warmup = engine.compiles_after_warmup
