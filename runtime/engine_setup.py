@@ -170,8 +170,12 @@ def load_draft_model(args: ServerArgs) -> tuple[ModelConfig, dict] | None:
     if args.speculative_algorithm != "standalone":
         return None
     assert args.speculative_draft_model_path  # validate() asks for it
-    draft_args = dataclasses.replace(args, model=args.speculative_draft_model_path)
-    cfg, params, _ = load_model(draft_args)
+    path = args.speculative_draft_model_path
+    try:
+        cfg, params, _ = load_model(dataclasses.replace(args, model=path))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--speculative_draft_model_path={path}: cannot load the draft model "
+                         f"of --speculative_algorithm=standalone: {e}") from e
     return cfg, params
 
 
