@@ -35,6 +35,7 @@ from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.paths import LaunchedForward
+from runtime.paths.draft import draft_cost_key
 from runtime.paths.spec import verify_cost_key
 from runtime.policy_setup import build_policy
 from runtime.request import Req, SamplingParams
@@ -167,7 +168,8 @@ class _SampleLauncher:
 
 def _spec_decoding(args: ServerArgs, runner: ModelRunner) -> SpecDecoding | None:
     """The scheduler's speculative decoding (--speculative_algorithm), over the runner's
-    TARGET_VERIFY programs, switched by the runner's measured decode and verify costs."""
+    TARGET_VERIFY programs, switched by the runner's measured decode and verify costs (a
+    draft model's DRAFT_DECODE step counted with its verify step)."""
     if not args.speculative_algorithm:
         return None
     k, buckets = runner.cfg.speculative_num_draft_tokens, runner.cfg.decode_buckets
@@ -188,6 +190,9 @@ def _spec_decoding(args: ServerArgs, runner: ModelRunner) -> SpecDecoding | None
         b = next(b for b in buckets if b >= rows)
         decode_s = runner.costs.get(cost_key(ForwardMode.DECODE, BucketShape(0, 0, b, 0)))
         verify_s = runner.costs.get(verify_cost_key(b))
+        if drafter is not None and verify_s is not None:  # the draft's k steps come first
+            draft_s = runner.costs.get(draft_cost_key(b))
+            verify_s = None if draft_s is None else verify_s + draft_s
         return None if decode_s is None or verify_s is None else (decode_s, verify_s)
 
     return SpecDecoding(k, buckets[-1], drafter=drafter, costs=costs)

@@ -1,7 +1,10 @@
 """Speculative decoding with a draft model (--speculative_algorithm=standalone) through the
 Engine on tiny random models of one vocabulary (xla backend): greedy and seeded sampled
 rows keep the plain path's tokens; a draft identical to the target keeps nearly every
-draft; the draft pool rolls back, survives retraction and aborts, and ends empty."""
+draft; the draft pool rolls back, survives retraction and aborts, and ends empty.
+
+The compile counter is process-wide, so the order matters: the start-up rules (which
+build runners) come before any warm runner is checked, the second runner's test last."""
 
 from __future__ import annotations
 
@@ -16,7 +19,8 @@ from models.forward_mode import ForwardMode
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
 from runtime.model_runner import ModelRunner
-from runtime.paths.draft import DraftPath
+from runtime.paths.draft import DraftPath, draft_cost_key
+from runtime.paths.spec import verify_cost_key
 from runtime.request import SamplingParams
 from tests.engine_utils import PAGE, check_same, engine_args, mixed_prompts
 from tests.model_utils import TINY
@@ -68,6 +72,21 @@ def _draft_pages(runner: ModelRunner) -> int:
 GREEDY = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True, top_logprobs=2)
 
 
+def test_start_up_rules():
+    with pytest.raises(ValueError, match="speculative_draft_model_path"):
+        ServerArgs(speculative_algorithm="standalone")
+    with pytest.raises(ValueError, match="trained EAGLE draft head"):
+        ServerArgs(speculative_algorithm="eagle")
+    bad = (dataclasses.replace(CFG, vocab_size=64), llama.init_params(
+        dataclasses.replace(CFG, vocab_size=64), jax.random.key(1)))
+    rcfg = RunnerConfig(decode_buckets=(4,), extend_token_buckets=(64,),
+                        kv_len_buckets=(256,), attention_backend="xla", cpu_matmul="xla",
+                        speculative_num_draft_tokens=K)
+    with pytest.raises(ValueError, match="vocab_size"):
+        ModelRunner(CFG, PARAMS, CacheConfig(page_size=PAGE, num_pages=20), rcfg,
+                    max_running_requests=4, draft=bad)
+
+
 def test_greedy_and_seeded_equal_plain(small_draft):
     r = small_draft
     prompts = copy_prompts(4) + mixed_prompts(CFG.vocab_size, 4, seed=2)
@@ -86,23 +105,17 @@ def test_greedy_and_seeded_equal_plain(small_draft):
     assert sum(o.meta_info.get("spec_draft_tokens", 0) for o in spec) > 0
     assert _draft_pages(r) == 0  # every finished row's draft pages came back
     r.check_no_compiles()
-
-
-def test_identical_draft_keeps_long_runs(same_draft):
-    """A draft equal to the target proposes the target's own greedy tokens: nearly every
-    draft is kept, so a verify step yields close to k + 1 tokens."""
-    r = same_draft
-    prompts = mixed_prompts(CFG.vocab_size, 6, seed=4)
-    plain = Engine(_args(), runner=r).generate(prompts, GREEDY)
-    spec = _spec_engine(r).generate(prompts, GREEDY)
-    check_same(spec, plain)
-    drafted = sum(o.meta_info["spec_draft_tokens"] for o in spec)
-    accepted = sum(o.meta_info["spec_accepted_tokens"] for o in spec)
-    assert accepted >= 0.9 * drafted > 0, (accepted, drafted)
-    assert max(o.meta_info["spec_accept_length"] for o in spec) >= K, \
-        [o.meta_info["spec_accept_length"] for o in spec]
-    assert _draft_pages(r) == 0
-    r.check_no_compiles()
+    # The cost model charges a speculative step its draft steps too.
+    r.costs.close()  # every launch so far recorded
+    costed = Engine(_args(speculative_algorithm="standalone", speculative_num_draft_tokens=K,
+                          speculative_draft_model_path="tiny-draft"), runner=r).spec
+    assert costed is not None
+    measured = [(b, costed.costs(b)) for b in (4, 8)]
+    assert any(c is not None for _, c in measured), r.costs.snapshot()
+    for b, c in measured:
+        if c is not None:
+            assert c[1] == pytest.approx(r.costs.get(verify_cost_key(b))
+                                         + r.costs.get(draft_cost_key(b)))
 
 
 def test_retraction_and_aborts_keep_the_draft_pool_consistent(small_draft):
@@ -126,16 +139,18 @@ def test_retraction_and_aborts_keep_the_draft_pool_consistent(small_draft):
     r.check_no_compiles()
 
 
-def test_start_up_rules():
-    with pytest.raises(ValueError, match="speculative_draft_model_path"):
-        ServerArgs(speculative_algorithm="standalone")
-    with pytest.raises(ValueError, match="trained EAGLE draft head"):
-        ServerArgs(speculative_algorithm="eagle")
-    bad = (dataclasses.replace(CFG, vocab_size=64), llama.init_params(
-        dataclasses.replace(CFG, vocab_size=64), jax.random.key(1)))
-    rcfg = RunnerConfig(decode_buckets=(4,), extend_token_buckets=(64,),
-                        kv_len_buckets=(256,), attention_backend="xla", cpu_matmul="xla",
-                        speculative_num_draft_tokens=K)
-    with pytest.raises(ValueError, match="vocab_size"):
-        ModelRunner(CFG, PARAMS, CacheConfig(page_size=PAGE, num_pages=20), rcfg,
-                    max_running_requests=4, draft=bad)
+def test_identical_draft_keeps_long_runs(same_draft):
+    """A draft equal to the target proposes the target's own greedy tokens: nearly every
+    draft is kept, so a verify step yields close to k + 1 tokens."""
+    r = same_draft
+    prompts = mixed_prompts(CFG.vocab_size, 6, seed=4)
+    plain = Engine(_args(), runner=r).generate(prompts, GREEDY)
+    spec = _spec_engine(r).generate(prompts, GREEDY)
+    check_same(spec, plain)
+    drafted = sum(o.meta_info["spec_draft_tokens"] for o in spec)
+    accepted = sum(o.meta_info["spec_accepted_tokens"] for o in spec)
+    assert accepted >= 0.9 * drafted > 0, (accepted, drafted)
+    assert max(o.meta_info["spec_accept_length"] for o in spec) >= K, \
+        [o.meta_info["spec_accept_length"] for o in spec]
+    assert _draft_pages(r) == 0
+    r.check_no_compiles()

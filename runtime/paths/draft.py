@@ -284,6 +284,7 @@ class DraftPath(ExecPath):
                                     np.zeros(bd, np.int32)), batch_rows, key.shape, self.page)
         toks, self.kv = self._exe[self._name(key)](self.params, self.kv, flat)
         self.runner.step_counts[ForwardMode.DRAFT_DECODE] += 1
+        self.runner.costs.watch(draft_cost_key(bd), toks)
         toks = np.asarray(toks)  # [K, bd]
         out = []
         for i, (req, row, n) in enumerate(rows):
@@ -292,3 +293,9 @@ class DraftPath(ExecPath):
             row.tokens = [*req.all_ids, *d[:n - 1]]
             out.append(d)
         return out
+
+
+def draft_cost_key(rows: int) -> str:
+    """Cost-table key of a DRAFT_DECODE step of a `rows`-row bucket: speculation with a
+    draft model pays it on top of the verify step."""
+    return f"draft_decode/bd{rows}"
