@@ -154,3 +154,22 @@ def test_identical_draft_keeps_long_runs(same_draft):
         [o.meta_info["spec_accept_length"] for o in spec]
     assert _draft_pages(r) == 0
     r.check_no_compiles()
+
+
+def test_engine_builds_its_runner_with_the_draft():
+    """Engine(args) with the draft's weights given (as load_draft_model would load them
+    from --speculative_draft_model_path) compiles the draft programs in its warm-up."""
+    draft = (DRAFT, llama.init_params(DRAFT, jax.random.key(9)))
+    eng = Engine(_args(speculative_algorithm="standalone", speculative_num_draft_tokens=K,
+                       speculative_draft_model_path="tiny-draft", decode_buckets=(8,),
+                       attention_backend="xla", cpu_matmul="xla", strict_compile=True),
+                 model=(CFG, PARAMS), draft_model=draft)
+    assert isinstance(eng.spec.drafter, DraftPath)
+    assert any(n.startswith("draft_decode/") for n in eng.runner.compiled)
+    eng.spec.costs = None
+    prompts = copy_prompts(2, seed=3)
+    spec = eng.generate(prompts, GREEDY)
+    plain = Engine(_args(), runner=eng.runner).generate(prompts, GREEDY)
+    check_same(spec, plain)
+    assert eng.runner.step_counts[ForwardMode.DRAFT_DECODE] > 0
+    eng.runner.check_no_compiles()
