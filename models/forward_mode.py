@@ -21,6 +21,8 @@ class ForwardMode(enum.Enum):
     TARGET_VERIFY: decode rows of 1 + k tokens each (the last token, then k drafted
       ones) scored in one pass over the rows' caches, a token sampled at every position
       (runtime/spec_decode.py).
+    DRAFT_EXTEND / DRAFT_DECODE: a draft model's catch-up extend and its k greedy decode
+      steps (runtime/paths/draft.py); its forward batches are EXTEND / DECODE ones.
     """
 
     EXTEND = "extend"
@@ -29,4 +31,6 @@ class ForwardMode(enum.Enum):
     IDLE = "idle"
     SPLIT_PREFILL = "split_prefill"
     TARGET_VERIFY = "target_verify"
+    DRAFT_EXTEND = "draft_extend"
+    DRAFT_DECODE = "draft_decode"
 

@@ -29,12 +29,13 @@ from runtime.bucket_plan import cost_key
 from runtime.config import CacheConfig, SchedulerConfig, ServerArgs
 from runtime.dp_attention import DPScheduler
 from runtime.engine_info import EngineInfo
-from runtime.engine_setup import RunnerSetup, load_model, platform
+from runtime.engine_setup import RunnerSetup, load_draft_model, load_model, platform
 from runtime.exec_trace import ExecutionTrace, StepRecord
 from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.paths import LaunchedForward
+from runtime.paths.draft import draft_cost_key
 from runtime.paths.spec import verify_cost_key
 from runtime.policy_setup import build_policy
 from runtime.request import Req, SamplingParams
@@ -167,7 +168,8 @@ class _SampleLauncher:
 
 def _spec_decoding(args: ServerArgs, runner: ModelRunner) -> SpecDecoding | None:
     """The scheduler's speculative decoding (--speculative_algorithm), over the runner's
-    TARGET_VERIFY programs, switched by the runner's measured decode and verify costs."""
+    TARGET_VERIFY programs, switched by the runner's measured decode and verify costs (a
+    draft model's DRAFT_DECODE step counted with its verify step)."""
     if not args.speculative_algorithm:
         return None
     k, buckets = runner.cfg.speculative_num_draft_tokens, runner.cfg.decode_buckets
@@ -177,13 +179,23 @@ def _spec_decoding(args: ServerArgs, runner: ModelRunner) -> SpecDecoding | None
                          f"speculative_num_draft_tokens={args.speculative_num_draft_tokens} "
                          f"(it has {k})")
 
+    drafter = None
+    if args.speculative_algorithm == "standalone":
+        drafter = runner.paths.get("draft")
+        if drafter is None:
+            raise ValueError("--speculative_algorithm=standalone needs a runner built with "
+                             "the draft model (ModelRunner(draft=...))")
+
     def costs(rows: int) -> tuple[float, float] | None:
         b = next(b for b in buckets if b >= rows)
         decode_s = runner.costs.get(cost_key(ForwardMode.DECODE, BucketShape(0, 0, b, 0)))
         verify_s = runner.costs.get(verify_cost_key(b))
+        if drafter is not None and verify_s is not None:  # the draft's k steps come first
+            draft_s = runner.costs.get(draft_cost_key(b))
+            verify_s = None if draft_s is None else verify_s + draft_s
         return None if decode_s is None or verify_s is None else (decode_s, verify_s)
 
-    return SpecDecoding(k, buckets[-1], costs=costs)
+    return SpecDecoding(k, buckets[-1], drafter=drafter, costs=costs)
 
 
 def _constrained(batch: ScheduleBatch) -> bool:
@@ -198,7 +210,8 @@ class Engine:
     scheduler puts decode first by default (`policy`, runtime/prefill_policy.py)."""
 
     def __init__(self, args: ServerArgs, *, model: tuple[ModelConfig, dict] | None = None,
-                 tokenizer: Tokenizer | None = None, runner: ModelRunner | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, runner: ModelRunner | None = None,
+                 draft_model: tuple[ModelConfig, dict] | None = None) -> None:
         self.args = args
         if args.compilation_cache_dir:
             jax.config.update("jax_compilation_cache_dir",
@@ -221,7 +234,9 @@ class Engine:
             setup = RunnerSetup.from_args(args, model_cfg)
             if leader is not None:
                 leader.broadcast(("setup", setup))
-            runner = setup.build(params)
+            if draft_model is None:
+                draft_model = load_draft_model(args)
+            runner = setup.build(params, draft=draft_model)
             if leader is not None:
                 self.mirror = multihost.StepMirror(leader)
                 self.mirror.attach(runner)

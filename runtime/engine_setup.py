@@ -165,6 +165,20 @@ def load_model(args: ServerArgs) -> tuple[ModelConfig, dict, Tokenizer | None]:
     return cfg, params, tokenizer
 
 
+def load_draft_model(args: ServerArgs) -> tuple[ModelConfig, dict] | None:
+    """The draft model of --speculative_algorithm=standalone (any path --model takes)."""
+    if args.speculative_algorithm != "standalone":
+        return None
+    assert args.speculative_draft_model_path  # validate() asks for it
+    path = args.speculative_draft_model_path
+    try:
+        cfg, params, _ = load_model(dataclasses.replace(args, model=path))
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"--speculative_draft_model_path={path}: cannot load the draft model "
+                         f"of --speculative_algorithm=standalone: {e}") from e
+    return cfg, params
+
+
 def _restore_hf_folder(args: ServerArgs, path: str, dtype: str) -> tuple[ModelConfig, dict]:
     """A Hugging Face folder straight onto the device or the serving mesh (runtime/
     hf_loader.py): FP8 weights stay FP8 on one GPU, dequantized elsewhere."""
@@ -240,11 +254,13 @@ class RunnerSetup:
         cache = CacheConfig(page_size=args.page_size, num_pages=pages)
         return cls(model_cfg, cache, rcfg, args.max_running_requests, args.dp, args.tp, args.ep)
 
-    def build(self, params: dict) -> ModelRunner:
-        """The runner, warmed up (every executable compiled)."""
+    def build(self, params: dict, draft: tuple[ModelConfig, dict] | None = None
+              ) -> ModelRunner:
+        """The runner, warmed up (every executable compiled); `draft`: the draft model of
+        --speculative_algorithm=standalone."""
         mesh = _mesh(self.model_cfg, self.dp, self.tp, self.ep)
         runner = ModelRunner(self.model_cfg, params, self.cache, self.runner_cfg,
-                             self.max_running_requests, mesh=mesh)
+                             self.max_running_requests, mesh=mesh, draft=draft)
         runner.warmup()
         return runner
 

@@ -62,14 +62,18 @@ logger = logging.getLogger(__name__)
 class ModelRunner(SamplingLaunch):
     def __init__(self, model_cfg: ModelConfig, params: dict, cache_cfg: CacheConfig,
                  runner_cfg: RunnerConfig, max_running_requests: int,
-                 mesh: Mesh | None = None) -> None:
+                 mesh: Mesh | None = None,
+                 draft: tuple[ModelConfig, dict] | None = None) -> None:
         """`mesh` (runtime/sharding.serving_mesh): params, KV pool and sampler state are
         placed on it (tensor-parallel weights, KV pool split over KV heads, experts over
-        `ep`, the rest replicated); XLA partitions each step from those shardings."""
+        `ep`, the rest replicated); XLA partitions each step from those shardings.
+        `draft`: a draft model's (config, weights) for speculative decoding; its path
+        (runtime/paths/draft.py) keeps its own pool and programs."""
         self.model_cfg, self.cache_cfg, self.cfg = model_cfg, cache_cfg, runner_cfg
         _check_mesh(runner_cfg, mesh)
         check_paths(model_cfg, runner_cfg, cache_cfg, mesh)
         self.mesh = mesh
+        self.draft_model = draft
         # Data-parallel attention ranks (--dp): every bucket is one rank's, every
         # executable's arrays dp of them.
         self.dp = 1 if mesh is None else mesh.shape.get("dp", 1)

@@ -459,7 +459,7 @@ class Scheduler:
             return None
         if self._inflight:
             return _WAIT
-        drafts = [spec.draft(r) for r in ready]
+        drafts = spec.draft_all(ready)
         drafting = sum(1 for d in drafts if d)
         if not drafting or not spec.worth(len(ready), drafting):
             return None

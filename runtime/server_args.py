@@ -126,12 +126,14 @@ class ServerArgs:
     speculative_algorithm: str | None = option(
         None, "ngram: draft by prompt lookup over the request's prompt and output, verify "
         "1 + --speculative_num_draft_tokens tokens per row in one TARGET_VERIFY pass "
-        "(greedy rows keep the plain path's tokens, sampled rows its distribution)",
+        "(greedy rows keep the plain path's tokens, sampled rows its distribution); "
+        "standalone: draft greedily with --speculative_draft_model_path",
         choices=("ngram", "standalone", "eagle"))
     speculative_num_draft_tokens: int = option(
         4, "most tokens a row drafts per step (each row adapts its own below this)")
     speculative_draft_model_path: str | None = option(
-        None, "the draft model of --speculative_algorithm=standalone")
+        None, "the draft model of --speculative_algorithm=standalone: a smaller model of "
+        "the target's vocabulary, any path --model takes")
 
     # ---- shape buckets (None: derived from the limits above and the model) ---------------
     decode_buckets: tuple[int, ...] | None = option(
@@ -297,11 +299,13 @@ def _spec_rules(a: ServerArgs) -> list[str]:
     algo = a.speculative_algorithm
     if algo == "eagle":
         out.append("--speculative_algorithm=eagle needs a trained EAGLE draft head for the "
-                   "model, which xlaserve does not load: use ngram (prompt lookup)")
-    if algo == "standalone":
-        out.append("--speculative_algorithm=standalone (the draft model of "
-                   "--speculative_draft_model_path, with its own KV pool) is not built yet: "
-                   "use ngram (prompt lookup)")
+                   "model, which xlaserve does not load: use ngram (prompt lookup) or "
+                   "standalone with --speculative_draft_model_path (a smaller model of the "
+                   "same vocabulary)")
+    if algo == "standalone" and not a.speculative_draft_model_path:
+        out.append("--speculative_algorithm=standalone drafts with the model of "
+                   "--speculative_draft_model_path (a smaller model of the target's "
+                   "vocabulary): pass it")
     if a.speculative_draft_model_path and algo != "standalone":
         out.append("--speculative_draft_model_path is the draft of "
                    "--speculative_algorithm=standalone: pass that too, or drop it")

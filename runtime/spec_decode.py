@@ -5,12 +5,12 @@ A TARGET_VERIFY step feeds each row its last token and k drafted ones; the targe
 a token at every position (the same sampler, seeded by position, as plain decoding), and
 the row keeps the longest prefix where the sampled token equals the draft, plus the first
 token that differs (or the bonus token after the last draft). Drafts are deterministic
-(prompt lookup, or a draft model's argmax), so q is one-hot and this is exactly the
-rejection rule: draft x is kept with probability p(x), and on rejection the kept token is
-distributed as p conditioned on != x, i.e. norm(max(0, p - q)). Greedy rows get the plain
-path's tokens; sampled rows the target's distribution. A grammar-constrained row drafts only
-the prefix its grammar accepts, and each position samples under the mask of the grammar
-advanced over the drafts before it.
+(prompt lookup, or a draft model's argmax: runtime/paths/draft.py), so q is one-hot and
+this is exactly the rejection rule: draft x is kept with probability p(x), and on
+rejection the kept token is distributed as p conditioned on != x, i.e.
+norm(max(0, p - q)). Greedy rows get the plain path's tokens; sampled rows the target's
+distribution. A grammar-constrained row drafts only the prefix its grammar accepts, and
+each position samples under the mask of the grammar advanced over the drafts before it.
 
 Per row the draft length adapts to its acceptance: all drafts kept grows it by one, a
 rejection shrinks it to what was kept plus one, and a miss (no draft, or fewer tokens kept
@@ -24,7 +24,8 @@ is probed again now and then.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 from runtime.grammar import valid_draft
 from runtime.ngram import NgramDrafter
@@ -38,6 +39,21 @@ PROBE_EVERY = 16
 GAIN_SMOOTHING = 0.2
 # Scheduling calls without speculation after a batch whose drafts were too few to pay.
 COOL_DOWN = 4
+
+
+class Drafter(Protocol):
+    """Proposes up to k tokens after a sequence (prompt lookup: runtime/ngram.py)."""
+
+    def draft(self, tokens: Sequence[int], k: int) -> list[int]: ...
+
+
+class BatchDrafter(Protocol):
+    """Proposes drafts for many requests at once and keeps state per request (a draft
+    model: runtime/paths/draft.py), released when the request ends."""
+
+    def draft_batch(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[list[int]]: ...
+
+    def release(self, rid: str) -> None: ...
 
 
 @dataclasses.dataclass
@@ -69,12 +85,12 @@ class SpecDecoding:
     while either is unknown."""
 
     def __init__(self, num_draft_tokens: int, max_rows: int,
-                 drafter: NgramDrafter | None = None,
+                 drafter: Drafter | BatchDrafter | None = None,
                  costs: Callable[[int], tuple[float, float] | None] | None = None) -> None:
         if num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens={num_draft_tokens} must be >= 1")
         self.k, self.max_rows = num_draft_tokens, max_rows
-        self.drafter = drafter or NgramDrafter()
+        self.drafter: Drafter | BatchDrafter = drafter or NgramDrafter()
         self.costs = costs
         self.rows: dict[str, RowSpec] = {}
         self._gain = float(num_draft_tokens + 1)  # mean tokens a drafting row yields
@@ -103,20 +119,38 @@ class SpecDecoding:
         return st.limit > 0 or req.num_generated >= st.resume_at
 
     def draft(self, req: Req) -> list[int]:
-        """req's drafted tokens for this step (maybe []): at most its limit, and never past
-        max_new_tokens (the verify step's bonus token is always one more)."""
-        if not self.eligible(req):
-            return []
-        st = self.state(req)
-        if st.limit == 0:  # backoff over: probe with one token
-            st.limit = 1
-        room = req.sampling.max_new_tokens - req.num_generated - 1
-        d = self.drafter.draft(req.all_ids, min(st.limit, room))
-        if req.grammar is not None:
-            d = valid_draft(req.grammar, d)
-        if not d and room > 0:
-            self._miss(req, st)
-        return d
+        return self.draft_all([req])[0]
+
+    def draft_all(self, reqs: Sequence[Req]) -> list[list[int]]:
+        """Each req's drafted tokens for this step (maybe []): at most its limit, and never
+        past max_new_tokens (the verify step's bonus token is always one more)."""
+        limits, rooms, drafting = [], [], []
+        for req in reqs:
+            rooms.append(req.sampling.max_new_tokens - req.num_generated - 1)
+            drafting.append(self.eligible(req))
+            if not drafting[-1]:
+                limits.append(0)
+                continue
+            st = self.state(req)
+            if st.limit == 0:  # backoff over: probe with one token
+                st.limit = 1
+            limits.append(max(0, min(st.limit, rooms[-1])))
+        out = self._propose(reqs, limits)
+        for i, req in enumerate(reqs):
+            if not drafting[i]:
+                continue
+            if req.grammar is not None:
+                out[i] = valid_draft(req.grammar, out[i])
+            if not out[i] and rooms[i] > 0:
+                self._miss(req, self.state(req))
+        return out
+
+    def _propose(self, reqs: Sequence[Req], limits: list[int]) -> list[list[int]]:
+        d = self.drafter
+        if hasattr(d, "draft_batch"):
+            return d.draft_batch(reqs, limits)
+        return [d.draft(req.all_ids, k) if k > 0 else [] for req, k in zip(reqs, limits,
+                                                                              strict=True)]
 
     def observe(self, req: Req, drafted: int, accepted: int) -> None:
         """A verify step kept `accepted` of req's `drafted` tokens."""
@@ -143,6 +177,10 @@ class SpecDecoding:
         st.resume_at = req.num_generated + (1 << min(st.misses, MAX_BACKOFF_LOG2))
 
     def forget(self, req: Req) -> RowSpec | None:
+        """req ended (finished or aborted): its state, and the drafter's, let go."""
+        release = getattr(self.drafter, "release", None)
+        if release is not None:
+            release(req.rid)
         return self.rows.pop(req.rid, None)
 
     # ---- batches -------------------------------------------------------------------------

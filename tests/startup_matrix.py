@@ -126,7 +126,7 @@ ROWS: tuple[Row, ...] = (
     _row("speculative_eagle", "speculative_algorithm", "needs a trained EAGLE draft head",
          speculative_algorithm="eagle"),
     _row("speculative_standalone", "speculative_algorithm speculative_draft_model_path",
-         "is not built yet", speculative_algorithm="standalone",
+         "cannot load the draft model", speculative_algorithm="standalone",
          speculative_draft_model_path="/nonexistent/draft"),
     # -- the mesh (4 fake CPU devices) ----------------------------------------------------
     _row("tp3", "tp", **TP3),

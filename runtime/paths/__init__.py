@@ -2,7 +2,8 @@
 first path that claims a batch runs it (a speculative TARGET_VERIFY batch, a multi-step
 batch, then a two-batch-overlap
 split, then a data-parallel step, then the plain step, which takes every batch). The
-split-prefill and fused paths claim none: the multiplexing loop calls their own verbs.
+split-prefill and fused paths claim none: the multiplexing loop calls their own verbs; nor
+does the draft-model path, whose drafts the scheduler asks for (runtime/paths/draft.py).
 The protocol is runtime/paths/base.py.
 """
 
@@ -16,6 +17,7 @@ from models.config import ModelConfig
 from runtime.config import CacheConfig, RunnerConfig
 from runtime.paths.base import ExecPath, LaunchedForward
 from runtime.paths.dp import DPPath, check_dp
+from runtime.paths.draft import DraftPath
 from runtime.paths.fused import FusedPath
 from runtime.paths.multi import MultiStepPath
 from runtime.paths.plain import PlainPath
@@ -45,5 +47,6 @@ def enabled_paths(runner: Any) -> dict[str, ExecPath]:
              MultiStepPath(runner) if cfg.num_scheduler_steps > 1 else None,
              TboPath(runner) if cfg.enable_two_batch_overlap else None,
              DPPath(runner) if runner.dp > 1 else None, PlainPath(runner), split,
-             FusedPath(runner, split) if cfg.multiplex_fused else None]
+             FusedPath(runner, split) if cfg.multiplex_fused else None,
+             DraftPath(runner) if getattr(runner, "draft_model", None) is not None else None]
     return {p.name: p for p in paths if p is not None}
