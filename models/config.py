@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from typing import Any
 
 __all__ = ["MlaConfig", "ModelConfig", "RopeScaling"]
@@ -182,7 +183,12 @@ class ModelConfig:
         """The attention logits' scale: Gemma's query_pre_attn_scalar, MLA's full q/k head
         (nope + rope dims), else the head dim."""
         if self.mla is not None:
-            return self.mla.qk_head_dim ** -0.5
+            scale = self.mla.qk_head_dim ** -0.5
+            rs = self.rope_scaling  # DeepSeek's YaRN: times mscale(factor, mscale_all_dim)^2
+            if rs is not None and rs.mscale_all_dim and rs.factor > 1:
+                m = 0.1 * rs.mscale_all_dim * math.log(rs.factor) + 1.0
+                scale *= m * m
+            return scale
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
     @property

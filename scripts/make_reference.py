@@ -297,7 +297,7 @@ def make_tiny_dense(out_dir: str) -> None:
 def deepseek_configs() -> dict[str, tuple[type, object]]:
     """MLA + DeepSeek-MoE, 3 layers: V2-Lite style (no q_lora, softmax greedy top-k, all
     layers MoE but the first) and V3 style (q_lora, sigmoid + correction bias, group-limited
-    top-2-sum routing, first layer dense)."""
+    top-2-sum routing, first layer dense, YaRN rope)."""
     common = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
                   num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
                   qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
@@ -305,13 +305,18 @@ def deepseek_configs() -> dict[str, tuple[type, object]]:
                   first_k_dense_replace=1, max_position_embeddings=4096, rms_norm_eps=1e-5,
                   bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
                   rope_parameters={"rope_type": "default", "rope_theta": 1e4})
+    # V3 as released: YaRN, here over an original context of 8 so that it changes the
+    # logits within the fixture's tokens, and mscale_all_dim scaling the softmax.
+    yarn = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+            "original_max_position_embeddings": 8, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 1.0, "mscale_all_dim": 1.0}
     return {
         "deepseek_v2": (DeepseekV2ForCausalLM, DeepseekV2Config(
             **common, q_lora_rank=None, n_routed_experts=8, topk_method="greedy",
             routed_scaling_factor=1.5)),
         "deepseek_v3": (DeepseekV3ForCausalLM, DeepseekV3Config(
-            **common, q_lora_rank=24, n_routed_experts=8, n_group=4, topk_group=2,
-            routed_scaling_factor=2.5, norm_topk_prob=True)),
+            **{**common, "rope_parameters": yarn}, q_lora_rank=24, n_routed_experts=8,
+            n_group=4, topk_group=2, routed_scaling_factor=2.5, norm_topk_prob=True)),
     }
 
 
