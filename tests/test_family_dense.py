@@ -85,7 +85,10 @@ def test_prefill_logits_match_transformers(model, backend):
 GREEDY = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, top_logprobs=2)
 
 
-@pytest.fixture(scope="module", params=BACKENDS)
+# The packed CPU runner's engine runs are slow-marked: the CPU kernels' window and q/k norm
+# are checked by the prefill logits here and by test_attention_variants.
+@pytest.fixture(scope="module",
+                params=["xla", pytest.param("cpu", marks=pytest.mark.slow)])
 def runner(model, request):
     """A runner with split prefill compiled in (one layer per call), on XLA's dot over
     per-layer weights (xla), or the packed CPU matmul over the stacked ones (cpu)."""

@@ -93,9 +93,12 @@ def test_prefill_logits_match_transformers(name, path):
     np.testing.assert_allclose(logits, ref["logits"], atol=1e-4, rtol=1e-4)
 
 
-@pytest.fixture(scope="module", params=[(n, m, a) for n in MODELS
-                                        for m, a in [("packed", "cpu"), ("xla", "xla")]],
-                ids=lambda p: f"{p[0]}-{'cpu_kernels' if p[1] == 'packed' else 'xla'}")
+# The wide-window model's engine runs are slow-marked: "gemma3" runs the same paths with its
+# window inside the sequence.
+@pytest.fixture(scope="module", params=[
+    pytest.param((n, m, a), marks=[pytest.mark.slow] if n == "gemma3_wide" else [])
+    for n in MODELS for m, a in [("packed", "cpu"), ("xla", "xla")]],
+    ids=lambda p: f"{p[0]}-{'cpu_kernels' if p[1] == 'packed' else 'xla'}")
 def model_runner(request):
     """(fixture arrays, runner) per model and CPU path; the xla runner holds per-layer,
     fused wq|wk|wv and w_gate|w_up weights, as on a GPU."""

@@ -130,7 +130,12 @@ def servers(request, tmp_path_factory) -> Iterator[Servers]:
             s.reap()
 
 
-@pytest.fixture(scope="module", params=FOLDERS)
+# Folders whose family another folder already serves here are slow-marked.
+SAME_FAMILY = {"llama_tied", "llama_untied", "gemma3_wide"}
+
+
+@pytest.fixture(scope="module", params=[
+    pytest.param(f, marks=[pytest.mark.slow] if f in SAME_FAMILY else []) for f in FOLDERS])
 def served(request, servers) -> Iterator[Served]:
     s = servers.take(request.param)
     try:
