@@ -231,7 +231,8 @@ def test_bad_requests_are_4xx_and_nothing_compiled_after_warm_up(served):
         r = served.http.post("/generate", json=body)
         assert r.status_code == 400, (body, r.text)
         assert says in r.text, r.text
-    still = served.generate({"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 4}})
+    still = served.generate({"input_ids": [1, 2, 3], "sampling_params": {
+        "max_new_tokens": 4, "temperature": 0, "ignore_eos": True}})
     assert still["meta_info"]["completion_tokens"] == 4
     state = served.http.get("/get_server_info").json()["internal_states"][0]
     assert state["compiles_after_warmup"] == 0, served.output()
