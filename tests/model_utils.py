@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,10 +35,9 @@ def make_batch(mode: ForwardMode, extend: list[SimpleRow], decode: list[SimpleRo
                         num_extend_seqs=shape.num_extend_seqs)
 
 
-def dense_llama_logits(params: dict, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
-    """Straightforward numpy f64 Llama over one sequence -> logits [T, V]."""
-    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
-    t = len(ids)
+def numpy_norm_rope(cfg: ModelConfig, t: int) -> tuple[Callable, Callable]:
+    """f64 numpy RMSNorm(x, w) and rotate-half rope(x [T, H, Dh]) over positions 0..t-1,
+    for the reference decoders below and in the tests."""
     inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).astype(np.float64)
     ang = np.arange(t)[:, None] * inv[None]
     cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
@@ -49,6 +49,15 @@ def dense_llama_logits(params: dict, cfg: ModelConfig, ids: list[int]) -> np.nda
         h = x.shape[-1] // 2
         return np.concatenate([x[..., :h] * cos - x[..., h:] * sin,
                                x[..., h:] * cos + x[..., :h] * sin], -1)
+
+    return norm, rope
+
+
+def dense_llama_logits(params: dict, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
+    """Straightforward numpy f64 Llama over one sequence -> logits [T, V]."""
+    p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
+    t = len(ids)
+    norm, rope = numpy_norm_rope(cfg, t)
 
     x = p["embed"][ids]
     g = cfg.num_heads // cfg.num_kv_heads

@@ -13,12 +13,11 @@ import pytest
 
 from models import llama
 from models.config import ModelConfig
-from models.layers import rope_inv_freq
 from runtime.engine import Engine
 from runtime.request import SamplingParams
 from runtime.sharding import serving_mesh
 from tests.engine_utils import check_same, engine_args, prompts, small_runner
-from tests.model_utils import all_position_logits
+from tests.model_utils import all_position_logits, numpy_norm_rope
 
 # 8 query / 4 KV heads (tp 2 divides both); layers 0 and 2 slide over 5 tokens.
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=3,
@@ -32,17 +31,7 @@ def _numpy_logits(params: dict, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
     them (gpt-oss's sinks, Gemma 2's soft cap, the sliding_window_overlay mask)."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     t = len(ids)
-    inv = rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling).astype(np.float64)
-    ang = np.arange(t)[:, None] * inv[None]
-    cos, sin = np.cos(ang)[:, None], np.sin(ang)[:, None]
-
-    def norm(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * w
-
-    def rope(x):
-        h = x.shape[-1] // 2
-        return np.concatenate([x[..., :h] * cos - x[..., h:] * sin,
-                               x[..., h:] * cos + x[..., :h] * sin], -1)
+    norm, rope = numpy_norm_rope(cfg, t)
 
     x, g = p["embed"][ids], cfg.num_heads // cfg.num_kv_heads
     q_pos, k_pos = np.arange(t)[:, None], np.arange(t)[None, :]
