@@ -8,11 +8,17 @@ inter-token-latency target (`--itl_target_ms`), goes to prefill:
 - streams decode: a token-axis chunk in a MIXED step, the largest chunk bucket whose
   predicted MIXED step fits the target (the step cost model below); the smallest bucket
   when none fits, so a prefill always advances;
-- every decoding stream is young (fewer than YOUNG_STREAM_TOKENS tokens): the largest
-  chunk. Such streams arrived with the prompts still waiting (a burst being admitted):
-  small chunks would stretch the whole wave's prefill, every member's TTFT and the burst's
-  throughput, for a reading pace nobody has settled into yet; they still get a token every
-  step (at most one largest MIXED step apart).
+- every decoding stream is young (fewer than YOUNG_STREAM_TOKENS tokens) and every
+  waiting prompt has a free slot: the largest chunk. Such streams arrived with the prompts
+  still waiting (a burst being admitted): small chunks would stretch the whole wave's
+  prefill, every member's TTFT and the burst's throughput, for a reading pace nobody has
+  settled into yet; they still get a token every step (at most one largest MIXED step
+  apart). With more prompts waiting than free slots the server is overloaded, not
+  admitting a burst: the young streams are the ones a large chunk would stall longest.
+
+A step's chunk is priced as what the batch builder will put in it: the rest of the prompt
+mid-chunk (at its position), then the waiting prompts from position 0 (a chunk whose
+prompt ends early is filled from the queue).
 
 The policy's MIXED programs are few (policy_shapes): one extend row and as many decode
 rows as fit the batch beside it, per chunk bucket but the largest, which has
@@ -158,10 +164,11 @@ class PrefillPolicy:
             self.scale += SCALE_SMOOTHING * (ratio - self.scale)
 
     def plan(self, decode_rows: int, young: bool, start_pos: int,
-             remaining: int | None) -> PrefillDecision:
+             remaining: int | None, queued: int) -> PrefillDecision:
         """The prefill budget of a step with `decode_rows` (> 0) decode rows. `start_pos`,
         `remaining`: where the prompt mid-chunk stands and its tokens left (None: no prompt
-        is mid-chunk; the next admission starts at 0). `young`: every decode row is."""
+        is mid-chunk). `queued`: prompt tokens waiting behind it (admissions start at 0).
+        `young`: every decode row is young and every waiting prompt has a free slot."""
         fits = [s for s in self.shapes if s[2] >= decode_rows]
         if not fits:  # more decode rows than any MIXED program: decode alone this step
             return self._decision("mixed", "no MIXED program holds the decode rows",
@@ -171,10 +178,10 @@ class PrefillPolicy:
         if young:
             return self._decision("mixed_young", f"every decoding stream is within its "
                                   f"first {YOUNG_STREAM_TOKENS} tokens", decode_rows, top,
-                                  rows, self._predict(top, start_pos, remaining))
+                                  rows, self._predict(top, start_pos, remaining, queued))
         by_tokens = sorted({te for te, _, _ in fits})
         for te in reversed(by_tokens):
-            predicted = self._predict(te, start_pos, remaining)
+            predicted = self._predict(te, start_pos, remaining, queued)
             if predicted <= self.target_s or te == by_tokens[0]:
                 why = ("largest chunk whose predicted step fits the target"
                        if predicted <= self.target_s else "no chunk fits: the smallest")
@@ -182,12 +189,15 @@ class PrefillPolicy:
                 return self._decision("mixed", why, decode_rows, te, rows, predicted)
         raise AssertionError("unreachable: the smallest bucket is always taken")
 
-    def _predict(self, te: int, start_pos: int, remaining: int | None) -> float:
-        """The MIXED step of a te-token chunk from start_pos: the running batch's decode
-        step as last measured, plus the chunk's work, times the measured correction."""
-        tokens = te if remaining is None else min(te, remaining)
-        live = dataclasses.replace(self.costs, decode_s=self.decode_s)
-        return self.scale * live.mixed_s(tokens, start_pos)
+    def _predict(self, te: int, start_pos: int, remaining: int | None, queued: int) -> float:
+        """The MIXED step of a te-token chunk: the running batch's decode step as last
+        measured, plus the chunk's work (the mid-chunk prompt's rest from start_pos, the
+        queue's prompts from 0 after it), times the measured correction."""
+        mid = 0 if remaining is None else min(te, remaining)
+        rest = min(te - mid, queued)
+        c = self.costs
+        work = extend_work(mid, start_pos, c.pair_weight) + extend_work(rest, 0, c.pair_weight)
+        return self.scale * (self.decode_s + c.step_s + c.token_s * work)
 
     def _decision(self, path: str, reason: str, decode_rows: int, tokens: int, rows: int,
                   predicted: float | None) -> PrefillDecision:

@@ -209,16 +209,27 @@ class Scheduler:
             self._inflight += 1
             return ScheduleBatch(ForwardMode.EXTEND, extend, [], decision=decision)
         chunked = self._chunked
+        young = (len(self.waiting) <= len(self._free_slots)
+                 and all(r.req.num_generated <= YOUNG_STREAM_TOKENS for r in decode))
         decision = policy.plan(
-            len(decode), all(r.req.num_generated <= YOUNG_STREAM_TOKENS for r in decode),
-            chunked.kv_len if chunked else 0,
-            chunked.fill_len - chunked.kv_len if chunked else None)
+            len(decode), young, chunked.kv_len if chunked else 0,
+            chunked.fill_len - chunked.kv_len if chunked else None, self._queued_tokens())
         extend = (self._schedule_extend(0, decision.chunk_tokens, decision.max_rows)
                   if decision.chunk_tokens else [])
         self._inflight += 1
         if not extend:
             return ScheduleBatch(ForwardMode.DECODE, [], decode)
         return ScheduleBatch(ForwardMode.MIXED, extend, decode, decision=decision)
+
+    def _queued_tokens(self) -> int:
+        """Prompt tokens waiting for admission, counted up to the largest chunk (all a step
+        can take); an over-estimate where the prefix cache holds part of a prompt."""
+        total, cap = 0, self.config.chunk_size or 0
+        for req in self.waiting:
+            total += len(req.all_ids)
+            if total >= cap:
+                break
+        return total
 
     # ---- split prefill (runtime/multiplexing.py) ----
 

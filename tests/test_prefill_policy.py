@@ -138,6 +138,32 @@ def test_young_streams_take_the_largest_chunk():
     assert sum(len(r.input_ids) for r in second.extend_rows) > 32  # past the target's 32
 
 
+def test_overload_streams_are_not_young():
+    """More prompts waiting than free slots is an overload, not a burst being admitted:
+    the young streams get chunks the target bounds."""
+    sched, runner = make(policy())
+    for i in range(MAX_RUNNING + 6):
+        sched.add(req(f"o{i}", [9 + i] * 30, 20))
+    assert step(sched, runner).mode is ForwardMode.EXTEND
+    second = step(sched, runner)
+    assert second.mode is ForwardMode.MIXED and second.decision.path == "mixed"
+    assert second.decision.chunk_tokens == 32
+
+
+def test_a_chunk_filled_from_the_queue_is_priced_from_position_zero():
+    """A prompt with a few tokens left leaves the rest of a chunk to the next prompt:
+    the prediction counts those tokens, so the largest chunk is not taken for free."""
+    p = policy(target_s=0.050)
+    near_end = p.plan(3, False, 700, 4, queued=0)  # nothing behind it: any chunk is 4 tokens
+    assert near_end.chunk_tokens == CHUNK
+    assert near_end.predicted_ms == pytest.approx(1e3 * COSTS.mixed_s(4, 700))
+    filled = p.plan(3, False, 700, 4, queued=400)
+    assert filled.chunk_tokens == 32
+    work = extend_work(4, 700, COSTS.pair_weight) + extend_work(28, 0, COSTS.pair_weight)
+    assert filled.predicted_ms == pytest.approx(
+        1e3 * (COSTS.decode_s + COSTS.step_s + COSTS.token_s * work))
+
+
 def test_target_zero_restores_prefill_first():
     """Without a policy (--itl_target_ms=0) a prefill step carries no decode rows."""
     sched, runner = make(None)
@@ -234,11 +260,11 @@ def test_the_trace_says_which_path_each_prefill_took():
 def test_measured_steps_correct_the_predictions():
     """Steps measured at twice their prediction shrink the chunk that fits."""
     p = policy(target_s=0.050)
-    assert p.plan(3, False, 0, None).chunk_tokens == 32
+    assert p.plan(3, False, 0, None, 10_000).chunk_tokens == 32
     for _ in range(30):
         p.observe(COSTS.mixed_s(32, 0), 2 * COSTS.mixed_s(32, 0))
     assert p.scale == pytest.approx(2.0, rel=0.01)
-    decision = p.plan(3, False, 0, None)
+    decision = p.plan(3, False, 0, None, 10_000)
     assert decision.chunk_tokens == 16 and decision.scale == p.scale
     p.observe(1.0, 100.0)  # one wild measurement moves it a bounded step
     assert p.scale < 2.5
@@ -252,5 +278,5 @@ def test_the_default_target_follows_the_decode_step():
     for _ in range(40):
         p.observe_decode(0.020)
     assert p.target_s == pytest.approx(0.080, rel=0.01)
-    assert p.plan(3, False, 0, None).target_ms == pytest.approx(80, rel=0.01)
+    assert p.plan(3, False, 0, None, 10_000).target_ms == pytest.approx(80, rel=0.01)
     assert p.to_json()["decode_ms_now"] == pytest.approx(20, rel=0.01)
