@@ -188,7 +188,7 @@ def test_server_args_turn_the_policy_on_and_off():
 
 def test_policy_shapes_share_the_largest_sampler():
     shapes = policy_shapes(chunk_buckets(512), 4, 32)
-    assert shapes == ((64, 1, 31), (128, 1, 31), (256, 1, 31), (512, 4, 28))
+    assert shapes == ((64, 1, 31), (96, 1, 31), (128, 1, 31), (256, 1, 31), (512, 4, 28))
     assert {be + bd for _, be, bd in shapes} == {32}
     assert policy_shapes((64,), 4, 1) == ()  # one running request: nothing decodes beside
 
