@@ -35,7 +35,7 @@ from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.paths import LaunchedForward
-from runtime.paths.draft import draft_cost_key
+from runtime.paths.draft import DraftPath, draft_cost_key
 from runtime.paths.spec import verify_cost_key
 from runtime.policy_setup import build_policy
 from runtime.request import Req, SamplingParams
@@ -268,6 +268,8 @@ class Engine:
                       spec=self.spec)
             if dp == 1 else DPScheduler(config, dp, eos, decode_fn))
         self.trace = ExecutionTrace(args.trace_buffer_steps)
+        if self.spec is not None and isinstance(self.spec.drafter, DraftPath):
+            self.spec.drafter.trace = self.trace  # its launches are steps of this engine
         self.trace.policy = None if self.policy is None else self.policy.to_json()
         self._profile_dir: str | None = None
         self._profile_start = 0.0

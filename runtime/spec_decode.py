@@ -24,6 +24,7 @@ is probed again now and then.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -99,8 +100,10 @@ class SpecDecoding:
         self.ratio: float | None = None
         self._cool = 0
         self._off_steps = 0
-        # Totals since start (the /metrics counters).
+        # Totals since start (the /metrics counters): verify rows, drafted and accepted
+        # tokens, and host seconds spent drafting (a draft model's steps and readback).
         self.total_steps = self.total_drafted = self.total_accepted = 0
+        self.total_draft_s = 0.0
 
     # ---- rows ----------------------------------------------------------------------------
 
@@ -135,7 +138,9 @@ class SpecDecoding:
             if st.limit == 0:  # backoff over: probe with one token
                 st.limit = 1
             limits.append(max(0, min(st.limit, rooms[-1])))
+        t0 = time.perf_counter()
         out = self._propose(reqs, limits)
+        self.total_draft_s += time.perf_counter() - t0
         for i, req in enumerate(reqs):
             if not drafting[i]:
                 continue
