@@ -231,11 +231,14 @@ class Engine:
                 model_cfg, params, tokenizer = load_model(args)
             else:
                 model_cfg, params = model
-            setup = RunnerSetup.from_args(args, model_cfg)
-            if leader is not None:
-                leader.broadcast(("setup", setup))
             if draft_model is None:
                 draft_model = load_draft_model(args)
+            # The draft's weights are placed by now, and its pool is sized beside the
+            # target's.
+            setup = RunnerSetup.from_args(args, model_cfg,
+                                          None if draft_model is None else draft_model[0])
+            if leader is not None:
+                leader.broadcast(("setup", setup))
             runner = setup.build(params, draft=draft_model)
             if leader is not None:
                 self.mirror = multihost.StepMirror(leader)

@@ -4,13 +4,18 @@ whether a batch speculates at all.
 A TARGET_VERIFY step feeds each row its last token and k drafted ones; the target samples
 a token at every position (the same sampler, seeded by position, as plain decoding), and
 the row keeps the longest prefix where the sampled token equals the draft, plus the first
-token that differs (or the bonus token after the last draft). Drafts are deterministic
-(prompt lookup, or a draft model's argmax: runtime/paths/draft.py), so q is one-hot and
-this is exactly the rejection rule: draft x is kept with probability p(x), and on
-rejection the kept token is distributed as p conditioned on != x, i.e.
-norm(max(0, p - q)). Greedy rows get the plain path's tokens; sampled rows the target's
-distribution. A grammar-constrained row drafts only the prefix its grammar accepts, and
-each position samples under the mask of the grammar advanced over the drafts before it.
+token that differs (or the bonus token after the last draft). For a deterministic draft
+(prompt lookup, a draft model's argmax for greedy and grammar rows) q is one-hot and this
+is exactly the rejection rule: draft x is kept with probability p(x), and on rejection
+the kept token is distributed as p conditioned on != x, i.e. norm(max(0, p - q)); the
+tokens are the plain path's. A draft model's sampled rows draw their drafts from the
+draft's own q (runtime/paths/draft.py), and the verify program gives their drafted
+positions the standard rule instead (runtime/sampling.verify_draft): keep x with
+probability min(1, p(x) / q(x)), else draw from norm(max(0, p - q)). That keeps
+sum(min(p, q)) of the drafts rather than sum(p q), and the target's distribution, but
+not the plain path's seeded tokens. A grammar-constrained row drafts only the prefix
+its grammar accepts, and each position samples under the mask of the grammar advanced
+over the drafts before it.
 
 Per row the draft length adapts to its acceptance: all drafts kept grows it by one, a
 rejection shrinks it to what was kept plus one, and a miss (no draft, or fewer tokens kept
