@@ -31,6 +31,7 @@ from runtime.metrics import ServerMetrics
 from runtime.model_runner import ModelRunner
 from runtime.paths.draft import DraftPath, draft_cost_key
 from runtime.paths.spec import verify_cost_key
+from runtime.perfetto import DEVICE, chrome_trace
 from runtime.request import SamplingParams
 from tests.engine_utils import PAGE, check_same, engine_args, mixed_prompts
 from tests.model_utils import TINY, dense_llama_logits
@@ -152,6 +153,10 @@ def test_greedy_equal_plain_and_draft_steps_traced(small_draft):
     assert set(decode.rids) <= set(recs[first_verify].rids)
     assert all(rec.ready is not None for rec in recs)  # draft_extend completed by readback
     assert eng.trace.bubbles()["draft_decode"]["busy_s"] > 0
+    # The Perfetto file draws each of the three modes in a lane of its own.
+    lanes = {e["args"]["name"]: e["tid"] for e in chrome_trace(
+        recs, [], eng.trace.t0)["traceEvents"] if e["name"] == "thread_name" and e["pid"] == DEVICE}
+    assert len({lanes[m] for m in ("draft_extend", "draft_decode", "target_verify")}) == 3
     m = ServerMetrics()
     m.trace, m.spec = eng.trace, eng.spec
     text = m.render().decode()
