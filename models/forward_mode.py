@@ -21,7 +21,7 @@ class ForwardMode(enum.Enum):
     TARGET_VERIFY: decode rows of 1 + k tokens each (the last token, then k drafted
       ones) scored in one pass over the rows' caches, a token sampled at every position
       (runtime/spec_decode.py).
-    DRAFT_EXTEND / DRAFT_DECODE: a draft model's catch-up extend and its k greedy decode
+    DRAFT_EXTEND / DRAFT_DECODE: a draft model's catch-up extend and its k decode
       steps (runtime/paths/draft.py); its forward batches are EXTEND / DECODE ones.
     """
 

@@ -35,7 +35,7 @@ from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import ModelRunner, PendingStep
 from runtime.multiplexing import IntervalPolicy, MultiplexLoop
 from runtime.paths import LaunchedForward
-from runtime.paths.draft import draft_cost_key
+from runtime.paths.draft import DraftPath, draft_cost_key
 from runtime.paths.spec import verify_cost_key
 from runtime.policy_setup import build_policy
 from runtime.request import Req, SamplingParams
@@ -231,11 +231,14 @@ class Engine:
                 model_cfg, params, tokenizer = load_model(args)
             else:
                 model_cfg, params = model
-            setup = RunnerSetup.from_args(args, model_cfg)
-            if leader is not None:
-                leader.broadcast(("setup", setup))
             if draft_model is None:
                 draft_model = load_draft_model(args)
+            # The draft's weights are placed by now, and its pool is sized beside the
+            # target's.
+            setup = RunnerSetup.from_args(args, model_cfg,
+                                          None if draft_model is None else draft_model[0])
+            if leader is not None:
+                leader.broadcast(("setup", setup))
             runner = setup.build(params, draft=draft_model)
             if leader is not None:
                 self.mirror = multihost.StepMirror(leader)
@@ -268,6 +271,8 @@ class Engine:
                       spec=self.spec)
             if dp == 1 else DPScheduler(config, dp, eos, decode_fn))
         self.trace = ExecutionTrace(args.trace_buffer_steps)
+        if self.spec is not None and isinstance(self.spec.drafter, DraftPath):
+            self.spec.drafter.trace = self.trace  # its launches are steps of this engine
         self.trace.policy = None if self.policy is None else self.policy.to_json()
         self._profile_dir: str | None = None
         self._profile_start = 0.0

@@ -246,9 +246,12 @@ class RunnerSetup:
     ep: int = 1
 
     @classmethod
-    def from_args(cls, args: ServerArgs, model_cfg: ModelConfig) -> RunnerSetup:
+    def from_args(cls, args: ServerArgs, model_cfg: ModelConfig,
+                  draft_cfg: ModelConfig | None = None) -> RunnerSetup:
+        """`draft_cfg`: the draft model's (--speculative_algorithm=standalone), whose pool
+        shares the memory budget."""
         rcfg = runner_config(args, model_cfg)
-        pages = size_kv_pool(args, model_cfg, rcfg.kv_dtype)
+        pages = size_kv_pool(args, model_cfg, rcfg.kv_dtype, draft_cfg)
         if args.dp > 1:  # each data-parallel rank: its share and a padding page of its own
             pages = args.dp * ((pages - 1) // args.dp + 1)
         cache = CacheConfig(page_size=args.page_size, num_pages=pages)
@@ -321,21 +324,38 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
     )
 
 
-def size_kv_pool(args: ServerArgs, model_cfg: ModelConfig, dtype: str) -> int:
+def free_device_bytes() -> int:
+    """Device memory not in use (the first device's), as XLA reports it."""
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
+
+
+def size_kv_pool(args: ServerArgs, model_cfg: ModelConfig, dtype: str,
+                 draft_cfg: ModelConfig | None = None) -> int:
     """Number of pages (page 0 included) from max_total_tokens, else from mem_fraction of
-    the free device memory (GPU) or a fixed CPU default."""
+    the free device memory (GPU) or a fixed CPU default. A draft model (`draft_cfg`) keeps
+    a pool of as many pages (runtime/paths/draft.py) and its q rows: both come out of the
+    mem_fraction budget, so the target's pool shrinks by them."""
     per_token = kv_bytes_per_token(model_cfg, jnp.dtype(dtype))
+    # The draft's pool per token of the target's, and its q rows ([slots, k, vocab] f32).
+    draft_per_token = 0 if draft_cfg is None else kv_bytes_per_token(draft_cfg,
+                                                                     jnp.dtype(dtype))
+    q_bytes = 0 if draft_cfg is None else (4 * (args.max_running_requests + 1)
+                                           * args.speculative_num_draft_tokens
+                                           * draft_cfg.vocab_size)
     tokens = args.max_total_tokens
     if tokens is None and on_gpu():
-        stats = jax.devices()[0].memory_stats() or {}
-        free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        tokens = int(free * args.mem_fraction) // per_token
+        budget = int(free_device_bytes() * args.mem_fraction) - q_bytes
+        tokens = max(0, budget) // (per_token + draft_per_token)
     elif tokens is None:
         import psutil
 
-        avail = psutil.virtual_memory().available * args.mem_fraction
-        tokens = min(_CPU_DEFAULT_KV_TOKENS, int(avail) // per_token)
+        budget = int(psutil.virtual_memory().available * args.mem_fraction) - q_bytes
+        tokens = min(_CPU_DEFAULT_KV_TOKENS, max(0, budget) // (per_token + draft_per_token))
     pages = tokens // args.page_size + 1
-    logger.info("KV pool: %d pages x %d tokens (%.2f GiB)", pages, args.page_size,
-                pages * args.page_size * per_token / 2**30)
+    gib = pages * args.page_size / 2**30
+    logger.info("KV pool: %d pages x %d tokens (%.2f GiB)%s", pages, args.page_size,
+                gib * per_token, "" if draft_cfg is None else
+                f"; the draft model's pool as many pages ({gib * draft_per_token:.2f} GiB) "
+                f"and its q rows ({q_bytes / 2**30:.2f} GiB)")
     return pages

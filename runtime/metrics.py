@@ -119,6 +119,8 @@ def _spec_metrics(spec: SpecDecoding) -> Iterator[Metric]:
          spec.total_steps),
         ("spec_draft_tokens", "Tokens drafted and verified", spec.total_drafted),
         ("spec_accepted_tokens", "Drafted tokens the target kept", spec.total_accepted),
+        ("spec_draft_seconds", "Host time spent drafting, a draft model's DRAFT_EXTEND / "
+         "DRAFT_DECODE steps and their readback included", spec.total_draft_s),
     ):
         yield CounterMetricFamily(f"{PREFIX}{name}", doc, value=value)
     rate = spec.total_accepted / spec.total_drafted if spec.total_drafted else 0.0

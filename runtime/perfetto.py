@@ -26,7 +26,7 @@ from runtime.exec_trace import ExecutionTrace, RequestSpan, StepRecord, TboSplit
 HOST, DEVICE, MICRO, REQUESTS = 1, 2, 3, 4
 _HOST_LANES = {"scheduling": 1, "launch": 2, "results": 3}
 _MODE_LANES = {"extend": 1, "decode": 2, "mixed": 3, "split_prefill": 4, "idle": 5,
-               "multi_decode": 6}
+               "multi_decode": 6, "target_verify": 7, "draft_extend": 10, "draft_decode": 11}
 _BUBBLE_LANE = 9
 
 

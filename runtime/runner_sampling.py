@@ -134,7 +134,7 @@ class SamplingLaunch:
         if cached is None or not _same_rows(cached[0], key):
             row_slots, sample_mask = self.slots_of(padded)
             words = np.concatenate([row_slots, sample_mask.astype(np.int32),
-                                    self._sampling_batch(len(padded), padded).to_words()])
+                                    self.sampling_batch(len(padded), padded).to_words()])
             self._words_cache = (key, words)
             return words.copy()  # the cached vector never goes to a program: it may alias
         words = cached[1].copy()
@@ -148,7 +148,7 @@ class SamplingLaunch:
             words[start:start + mask.size] = mask.ravel()
         return words
 
-    def _sampling_batch(self, b: int, padded: Sequence[BatchRow | None] = ()
+    def sampling_batch(self, b: int, padded: Sequence[BatchRow | None] = ()
                         ) -> sampling.SamplingBatch:
         """Every step passes the full bitmask and bias widths: one sampler trace per B."""
         v = self.model_cfg.vocab_size

@@ -289,6 +289,18 @@ def _sample_rows(
 ) -> jax.Array:
     """Temperature, filters and the seeded draw for penalized logits [B, V] -> tokens [B]."""
     greedy = params.temperature < GREEDY_TEMPERATURE  # [B]
+    weights = _kept_weights(logits, params, candidate_tiers)  # [B, V]
+    u = jax.vmap(_row_uniforms)(params.seed, params.step)  # [B, 2]
+    # u = 0 draws the first kept token: for greedy rows the lowest id among tied maxima.
+    return _categorical(weights, jnp.where(greedy[:, None], 0.0, u))
+
+
+def _kept_weights(
+    logits: jax.Array, params: SamplingBatch, candidate_tiers: tuple[int, ...]
+) -> jax.Array:
+    """Unnormalized probabilities [B, V] of the tokens temperature, top-k, top-p and min-p
+    keep (a greedy row keeps its maxima only)."""
+    greedy = params.temperature < GREEDY_TEMPERATURE  # [B]
     scaled = logits / jnp.where(greedy, 1.0, params.temperature)[:, None]  # [B, V]
     row_max = scaled.max(axis=-1)  # [B]
     cutoff = _top_k_top_p_cutoff(scaled, row_max, params, ~greedy, candidate_tiers)  # [B]
@@ -296,11 +308,53 @@ def _sample_rows(
     cutoff = jnp.maximum(cutoff, row_max + jnp.log(jnp.maximum(params.min_p, 0.0)))  # [B]
     # Clamping to the max keeps the top token even for min_p > 1; greedy keeps only the max.
     cutoff = jnp.where(greedy, row_max, jnp.minimum(cutoff, row_max))  # [B]
-    # Unnormalized probabilities of the kept tokens.
-    weights = jnp.where(scaled >= cutoff[:, None], jnp.exp(scaled - row_max[:, None]), 0.0)
-    u = jax.vmap(_row_uniforms)(params.seed, params.step)  # [B, 2]
-    # u = 0 draws the first kept token: for greedy rows the lowest id among tied maxima.
-    return _categorical(weights, jnp.where(greedy[:, None], 0.0, u))
+    return jnp.where(scaled >= cutoff[:, None], jnp.exp(scaled - row_max[:, None]), 0.0)
+
+
+def kept_probs(logits: jax.Array, params: SamplingBatch,
+               candidate_tiers: tuple[int, ...] = (64, 1024)) -> jax.Array:
+    """The distribution `sample` draws a row's token from, [B, V] -> [B, V] summing to 1 per
+    row: bias and mask, temperature, top-k, top-p, min-p. No penalties (rows that
+    speculate have none)."""
+    w = _kept_weights(constrain(logits.astype(jnp.float32), params), params,
+                      candidate_tiers)  # [B, V]
+    return w / w.sum(axis=-1, keepdims=True)
+
+
+def draft_sample(logits: jax.Array, params: SamplingBatch, stochastic: jax.Array,
+                 candidate_tiers: tuple[int, ...] = (64, 1024)) -> tuple[jax.Array, jax.Array]:
+    """A draft model's token per row and the distribution q it was drawn from: stochastic
+    rows [B] draw from kept_probs with uniforms of their own stream (_draft_uniforms), the
+    others take the argmax of the raw logits (q unused: zeros). -> tokens [B], q [B, V]."""
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B]
+
+    def drawn() -> tuple[jax.Array, jax.Array]:
+        q = kept_probs(logits, params, candidate_tiers)  # [B, V]
+        u = jax.vmap(lambda s, t: _stream_uniforms(s, t, _DRAFT_STREAM, 2))(
+            params.seed, params.step)  # [B, 2]
+        return jnp.where(stochastic, _categorical(q, u), greedy), q
+
+    return lax.cond(jnp.any(stochastic), drawn,
+                    lambda: (greedy, jnp.zeros(logits.shape, jnp.float32)))
+
+
+def verify_draft(logits: jax.Array, params: SamplingBatch, q: jax.Array, drafts: jax.Array,
+                 candidate_tiers: tuple[int, ...] = (64, 1024)) -> jax.Array:
+    """The standard speculative rejection rule per row: draft x, drawn from q [B, V], is
+    kept with probability min(1, p(x) / q(x)) (p = kept_probs of the target's logits
+    [B, V]); otherwise the token is drawn from norm(max(0, p - q)). Either way the token
+    is distributed as p. Uniforms come from a stream of their own (_VERIFY_STREAM), so
+    they are independent of the draw of x. -> tokens [B]."""
+    p = kept_probs(logits, params, candidate_tiers)  # [B, V]
+    px = jnp.take_along_axis(p, drafts[:, None], axis=-1)[:, 0]  # [B]
+    qx = jnp.take_along_axis(q, drafts[:, None], axis=-1)[:, 0]  # [B]
+    u = jax.vmap(lambda s, t: _stream_uniforms(s, t, _VERIFY_STREAM, 3))(
+        params.seed, params.step)  # [B, 3]
+    accept = u[:, 0] * qx < px  # [B]: u < p / q without dividing by q
+    residual = jnp.maximum(p - q, 0.0)  # [B, V]
+    # All zero only where p <= q everywhere, i.e. p == q: then every draft is kept.
+    residual = jnp.where(residual.sum(axis=-1, keepdims=True) > 0, residual, p)
+    return jnp.where(accept, drafts, _categorical(residual, u[:, 1:]))
 
 
 def _top_k_top_p_cutoff(
@@ -398,6 +452,18 @@ def _sort_descending(x: jax.Array) -> jax.Array:
 def _row_uniforms(seed: jax.Array, step: jax.Array) -> jax.Array:
     """Two uniforms in [0, 1) that depend only on (seed, step)."""
     return jax.random.uniform(jax.random.fold_in(jax.random.key(seed), step), (2,))
+
+
+# fold_in streams of a speculative position's randomness beside the plain draw's (which
+# keys fold_in(key(seed), step) itself): the draft's draw, the verify step's acceptance
+# and residual draw.
+_DRAFT_STREAM, _VERIFY_STREAM = 1, 2
+
+
+def _stream_uniforms(seed: jax.Array, step: jax.Array, stream: int, n: int) -> jax.Array:
+    """n uniforms in [0, 1) that depend only on (seed, step, stream)."""
+    key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), step), stream)
+    return jax.random.uniform(key, (n,))
 
 
 def _blocks(x: jax.Array, fill: float) -> jax.Array:

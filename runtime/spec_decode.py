@@ -4,13 +4,18 @@ whether a batch speculates at all.
 A TARGET_VERIFY step feeds each row its last token and k drafted ones; the target samples
 a token at every position (the same sampler, seeded by position, as plain decoding), and
 the row keeps the longest prefix where the sampled token equals the draft, plus the first
-token that differs (or the bonus token after the last draft). Drafts are deterministic
-(prompt lookup, or a draft model's argmax: runtime/paths/draft.py), so q is one-hot and
-this is exactly the rejection rule: draft x is kept with probability p(x), and on
-rejection the kept token is distributed as p conditioned on != x, i.e.
-norm(max(0, p - q)). Greedy rows get the plain path's tokens; sampled rows the target's
-distribution. A grammar-constrained row drafts only the prefix its grammar accepts, and
-each position samples under the mask of the grammar advanced over the drafts before it.
+token that differs (or the bonus token after the last draft). For a deterministic draft
+(prompt lookup, a draft model's argmax for greedy and grammar rows) q is one-hot and this
+is exactly the rejection rule: draft x is kept with probability p(x), and on rejection
+the kept token is distributed as p conditioned on != x, i.e. norm(max(0, p - q)); the
+tokens are the plain path's. A draft model's sampled rows draw their drafts from the
+draft's own q (runtime/paths/draft.py), and the verify program gives their drafted
+positions the standard rule instead (runtime/sampling.verify_draft): keep x with
+probability min(1, p(x) / q(x)), else draw from norm(max(0, p - q)). That keeps
+sum(min(p, q)) of the drafts rather than sum(p q), and the target's distribution, but
+not the plain path's seeded tokens. A grammar-constrained row drafts only the prefix
+its grammar accepts, and each position samples under the mask of the grammar advanced
+over the drafts before it.
 
 Per row the draft length adapts to its acceptance: all drafts kept grows it by one, a
 rejection shrinks it to what was kept plus one, and a miss (no draft, or fewer tokens kept
@@ -24,6 +29,7 @@ is probed again now and then.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -99,8 +105,10 @@ class SpecDecoding:
         self.ratio: float | None = None
         self._cool = 0
         self._off_steps = 0
-        # Totals since start (the /metrics counters).
+        # Totals since start (the /metrics counters): verify rows, drafted and accepted
+        # tokens, and host seconds spent drafting (a draft model's steps and readback).
         self.total_steps = self.total_drafted = self.total_accepted = 0
+        self.total_draft_s = 0.0
 
     # ---- rows ----------------------------------------------------------------------------
 
@@ -135,7 +143,9 @@ class SpecDecoding:
             if st.limit == 0:  # backoff over: probe with one token
                 st.limit = 1
             limits.append(max(0, min(st.limit, rooms[-1])))
+        t0 = time.perf_counter()
         out = self._propose(reqs, limits)
+        self.total_draft_s += time.perf_counter() - t0
         for i, req in enumerate(reqs):
             if not drafting[i]:
                 continue

@@ -13,8 +13,10 @@ from runtime.sampling import (
     SampleOutput,
     SamplingBatch,
     apply_penalties,
+    draft_sample,
     sample,
     update_token_counts,
+    verify_draft,
 )
 
 Tree = TypeVar("Tree")
@@ -221,6 +223,42 @@ def test_empirical_distribution_matches_reference(case: str) -> None:
     expected = probs[probs > 0] * n
     chi2 = np.sum((observed[probs > 0] - expected) ** 2 / expected)
     assert chi2 < 30.0, f"chi-square {chi2:.1f} over {len(expected)} tokens"  # p ~ 1e-3 at df 9
+
+
+def _chi2(observed: np.ndarray, probs: np.ndarray) -> float:
+    expected = probs * observed.sum()
+    assert observed[probs == 0].sum() == 0
+    live = probs > 0
+    return float(np.sum((observed[live] - expected[live]) ** 2 / expected[live]))
+
+
+def test_speculative_rule_keeps_the_target_distribution() -> None:
+    """A draft drawn from q (draft_sample), judged by verify_draft: the tokens follow the
+    target's p (top-k applied to both), drafts are kept at the rate sum(min(p, q)), and
+    the same samples with the residual replaced by p (a wrong rule) fail the test."""
+    vocab, n = 12, 20000
+    rng = np.random.default_rng(1)
+    target, drafter = (rng.standard_normal(vocab) * 1.5).astype(np.float32), \
+        (rng.standard_normal(vocab) * 1.5).astype(np.float32)
+    kw = dict(temperature=0.9, top_k=7)
+    params = SamplingBatch.create(n, **{k: [v] * n for k, v in kw.items()},
+                                  seed=np.arange(n) * 7919, step=np.arange(n) % 3 + 5)
+    p, q = _reference_probs(target, **kw), _reference_probs(drafter, **kw)
+    drafts, q_rows = jax.jit(draft_sample)(np.tile(drafter, (n, 1)), params,
+                                           np.ones(n, bool))
+    drafts = np.asarray(drafts)
+    np.testing.assert_allclose(np.asarray(q_rows[0]), q, atol=1e-6)
+    assert _chi2(np.bincount(drafts, minlength=vocab), q) < 32.0  # p ~ 1e-3 at df 6
+    tokens = np.asarray(jax.jit(verify_draft)(np.tile(target, (n, 1)), params, q_rows,
+                                              drafts))
+    assert _chi2(np.bincount(tokens, minlength=vocab), p) < 32.0
+    kept = tokens == drafts  # a rejection never redraws the draft: p(x) < q(x) there
+    assert abs(kept.mean() - np.minimum(p, q).sum()) < 4 * np.sqrt(0.25 / n)
+    wrong = np.where(kept, tokens, rng.choice(vocab, size=n, p=p))
+    assert _chi2(np.bincount(wrong, minlength=vocab), p) > 100.0
+    # Greedy rows of the draft take the raw argmax and leave q unused.
+    greedy, _ = draft_sample(target[None], SamplingBatch.create(1), np.zeros(1, bool))
+    assert int(greedy[0]) == int(np.argmax(target))
 
 
 def test_min_p_keeps_exactly_the_tokens_above_the_threshold() -> None:

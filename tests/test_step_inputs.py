@@ -109,7 +109,7 @@ class _Launch(runner_sampling.SamplingLaunch):
 def _fresh(launch: _Launch, padded: list[BatchRow | None]) -> np.ndarray:
     slots, mask = launch.slots_of(padded)
     return np.concatenate([slots, mask.astype(np.int32),
-                           launch._sampling_batch(len(padded), padded).to_words()])
+                           launch.sampling_batch(len(padded), padded).to_words()])
 
 
 def test_cached_sampler_words_equal_fresh_ones_step_after_step(monkeypatch):

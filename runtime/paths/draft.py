@@ -5,9 +5,13 @@ allocator, and its own programs, compiled at warm-up with the runner's:
   DRAFT_EXTEND  one per plain EXTEND bucket: the draft catches up on the tokens of a row
                 it has not seen (the prompt, tokens decoded plainly, the target's bonus
                 token); K/V only, no logits.
-  DRAFT_DECODE  one per DECODE bucket: k greedy one-token steps in one program (the
-                multi-step decode scan of runtime/multi_step.py with argmax sampling),
-                fed the row's last token; out: [k, rows] drafted tokens.
+  DRAFT_DECODE  one per DECODE bucket: k one-token steps in one program (the multi-step
+                decode scan of runtime/multi_step.py), fed the row's last token; out:
+                [k, rows] drafted tokens. A sampled row (temperature > 0, no grammar)
+                draws each draft from the draft's distribution q under the request's
+                temperature / top-k / top-p / min-p / bias, and the program writes those
+                q rows into `q`, [slots, k, vocab] on the device, at the row's req_slot,
+                where the TARGET_VERIFY program reads them; other rows take the argmax.
 
 The scheduler asks for drafts through draft_batch (the SpecDecoding drafter protocol), so
 it never sees this module's device arrays. Which draft K/V is valid is decided from tokens,
@@ -17,13 +21,17 @@ draft call keeps the common prefix of those and the row's tokens now. So a rejec
 (the tokens survive) all roll the draft cache back to what matches; pages past it are
 freed, and release() frees a finished or aborted row's pages.
 
-Drafting is greedy (argmax), so a draft is a deterministic function of the sequence: the
-verify step's rule with a one-hot q is exact for sampled rows too (runtime/spec_decode.py).
+Greedy rows draft the argmax and are verified with the one-hot rule; sampled rows with
+the standard rejection rule over q (runtime/spec_decode.py). draft_batch records which
+rows drew their drafts (`sampled`), so the verify step knows which q rows are valid.
+Launches are recorded in the engine's execution trace (`trace`) as draft_extend /
+draft_decode steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -36,19 +44,23 @@ from models.forward_batch import ForwardBatch
 from models.forward_mode import ForwardMode
 from models.kv_pool import init_kv_pool
 from models.registry import model_module
+from runtime import sampling
 from runtime.batch_builder import BucketShape, input_layout, pack_flat, unflatten_inputs
 from runtime.bucket_plan import StepKey, key_name, smallest_fitting
 from runtime.config import CacheConfig, RunnerConfig
+from runtime.exec_trace import ExecutionTrace, StepRecord, step_record
 from runtime.executable_budget import FORWARD_COST, MULTI_STEP_COST, PlanPart
+from runtime.grammar import mask_width
 from runtime.kv_cache import PageAllocator, pages_for
 from runtime.multi_step import multi_step_fn, pack_steps
 from runtime.paths.base import ExecPath, Lowering
-from runtime.request import Req
+from runtime.request import MAX_LOGIT_BIAS, Req
 from runtime.schedule_batch import BatchRow, ScheduleBatch
 
 
-class _Greedy(NamedTuple):
+class _Drafted(NamedTuple):
     next_tokens: jax.Array  # [B]
+    q: jax.Array  # [B, V] the distribution a sampled row drew from (zeros for the others)
 
 
 class _NoSlots(NamedTuple):
@@ -115,6 +127,12 @@ class DraftPath(ExecPath):
                             for b in rc.decode_buckets]
         self.rows: dict[str, _DraftRow] = {}
         self._exe: dict[str, Callable] = {}
+        # Per request slot (the last absorbs padding rows), the distributions its k drafts
+        # were drawn from: written by DRAFT_DECODE for sampled rows, read by TARGET_VERIFY.
+        self.q = jnp.zeros((runner.max_running + 1, self.k, cfg.vocab_size), jnp.float32)
+        # rid -> the drafts the last draft_batch drew from q (sampled rows only).
+        self.sampled: dict[str, list[int]] = {}
+        self.trace: ExecutionTrace | None = None  # the engine's, where it speculates
 
     # ---- plan, lowering, install ---------------------------------------------------------
 
@@ -142,15 +160,17 @@ class DraftPath(ExecPath):
         def abstract(tree: Any) -> Any:
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), tree)
 
-        dp, dkv = abstract(self.params), abstract(self.kv)
+        dp, dkv, dq = abstract(self.params), abstract(self.kv), abstract(self.q)
         for key in self.extend_keys:
             yield self._name(key), lambda key=key: self._extend_program(key).lower(
                 dp, dkv, r.flat_input(key.shape))
         for key in self.decode_keys:
-            n = r.flat_input(key.shape).shape[0] + key.shape.num_decode_seqs
+            b = key.shape.num_decode_seqs
+            n = r.flat_input(key.shape).shape[0] + b
             flat = jax.ShapeDtypeStruct((n,), jnp.int32)
-            yield self._name(key), lambda key=key, flat=flat: self._decode_program(
-                key).lower(dp, dkv, flat)
+            words = r.abstract_sample_inputs(b)[1]
+            yield self._name(key), lambda key=key, flat=flat, words=words: \
+                self._decode_program(key).lower(dp, dkv, dq, flat, words)
 
     def install(self, compiled: Mapping[str, Callable]) -> None:
         self._exe = {n: compiled[n] for n in self.names}
@@ -181,28 +201,40 @@ class DraftPath(ExecPath):
         backend = self.runner.cfg.attention_backend
         b = key.shape.num_decode_seqs
 
-        def greedy(state, logits, words):
-            return _Greedy(jnp.argmax(logits, axis=-1).astype(jnp.int32)), state  # [B]
+        mask_w = mask_width(cfg.vocab_size)
+        layout = sampling.word_layout(b, mask_w, MAX_LOGIT_BIAS)
+
+        def draw(state, logits, words):
+            # words: [row_slots | sample_mask | SamplingBatch] as the runner's sampler
+            # reads them; the mask marks the live sampled rows (the scan clears a row's
+            # once it is past its drafts).
+            sp = sampling.SamplingBatch.from_words(words[2 * b:], b, mask_width=mask_w,
+                                                   bias_slots=MAX_LOGIT_BIAS)
+            tokens, q = sampling.draft_sample(logits, sp, words[b:2 * b] != 0)  # [B], [B, V]
+            return _Drafted(tokens, q), state
 
         scan = multi_step_fn(
             key, self.k, self.page,
             lambda params, kv, batch: model.forward(params, kv, batch, cfg, backend),
-            greedy, 2 * b)
+            draw, 2 * b + layout["step"][0])
 
-        def decode(params, kv, flat):
-            # The scan's sampler words: only its live-row mask and step columns are
-            # written, and greedy sampling reads neither.
-            words = jnp.zeros(3 * b, jnp.int32)
+        def decode(params, kv, q, flat, words):
             outs, kv, _ = scan(params, kv, _NoSlots(jnp.zeros(1, jnp.int32)), flat, words)
-            return outs.next_tokens, kv  # [K, B]
+            slots = words[:b]  # [B] req_slot of each row (padding: the spare last slot)
+            # Only a batch with sampled rows has q rows anyone reads.
+            q = jax.lax.cond(jnp.any(words[b:2 * b] != 0),
+                             lambda: q.at[slots].set(jnp.swapaxes(outs.q, 0, 1)),  # [B, K, V]
+                             lambda: q)
+            return outs.next_tokens, kv, q  # [K, B]
 
-        return jax.jit(decode, donate_argnums=(1,))
+        return jax.jit(decode, donate_argnums=(1, 2))
 
     # ---- drafting (the SpecDecoding drafter protocol) ------------------------------------
 
     def draft_batch(self, reqs: Sequence[Req], limits: Sequence[int]) -> list[list[int]]:
-        """Up to limits[i] greedy draft tokens for each of reqs (k at most)."""
+        """Up to limits[i] draft tokens for each of reqs (k at most)."""
         out: list[list[int]] = [[] for _ in reqs]
+        self.sampled = {}
         todo: list[tuple[int, Req, _DraftRow, int]] = []
         for i, (req, limit) in enumerate(zip(reqs, limits, strict=True)):
             tokens = req.all_ids
@@ -266,33 +298,75 @@ class DraftPath(ExecPath):
                       if len(row.tokens) < len(req.all_ids) - 1]
 
     def _extend(self, rows: list[BatchRow]) -> None:
-        shape = self.buckets.bucket_for(ScheduleBatch(ForwardMode.EXTEND, rows, []))
+        t0 = time.perf_counter()
+        batch = ScheduleBatch(ForwardMode.EXTEND, rows, [])
+        shape = self.buckets.bucket_for(batch)
         flat = pack_flat(rows, [], shape, self.page,
                          np.zeros(shape.num_extend_seqs, np.int32))
-        self.kv = self._exe[self._name(StepKey(ForwardMode.EXTEND, shape))](
-            self.params, self.kv, flat)
+        t1 = time.perf_counter()
+        key = StepKey(ForwardMode.EXTEND, shape)
+        self.kv = self._exe[self._name(key)](self.params, self.kv, flat)
         self.runner.step_counts[ForwardMode.DRAFT_EXTEND] += 1
+        # Never read back (it returns only the pool, which the next launch takes): the
+        # next DRAFT_DECODE's readback completes it in the trace, and its device time
+        # counts in that step's.
+        self._record(batch, shape, ForwardMode.DRAFT_EXTEND, t0, t1)
+
+    def _record(self, batch: ScheduleBatch, shape: BucketShape, mode: ForwardMode,
+                t0: float, t1: float) -> StepRecord | None:
+        """A draft launch as a trace step (None without a trace): packing from t0 to t1,
+        launched now."""
+        if self.trace is None:
+            return None
+        rec = step_record(batch, shape, t0, t1, time.perf_counter(),
+                          self.runner.compiles_after_warmup, mode=mode)
+        return self.trace.record(rec)
 
     def _decode(self, rows: list[tuple[Req, _DraftRow, int]]) -> list[list[int]]:
-        """One DRAFT_DECODE step: each row fed its last token, n greedy tokens back."""
-        c = self.buckets.cfg
+        """One DRAFT_DECODE step: each row fed its last token, n draft tokens back (drawn
+        from q for sampled rows, argmax for the rest)."""
+        t0 = time.perf_counter()
+        r, c = self.runner, self.buckets.cfg
         bd = smallest_fitting(c.decode_buckets, len(rows), "draft rows")
         key = next(k for k in self.decode_keys if k.shape.num_decode_seqs == bd)
         batch_rows = [BatchRow(req, [req.all_ids[-1]], len(req.all_ids) - 1, row.pages,
                                sample=True, num_steps=n) for req, row, n in rows]
         flat = pack_steps(pack_flat([], batch_rows, key.shape, self.page,
                                     np.zeros(bd, np.int32)), batch_rows, key.shape, self.page)
-        toks, self.kv = self._exe[self._name(key)](self.params, self.kv, flat)
-        self.runner.step_counts[ForwardMode.DRAFT_DECODE] += 1
-        self.runner.costs.watch(draft_cost_key(bd), toks)
+        padded: list[BatchRow | None] = [*batch_rows, *[None] * (bd - len(rows))]
+        stochastic = np.zeros(bd, np.int32)
+        stochastic[:len(rows)] = [sampled_draft(req) for req, _, _ in rows]
+        slots, _ = r.slots_of(padded)
+        words = np.concatenate([slots, stochastic, r.sampling_batch(bd, padded).to_words()])
+        batch = ScheduleBatch(ForwardMode.DECODE, [], batch_rows)
+        t1 = time.perf_counter()
+        toks, self.kv, self.q = self._exe[self._name(key)](self.params, self.kv, self.q,
+                                                           flat, words)
+        r.step_counts[ForwardMode.DRAFT_DECODE] += 1
+        r.costs.watch(draft_cost_key(bd), toks)
+        rec = self._record(batch, key.shape, ForwardMode.DRAFT_DECODE, t0, t1)
         toks = np.asarray(toks)  # [K, bd]
+        if rec is not None:
+            assert self.trace is not None
+            rec.decode_steps = self.k
+            self.trace.ready(rec, time.perf_counter(), waited=True)
         out = []
         for i, (req, row, n) in enumerate(rows):
             d = toks[:n, i].tolist()
             # K/V was written for the last token and the first n - 1 drafts.
             row.tokens = [*req.all_ids, *d[:n - 1]]
             out.append(d)
+            if stochastic[i]:
+                self.sampled[req.rid] = d
         return out
+
+
+def sampled_draft(req: Req) -> bool:
+    """Whether req's drafts are drawn from the draft's distribution q and verified by the
+    standard rejection rule: a sampled row without a grammar (a grammar cuts drafts short
+    at the first token it refuses, which would bias the rule; those rows draft greedily,
+    exact under the one-hot rule)."""
+    return req.sampling.temperature >= sampling.GREEDY_TEMPERATURE and req.grammar is None
 
 
 def draft_cost_key(rows: int) -> str:

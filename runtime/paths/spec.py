@@ -2,9 +2,12 @@
 (rows x (1 + k) tokens, bucket_plan.verify_shapes) runs the rows' last and drafted tokens
 as an extend over their caches and samples a token at every position with the shared
 sampler's body, each position seeded as plain decoding seeds it (runtime/spec_decode.py
-says why that is the rejection rule). The scheduler reads the [rows, 1 + k] tokens back
-and keeps the accepted ones; their K/V is already in place, the rest is rolled back on
-the host (kv_len, pages)."""
+says why that is the rejection rule). With a draft model, a sampled row's drafted
+positions instead apply the standard rule to the draft's q rows (the draft path's `q`,
+a device array the program takes with each position's q row and draft token): each
+position's token is then its draft if accepted, else the residual draw. The scheduler
+reads the [rows, 1 + k] tokens back and keeps the accepted ones; their K/V is already in
+place, the rest is rolled back on the host (kv_len, pages)."""
 
 from __future__ import annotations
 
@@ -66,6 +69,12 @@ class SpecPath(ExecPath):
         self._exe: dict[BucketShape, Callable] = {}
 
     @property
+    def _draft(self) -> Any:
+        """The draft-model path (runtime/paths/draft.py), whose q rows sampled drafts
+        were drawn from; None with prompt lookup."""
+        return self.runner.paths.get("draft")
+
+    @property
     def names(self) -> list[str]:
         return [self._name(s) for s in self.shapes]
 
@@ -81,10 +90,14 @@ class SpecPath(ExecPath):
 
     def lowerings(self, params: Any, kv: Any, state: Any) -> Iterable[Lowering]:
         r = self.runner
+        q = () if self._draft is None else (
+            jax.ShapeDtypeStruct(self._draft.q.shape, jnp.float32),)
         for s in self.shapes:
+            drafts = () if not q else (jax.ShapeDtypeStruct((2, s.num_extend_tokens),
+                                                            jnp.int32),)
             yield self._name(s), functools.partial(
                 self._program(s).lower, params, kv, state, r.flat_input(s),
-                r.abstract_sample_inputs(s.num_extend_tokens)[1])
+                r.abstract_sample_inputs(s.num_extend_tokens)[1], *q, *drafts)
 
     def install(self, compiled: Mapping[str, Callable]) -> None:
         self._exe = {s: compiled[self._name(s)] for s in self.shapes}
@@ -118,13 +131,31 @@ class SpecPath(ExecPath):
             t += n
         words = r.sample_words(positions)
         self._grammar_masks(words, rows, len(positions))
-        out, r.kv, r.state = self._exe[shape](r.params, r.kv, r.state, flat, words)
+        extra = () if self._draft is None else (self._draft.q, self._q_inputs(rows, len(positions)))
+        out, r.kv, r.state = self._exe[shape](r.params, r.kv, r.state, flat, words, *extra)
         r.check_no_compiles()
         r.step_counts[ForwardMode.TARGET_VERIFY] += 1
         r.costs.watch(verify_cost_key(shape.num_extend_seqs), out.next_tokens)
         pending = VerifyPending(batch, out, index, r.cfg.max_top_logprobs)
         pending.shape = shape
         return pending
+
+    def _q_inputs(self, rows: list, b: int) -> np.ndarray:
+        """[2, T]: per position, the row of the draft's q (flattened [slots * k, V]) its
+        draft was drawn from, or -1 (the one-hot rule: greedy and grammar rows, bonus
+        positions, padding); and that draft token."""
+        draft, k = self._draft, self.k
+        out = np.zeros((2, b), np.int32)
+        out[0] = -1
+        t = 0
+        for row in rows:
+            n = len(row.input_ids)
+            drafts = row.input_ids[1:]
+            if drafts and draft.sampled.get(row.req.rid, [])[:n - 1] == drafts:
+                out[0, t:t + n - 1] = row.req.req_slot * k + np.arange(n - 1)
+                out[1, t:t + n - 1] = drafts
+            t += n
+        return out
 
     def _grammar_masks(self, words: np.ndarray, rows: list, b: int) -> None:
         """Each drafting grammar row's positions sample under the grammar advanced over
@@ -149,8 +180,25 @@ class SpecPath(ExecPath):
         te, be = shape.num_extend_tokens, shape.num_extend_seqs
         layout = input_layout(shape)
         sample = r.sample_body()
+        mask_w = mask_width(cfg.vocab_size)
 
-        def verify(params, kv, state, flat, words):
+        def standard_rule(out, logits, words, q, drafts):
+            """Positions with a q row (drafts[0] >= 0) take the standard rejection rule's
+            token; the rest keep the sampler's."""
+            use = drafts[0] >= 0  # [T]
+            sp = sampling.SamplingBatch.from_words(words[2 * te:], te, mask_width=mask_w,
+                                                   bias_slots=MAX_LOGIT_BIAS)
+            q_rows = q.reshape(-1, q.shape[-1])[jnp.maximum(drafts[0], 0)]  # [T, V]
+            tokens = jnp.where(use, sampling.verify_draft(logits, sp, q_rows, drafts[1]),
+                               out.next_tokens)  # [T]
+            # Raw logprobs of the tokens the rule chose (the sampler's are of its own).
+            lse = jax.nn.logsumexp(logits.astype(jnp.float32), axis=-1)  # [T]
+            chosen = jnp.take_along_axis(logits.astype(jnp.float32), tokens[:, None],
+                                         axis=-1)[:, 0] - lse  # [T]
+            return out.replace(next_tokens=tokens,
+                               logprobs=jnp.where(use & sp.logprobs, chosen, out.logprobs))
+
+        def verify(params, kv, state, flat, words, *draft_q):
             arrays = unflatten_inputs(flat, layout)
             arrays.pop("row_slots")
             # Logits at every token, not only each row's last: [T] indices.
@@ -163,6 +211,10 @@ class SpecPath(ExecPath):
             logits = model.compute_logits(params, h, batch.logits_indices, cfg,
                                           real_token_mask(batch))  # [T, V]
             out, state = sample(state, logits, words)
+            if draft_q:  # a draft model: q [slots, k, V], drafts [2, T]
+                out = jax.lax.cond(jnp.any(draft_q[1][0] >= 0),
+                                   lambda: standard_rule(out, logits, words, *draft_q),
+                                   lambda: out)
             return out, kv, state
 
         return jax.jit(verify, donate_argnums=(1, 2),
