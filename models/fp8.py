@@ -10,7 +10,9 @@ step: the e4m3 weight is the dot's operand (its convert to the activation dtype 
 inside the dot's fusion on a GPU, read once from memory at one byte per element), and the
 block scales are applied to the f32 partial products of each K-block. Many-row products
 (prefill) are compute bound; there one dequantized copy per call costs little and keeps
-the gemm a single large one.
+the gemm a single large one. `fp8_ragged_dot` is the same product for stacked MoE
+experts [E, K, N] (scales [E, Kb, Nb]), rows grouped by expert as jax.lax.ragged_dot
+takes them.
 """
 
 from __future__ import annotations
@@ -98,15 +100,57 @@ def fp8_linear(x: jax.Array, w: Fp8Weight) -> jax.Array:
     kb = w.scale.shape[0]
     if kb > 1 and t > BLOCKED_MAX_ROWS:
         return x @ dequantize(w, x.dtype)
-    x2 = x.reshape(t, k)
-    if kb * bk != k:  # a ragged last K-block: zero rows add nothing to the product
-        x2 = jnp.pad(x2, ((0, 0), (0, kb * bk - k)))
-        wq = jnp.pad(w.w, ((0, kb * bk - k), (0, 0)))
-    else:
-        wq = w.w
+    x2, wq = _pad_k(x.reshape(t, k), w.w, kb, bk)
     xg = x2.reshape(t, kb, bk)  # [T, Kb, bk]
     wg = wq.reshape(kb, bk, n).astype(x.dtype)  # [Kb, bk, N]: converted inside the dot
     part = jnp.einsum("tgk,gkn->tgn", xg, wg, preferred_element_type=jnp.float32)  # [T, Kb, N]
     s = _repeat_last(w.scale, bn)[:, :n]  # [Kb, N]
     y = jnp.einsum("tgn,gn->tn", part, s)  # [T, N] f32
     return y.astype(x.dtype).reshape(*lead, n)
+
+
+def _pad_k(x2: jax.Array, wq: jax.Array, kb: int, bk: int) -> tuple[jax.Array, jax.Array]:
+    """x2 [T, K], wq [..., K, N] padded to K = kb * bk: a ragged last K-block's zero rows
+    add nothing to the product."""
+    k = x2.shape[-1]
+    if kb * bk == k:
+        return x2, wq
+    pad_w = [(0, 0)] * (wq.ndim - 2) + [(0, kb * bk - k), (0, 0)]
+    return jnp.pad(x2, ((0, 0), (0, kb * bk - k))), jnp.pad(wq, pad_w)
+
+
+def fp8_ragged_dot(x: jax.Array, w: Fp8Weight, sizes: jax.Array, own: jax.Array) -> jax.Array:
+    """jax.lax.ragged_dot(x, W, sizes) for stacked expert weights: x [M, K] with expert
+    e's rows contiguous and in expert order (sizes [E] of them; rows past sum(sizes) come
+    back as zeros), W [E, K, N] -> [M, N] in x's dtype. own [M]: each row's expert (any
+    valid id for the rows past sum(sizes)), which picks its block scales.
+
+    As fp8_linear: the e4m3 experts are the product's operand (converted to x's dtype
+    inside it), one ragged product per K-block (a batch dimension of ragged_dot_general)
+    gives f32 partials [Kb, M, N], and each row's expert's scales weigh them. The
+    partials cost 8 * Kb * M * N bytes written and read against 5 * E * K * N for a
+    dequantized copy of every expert (read e4m3, write and read it in bf16): the blocked
+    product moves less up to M ~ E * bk * 5 / 8 rows, so the copy is made only past
+    BLOCKED_MAX_ROWS rows per expert on average (prefill of many tokens)."""
+    e, _, n = w.shape
+    bk, bn = w.block
+    m = x.shape[0]
+    kb = w.scale.shape[-2]
+    if kb > 1 and m > BLOCKED_MAX_ROWS * e:
+        return jax.lax.ragged_dot(x, dequantize(w, x.dtype), sizes)
+    x2, wq = _pad_k(x, w.w, kb, bk)
+    if kb == 1:  # per channel / per tensor: one product, its columns scaled after
+        part = jax.lax.ragged_dot(x2, wq.astype(x.dtype), sizes,
+                                  preferred_element_type=jnp.float32)[None]  # [1, M, N]
+    else:
+        xg = jnp.swapaxes(x2.reshape(m, kb, bk), 0, 1)  # [Kb, M, bk]
+        wg = wq.reshape(e, kb, bk, n).astype(x.dtype)  # [E, Kb, bk, N]
+        dims = jax.lax.RaggedDotDimensionNumbers(
+            dot_dimension_numbers=(([2], [2]), ([0], [1])),
+            lhs_ragged_dimensions=[1], rhs_group_dimensions=[0])
+        part = jax.lax.ragged_dot_general(  # [Kb, M, N]
+            xg, wg, jnp.broadcast_to(sizes, (kb, e)), dims,
+            preferred_element_type=jnp.float32)
+    s = _repeat_last(w.scale[own], bn)[..., :n]  # [M, Kb, N]: each row's expert's scales
+    y = jnp.einsum("gmn,mgn->mn", part, s)  # [M, N] f32
+    return y.astype(x.dtype)
