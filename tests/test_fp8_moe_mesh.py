@@ -79,7 +79,9 @@ def _tokens(cfg) -> list[int]:
     return np.random.default_rng(0).integers(0, cfg.vocab_size, 19).tolist()
 
 
-@pytest.mark.parametrize("model", ["qwen3_moe", "deepseek_v3"])
+# Qwen3-MoE's FP8 experts also run, at model level, in the tp2-ep2 mesh test below.
+@pytest.mark.parametrize("model", [pytest.param("qwen3_moe", marks=pytest.mark.slow),
+                                   "deepseek_v3"])
 def test_fp8_experts_match_dequantized(tmp_path, model):
     """A DeepSeek-V3 / Qwen3-MoE style folder with every projection FP8 (experts, shared
     expert, attention, MLA's, kv_b_proj included; 16 x 16 blocks, a ragged last K-block
