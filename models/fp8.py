@@ -119,6 +119,44 @@ def _pad_k(x2: jax.Array, wq: jax.Array, kb: int, bk: int) -> tuple[jax.Array, j
     return jnp.pad(x2, ((0, 0), (0, kb * bk - k))), jnp.pad(wq, pad_w)
 
 
+def _ragged_by_pairs(x2: jax.Array, wq: jax.Array, sizes: jax.Array, own: jax.Array,
+                     kb: int) -> jax.Array:
+    """K-block partials [M, Kb, N] f32 from one plain ragged_dot whose groups are the
+    (expert, K-block) pairs: the weight [E, K, N] viewed as [E * Kb, bk, N] (a reshape),
+    row r of expert e (the j-th of its n_e) sending K-block g to slot kb * start_e +
+    g * n_e + j; the rows past sum(sizes) take the slots after the groups' (zeros)."""
+    (m, k), (e, _, n) = x2.shape, wq.shape
+    bk = k // kb
+    total = sizes.sum()
+    starts = jnp.cumsum(sizes) - sizes  # [E]
+    r = jnp.arange(m)
+    g = jnp.arange(kb)
+    real = kb * starts[own][:, None] + g * sizes[own][:, None] + (r - starts[own])[:, None]
+    past = kb * r[:, None] + g  # kb * total + kb * (r - total) + g
+    slot = jnp.where((r < total)[:, None], real, past)  # [M, Kb], a permutation
+    xg = jnp.zeros((m * kb, bk), x2.dtype).at[slot.reshape(-1)].set(
+        x2.reshape(m * kb, bk), unique_indices=True)  # [M * Kb, bk] by group
+    group_sizes = jnp.broadcast_to(sizes[:, None], (e, kb)).reshape(e * kb)
+    part = jax.lax.ragged_dot(xg, wq.reshape(e * kb, bk, n).astype(x2.dtype), group_sizes,
+                              preferred_element_type=jnp.float32)  # [M * Kb, N]
+    return part[slot]
+
+
+def _ragged_by_blocks(x2: jax.Array, wq: jax.Array, sizes: jax.Array, kb: int) -> jax.Array:
+    """K-block partials [M, Kb, N] f32 from one ragged_dot_general with the K-block as a
+    batch dimension (groups: the experts)."""
+    (m, k), (e, _, n) = x2.shape, wq.shape
+    bk = k // kb
+    xg = jnp.swapaxes(x2.reshape(m, kb, bk), 0, 1)  # [Kb, M, bk]
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([2], [2]), ([0], [1])),
+        lhs_ragged_dimensions=[1], rhs_group_dimensions=[0])
+    part = jax.lax.ragged_dot_general(  # [Kb, M, N]
+        xg, wq.reshape(e, kb, bk, n).astype(x2.dtype), jnp.broadcast_to(sizes, (kb, e)),
+        dims, preferred_element_type=jnp.float32)
+    return jnp.swapaxes(part, 0, 1)
+
+
 def fp8_ragged_dot(x: jax.Array, w: Fp8Weight, sizes: jax.Array, own: jax.Array) -> jax.Array:
     """jax.lax.ragged_dot(x, W, sizes) for stacked expert weights: x [M, K] with expert
     e's rows contiguous and in expert order (sizes [E] of them; rows past sum(sizes) come
@@ -126,12 +164,16 @@ def fp8_ragged_dot(x: jax.Array, w: Fp8Weight, sizes: jax.Array, own: jax.Array)
     valid id for the rows past sum(sizes)), which picks its block scales.
 
     As fp8_linear: the e4m3 experts are the product's operand (converted to x's dtype
-    inside it), one ragged product per K-block (a batch dimension of ragged_dot_general)
-    gives f32 partials [Kb, M, N], and each row's expert's scales weigh them. The
-    partials cost 8 * Kb * M * N bytes written and read against 5 * E * K * N for a
-    dequantized copy of every expert (read e4m3, write and read it in bf16): the blocked
-    product moves less up to M ~ E * bk * 5 / 8 rows, so the copy is made only past
-    BLOCKED_MAX_ROWS rows per expert on average (prefill of many tokens)."""
+    inside it) and each K-block's f32 partial products are weighed by their block's
+    scales. XLA GPU runs a ragged dot as a dense product over every group with the rows
+    masked per group, so the two ways to get the partials cost (compiled for an H100,
+    scripts/bench/fp8_aot.py, per weight byte): groups of (expert, K-block) pairs read
+    the weights once but expand the rows Kb-fold, ~1 + 4 * M * Kb / N; the K-block as a
+    batch dimension copies the weights transposed every call, ~3. The pairs are taken
+    while M * Kb <= N / 2 (DeepSeek-V3's down projection up to ~28 decode rows of 8
+    pairs, its gate only at 1-2; bf16 is ~2). Many rows (past BLOCKED_MAX_ROWS per
+    expert on average) take one dequantized copy of the experts instead (~5, but the
+    product is then compute bound)."""
     e, _, n = w.shape
     bk, bn = w.block
     m = x.shape[0]
@@ -139,18 +181,13 @@ def fp8_ragged_dot(x: jax.Array, w: Fp8Weight, sizes: jax.Array, own: jax.Array)
     if kb > 1 and m > BLOCKED_MAX_ROWS * e:
         return jax.lax.ragged_dot(x, dequantize(w, x.dtype), sizes)
     x2, wq = _pad_k(x, w.w, kb, bk)
+    s = _repeat_last(w.scale[own], bn)[..., :n]  # [M, Kb, N]: each row's expert's scales
     if kb == 1:  # per channel / per tensor: one product, its columns scaled after
         part = jax.lax.ragged_dot(x2, wq.astype(x.dtype), sizes,
-                                  preferred_element_type=jnp.float32)[None]  # [1, M, N]
+                                  preferred_element_type=jnp.float32)  # [M, N]
+        return (part * s[:, 0]).astype(x.dtype)
+    if 2 * m * kb <= n:
+        part = _ragged_by_pairs(x2, wq, sizes, own, kb)
     else:
-        xg = jnp.swapaxes(x2.reshape(m, kb, bk), 0, 1)  # [Kb, M, bk]
-        wg = wq.reshape(e, kb, bk, n).astype(x.dtype)  # [E, Kb, bk, N]
-        dims = jax.lax.RaggedDotDimensionNumbers(
-            dot_dimension_numbers=(([2], [2]), ([0], [1])),
-            lhs_ragged_dimensions=[1], rhs_group_dimensions=[0])
-        part = jax.lax.ragged_dot_general(  # [Kb, M, N]
-            xg, wg, jnp.broadcast_to(sizes, (kb, e)), dims,
-            preferred_element_type=jnp.float32)
-    s = _repeat_last(w.scale[own], bn)[..., :n]  # [M, Kb, N]: each row's expert's scales
-    y = jnp.einsum("gmn,mgn->mn", part, s)  # [M, N] f32
-    return y.astype(x.dtype)
+        part = _ragged_by_blocks(x2, wq, sizes, kb)
+    return jnp.einsum("mgn,mgn->mn", part, s).astype(x.dtype)  # [M, N]

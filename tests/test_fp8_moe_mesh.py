@@ -29,16 +29,19 @@ needs_4 = pytest.mark.skipif(jax.device_count() < 4,
                              reason="needs 4 (fake) devices: tests/conftest.py sets them")
 
 
-@pytest.mark.parametrize("block", [(16, 8), (40, 1), (40, 24)],
-                         ids=["block-ragged-k", "per-channel", "per-tensor"])
+@pytest.mark.parametrize("block,n", [((16, 8), 24), ((16, 8), 96), ((40, 1), 24),
+                                     ((40, 24), 24)],
+                         ids=["block-ragged-k", "block-ragged-k-by-pairs", "per-channel",
+                              "per-tensor"])
 @pytest.mark.parametrize("blocked_max_rows", [64, 1], ids=["blocked", "dequantized"])
-def test_ragged_product_equals_dequantized(block, blocked_max_rows, monkeypatch):
-    """Both of fp8_ragged_dot's products (K-blocked partials with each row's expert's
-    scales; one dequantized copy past BLOCKED_MAX_ROWS rows per expert) equal
-    ragged_dot over the dequantized experts, including an empty expert and a row past
-    sum(sizes) (zeros)."""
+def test_ragged_product_equals_dequantized(block, n, blocked_max_rows, monkeypatch):
+    """Each of fp8_ragged_dot's products (K-block partials from (expert, K-block) groups
+    where 2 * M * Kb <= N, else with the K-block as a batch dimension, weighed by each
+    row's expert's scales; one dequantized copy past BLOCKED_MAX_ROWS rows per expert)
+    equals ragged_dot over the dequantized experts, including an empty expert and a row
+    past sum(sizes) (zeros)."""
     monkeypatch.setattr(fp8, "BLOCKED_MAX_ROWS", blocked_max_rows)
-    e, k, n, m = 4, 40, 24, 10
+    e, k, m = 4, 40, 10
     kb, nb = -(-k // block[0]), -(-n // block[1])
     w = Fp8Weight(jax.random.normal(jax.random.key(1), (e, k, n)).astype(FP8),
                   jax.random.uniform(jax.random.key(2), (e, kb, nb), minval=0.5, maxval=2.0),
