@@ -176,8 +176,8 @@ def fp8_scale_spec(name: str, spec: PartitionSpec, shape: Sequence[int],
             raise ValueError(
                 f"{name}: FP8 weight of shape {tuple(shape)} with {block[0]} x {block[1]} "
                 f"scale blocks cannot be split {n} ways over {axis!r} along {dim} = {size}: "
-                f"each shard's {size // n} {dim}-rows are not whole blocks of {b} (use a "
-                f"smaller --{axis} or a checkpoint dequantized to bf16)")
+                f"a shard's {size / n:g} of {dim} is not a whole number of blocks of {b} "
+                f"(use a smaller --{axis} or a checkpoint dequantized to bf16)")
         out.append(axis)
     return PartitionSpec(*out)
 

@@ -161,11 +161,12 @@ def test_unaligned_fp8_split_is_refused_with_the_tensor_name(tmp_path):
     fp8_dir, _ = _fp8_copy(tmp_path, (32, 32))
     mesh = sharding.make_mesh(tp=4)
     with pytest.raises(CheckpointError, match=r"q_proj\.weight \(wq\).*split 4 ways over "
-                                              r"'tp' along N = 64.*not whole blocks of 32"):
+                                              r"'tp' along N = 64: a shard's 16 of N is not "
+                                              r"a whole number of blocks of 32"):
         hf_loader.restore_hf(str(fp8_dir), "float32", mesh=mesh, keep_fp8=True)
     cfg, one, _ = hf_loader.restore_hf(str(fp8_dir), "float32", keep_fp8=True)
-    with pytest.raises(ValueError, match=r"\['layers'\]\['wo'\].*along K = 64.*not whole "
-                                         r"blocks of 32"):
+    with pytest.raises(ValueError, match=r"\['layers'\]\['wo'\].*along K = 64: a shard's 16 of "
+                                         r"K is not a whole number of blocks of 32"):
         sharding.fp8_shardings(one, sharding.param_shardings(cfg, mesh), mesh)
 
 
