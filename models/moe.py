@@ -43,6 +43,7 @@ from jax.sharding import PartitionSpec as P
 
 from models import layers
 from models.config import ModelConfig
+from models.fp8 import Fp8Weight, fp8_ragged_dot
 from models.layers import compute_logits, embed, fuse_projections, gated_mlp, unstack_layers
 
 __all__ = ["compute_logits", "embed", "forward", "fuse_projections", "init_params",
@@ -175,6 +176,15 @@ def clamped_swiglu(gate: jax.Array, up: jax.Array, alpha: float, limit: float) -
     return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
+def _grouped(xs: jax.Array, w: jax.Array | Fp8Weight, sizes: jax.Array,
+             own: jax.Array) -> jax.Array:
+    """xs [M, K] grouped by expert (sizes [E]) through each group's expert w [E, K, N] ->
+    [M, N]; FP8 experts (models/fp8.py) take their block-scaled product."""
+    if isinstance(w, Fp8Weight):
+        return fp8_ragged_dot(xs, w, sizes, own)
+    return jax.lax.ragged_dot(xs, w, sizes)
+
+
 def experts(recv_x: jax.Array, recv_e: jax.Array, lp: dict,
             cfg: ModelConfig | None = None) -> jax.Array:
     """The gated MLP of each received pair through its local expert: recv_x [R, C, D],
@@ -187,20 +197,21 @@ def experts(recv_x: jax.Array, recv_e: jax.Array, lp: dict,
     order = jnp.argsort(es, stable=True)  # group the pairs by expert; empties last
     sizes = jnp.bincount(es, length=n_local).astype(jnp.int32)  # [El]
     xs = xs[order]  # [R*C, D]
-    # Each sorted pair's expert, for its biases; the empties take expert n_local - 1's,
-    # and their rows of the result are never read (combine reads the real pairs only).
+    # Each sorted pair's expert, for its biases and FP8 scales; the empties take expert
+    # n_local - 1's, and their rows of the result are never read (combine reads the real
+    # pairs only).
     own = jnp.minimum(es[order], n_local - 1)  # [R*C]
     if "we_gate_up" in lp:
-        gu = jax.lax.ragged_dot(xs, lp["we_gate_up"], sizes) + lp["be_gate_up"][own]
+        gu = _grouped(xs, lp["we_gate_up"], sizes, own) + lp["be_gate_up"][own]
         g, u = gu[:, ::2], gu[:, 1::2]  # [R*C, Fm] each: the columns interleave
     else:
-        g = jax.lax.ragged_dot(xs, lp["we_gate"], sizes)  # [R*C, Fm]
-        u = jax.lax.ragged_dot(xs, lp["we_up"], sizes)
+        g = _grouped(xs, lp["we_gate"], sizes, own)  # [R*C, Fm]
+        u = _grouped(xs, lp["we_up"], sizes, own)
     if cfg is not None and cfg.expert_act == "clamped_swiglu":
         act = clamped_swiglu(g, u, cfg.swiglu_alpha, cfg.swiglu_limit)
     else:
         act = jax.nn.silu(g) * u
-    ys = jax.lax.ragged_dot(act, lp["we_down"], sizes)  # [R*C, D]
+    ys = _grouped(act, lp["we_down"], sizes, own)  # [R*C, D]
     if "be_down" in lp:
         ys = ys + lp["be_down"][own]
     return jnp.zeros_like(ys).at[order].set(ys).reshape(r, c, d)

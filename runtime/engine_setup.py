@@ -181,14 +181,15 @@ def load_draft_model(args: ServerArgs) -> tuple[ModelConfig, dict] | None:
 
 def _restore_hf_folder(args: ServerArgs, path: str, dtype: str) -> tuple[ModelConfig, dict]:
     """A Hugging Face folder straight onto the device or the serving mesh (runtime/
-    hf_loader.py): FP8 weights stay FP8 on one GPU, dequantized elsewhere."""
+    hf_loader.py): FP8 weights stay FP8 on GPUs (a mesh splits their scales with them),
+    dequantized on the CPU."""
     from runtime import checkpoint, hf_loader
 
     # Several processes: each loads to its own device and the runner places its shards.
     mesh = (serving_mesh(args, checkpoint.load_hf_config(path)) if jax.process_count() == 1
             else None)
     cfg, params, stats = hf_loader.restore_hf(path, dtype, mesh=mesh,
-                                              keep_fp8=on_gpu() and mesh is None)
+                                              keep_fp8=on_gpu())
     shard, over = stats.largest_shard_bytes, stats.host_overhead_bytes(not on_gpu())
     memory = ("" if over is None else
               f"; peak RSS {stats.peak_rss_bytes / 2**30:.2f} GiB, the loader's host memory "

@@ -6,7 +6,8 @@ the parameter (runtime/sharding.py), and there casts / transposes / dequantizes 
 its slot of the stacked [L, ...] array, which is updated in place (donated). So host
 memory holds one source tensor at a time: no float32 copy of the model, no full copy of
 a stacked parameter. FP8 checkpoints (runtime/fp8_checkpoint.py) load as
-models/fp8.Fp8Weight (the GPU path) or dequantized to the serving dtype (CPU, mesh).
+models/fp8.Fp8Weight (the GPU path, one device or a mesh, the scales split with their
+weights) or dequantized to the serving dtype (CPU).
 """
 
 from __future__ import annotations
@@ -30,11 +31,12 @@ from models.fp8 import FP8, Fp8Weight, dequantize
 from runtime import checkpoint, checkpoint_deepseek, fp8_checkpoint, mxfp4, sharding
 from runtime.checkpoint import CheckpointError, Params
 
-# Layout keys whose FP8 weights stay FP8 on the GPU path: they reach layers.linear or a
-# plain `x @ w` (Fp8Weight.__rmatmul__). Others (stacked experts, read by einsum) are
-# dequantized at load.
+# Layout keys whose FP8 weights stay FP8 on the GPU path: they reach layers.linear, a
+# plain `x @ w` (Fp8Weight.__rmatmul__) or the experts' ragged product (models/moe.py,
+# models/fp8.fp8_ragged_dot). Others (MLA's projections, read by einsum) are dequantized
+# at load.
 FP8_KEEP_KEYS = {"wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "ws_gate", "ws_up",
-                 "ws_down"}
+                 "ws_down", "we_gate", "we_up", "we_down"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -196,6 +198,15 @@ class _Reader:
     def host(self, name: str) -> np.ndarray:
         return self.owners[name].read_copy(name) if name in self.owners else self.decoded(name)
 
+    def host_f32(self, name: str) -> np.ndarray:
+        """A tensor in f32 on the host, an FP8 one dequantized with its scale."""
+        w = self.host(name).astype(np.float32)
+        if not self.is_fp8(name):
+            return w
+        scale, (bo, bi) = fp8_checkpoint.read_scale(self.scheme, self.owners, name)
+        full = np.repeat(np.repeat(scale, bo, 0), bi, 1)[:w.shape[0], :w.shape[1]]
+        return w * full
+
     def get(self, name: str, sh: Sharding) -> jax.Array:
         return jax.device_put(self.host(name), sh)
 
@@ -211,8 +222,7 @@ def _load_key(reader: _Reader, cfg: ModelConfig, key: str, shape: tuple[int, ...
     if key in checkpoint_deepseek.KV_B_KEYS:  # MLA: each head's key or value rows, split here
         out = checkpoint.aligned_empty(shape, dtype)
         for _, index, name, _ in jobs:
-            out[index] = checkpoint_deepseek.split_kv_b(
-                cfg, key, reader.host(name).astype(np.float32))
+            out[index] = checkpoint_deepseek.split_kv_b(cfg, key, reader.host_f32(name))
         return jax.device_put(out, sh)
     transpose = checkpoint._transposed(cfg, key)
     depth = len(jobs[0][1])
@@ -222,7 +232,7 @@ def _load_key(reader: _Reader, cfg: ModelConfig, key: str, shape: tuple[int, ...
         raise CheckpointError(f"{key}: some source tensors are FP8 and others are not "
                               f"(e.g. {mixed}); a stacked parameter needs one dtype")
     if all(fp8) and keep_fp8 and key in FP8_KEEP_KEYS and transpose:
-        return _load_fp8(reader, shape, jobs, sh, depth)
+        return _load_fp8(reader, key, shape, jobs, sh, depth)
     piece_sh = _piece_sharding(sh, len(shape), depth, transpose)
     if depth == 0:
         (_, _, name, _), = jobs
@@ -237,18 +247,28 @@ def _load_key(reader: _Reader, cfg: ModelConfig, key: str, shape: tuple[int, ...
     return _stack(shape, dtype, sh, depth, transpose, pieces())
 
 
-def _load_fp8(reader: _Reader, shape: tuple[int, ...], jobs: list[checkpoint._Job],
-              sh: Sharding, depth: int) -> Fp8Weight:
-    """A stacked FP8 weight [*grid, K, N] with its stacked scales [*grid, Kb, Nb]."""
+def _load_fp8(reader: _Reader, key: str, shape: tuple[int, ...],
+              jobs: list[checkpoint._Job], sh: Sharding, depth: int) -> Fp8Weight:
+    """A stacked FP8 weight [*grid, K, N] with its stacked scales [*grid, Kb, Nb], the
+    scales on a mesh split with the weight (sharding.fp8_scale_spec)."""
     scales = [(index, *reader.scale(name, sh)) for _, index, name, _ in jobs]  # small
     (bo, bi), s0 = scales[0][2], scales[0][1]
     if any(b != (bo, bi) or s.shape != s0.shape for _, s, b in scales):
         raise CheckpointError(f"{jobs[0][2]} ...: the stacked tensors' FP8 scales differ in "
                               "block or shape")
+    scale_shape = (*shape[:depth], s0.shape[1], s0.shape[0])
+    scale_sh = sh
+    if isinstance(sh, NamedSharding):
+        try:
+            spec = sharding.fp8_scale_spec(f"{jobs[0][2]} ({key})", sh.spec, shape,
+                                           scale_shape, (bi, bo), sh.mesh)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        scale_sh = NamedSharding(sh.mesh, spec)
     rep = _replicated(sh)
     w = _stack(shape, FP8, sh, depth, True,
                ((index, reader.get(name, rep), None, None) for _, index, name, _ in jobs))
-    scale = _stack((*shape[:depth], s0.shape[1], s0.shape[0]), jnp.float32, rep, depth, True,
+    scale = _stack(scale_shape, jnp.float32, scale_sh, depth, True,
                    ((index, s, None, None) for index, s, _ in scales))
     return Fp8Weight(w, scale, (bi, bo))  # ours is [in, out]
 
@@ -273,7 +293,8 @@ def restore_hf(folder: str, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | N
                keep_fp8: bool = False) -> tuple[ModelConfig, Params, LoadStats]:
     """A Hugging Face folder's weights on the device (or `mesh`, with the tensor-parallel
     rules of runtime/sharding.py), cast to `dtype`. FP8 weights stay FP8 where
-    `keep_fp8` (one device; the GPU path) and are dequantized to `dtype` otherwise."""
+    `keep_fp8` (the GPU path; on a mesh their scales split with them) and are
+    dequantized to `dtype` otherwise."""
     t0 = time.perf_counter()
     rss_before = _reset_peak_rss()
     folder = os.path.abspath(folder)
@@ -301,7 +322,7 @@ def restore_hf(folder: str, dtype: str = "bfloat16", mesh: jax.sharding.Mesh | N
     reader = _Reader(owners, scheme, decoded)
     np_dtype = checkpoint.DTYPES[dtype]
     flat = {key: _load_key(reader, cfg, key, shape, by_key[key], np_dtype, target[key],
-                           keep_fp8 and mesh is None)
+                           keep_fp8)
             for key, (shape, _) in checkpoint._flat_shapes(cfg).items()}
     params = checkpoint._unflatten(cfg, flat)
     jax.block_until_ready(params)

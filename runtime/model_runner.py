@@ -90,7 +90,8 @@ class ModelRunner(SamplingLaunch):
             lambda w: w if isinstance(w, Fp8Weight) else jnp.asarray(w, self.dtype), params,
             is_leaf=lambda w: isinstance(w, Fp8Weight))
         if mesh is not None:
-            self.params = jax.device_put(self.params, sharding.param_shardings(model_cfg, mesh))
+            self.params = jax.device_put(self.params, sharding.fp8_shardings(
+                self.params, sharding.param_shardings(model_cfg, mesh), mesh))
         if runner_cfg.per_layer_weights:
             self.params = self.model.unstack_layers(self.params)
         if runner_cfg.fuse_projections and runner_cfg.cpu_matmul != "packed":  # packing fuses

@@ -6,7 +6,9 @@ wq/wk/wv/w_gate/w_up are column-parallel (split on their output dim), wo/w_down 
 row-parallel (split on their input dim), embed/lm_head split on vocab, norms
 replicated. Parameters are replicated across `dp`. MoE expert weights are split on their
 expert dim over `ep` (models/moe.py dispatches tokens to them); the router and the
-shared expert follow the dense rules.
+shared expert follow the dense rules. An FP8 weight's block-scale grid (models/fp8.py)
+is split with it: a column-parallel weight's N with the scale's Nb, a row-parallel
+weight's K with its Kb (fp8_scale_spec).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models.config import ModelConfig
+from models.fp8 import Fp8Weight
 from models.registry import model_module
 
 # Logical name of every dimension of every parameter (see models/params_layout.md).
@@ -150,6 +153,46 @@ def param_shardings(
         specs,
         is_leaf=lambda x: isinstance(x, PartitionSpec),
     )
+
+
+def fp8_scale_spec(name: str, spec: PartitionSpec, shape: Sequence[int],
+                   scale_shape: Sequence[int], block: tuple[int, int],
+                   mesh: Mesh) -> PartitionSpec:
+    """The PartitionSpec of an FP8 weight's scale [..., Kb, Nb] given its weight's
+    [..., K, N] (named `name` in errors): the stacked dims as the weight's; a split K or
+    N splits Kb or Nb with it, which needs each shard to hold whole blocks (a block
+    across two devices would need its scale on both, and the blocked product's partial
+    sums of one block on one device); a scale with one block along the dim (per-channel
+    K, per-tensor) stays whole on every device."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    out = list(spec[:-2])
+    for axis, size, blocks, b, dim in zip(spec[-2:], shape[-2:], scale_shape[-2:], block,
+                                          ("K", "N"), strict=True):
+        n = 1 if axis is None else mesh.shape[axis]
+        if n == 1 or blocks == 1:
+            out.append(None)
+            continue
+        if size % n or (size // n) % b:
+            raise ValueError(
+                f"{name}: FP8 weight of shape {tuple(shape)} with {block[0]} x {block[1]} "
+                f"scale blocks cannot be split {n} ways over {axis!r} along {dim} = {size}: "
+                f"a shard's {size / n:g} of {dim} is not a whole number of blocks of {b} "
+                f"(use a smaller --{axis} or a checkpoint dequantized to bf16)")
+        out.append(axis)
+    return PartitionSpec(*out)
+
+
+def fp8_shardings(params: Any, shardings: Any, mesh: Mesh) -> Any:
+    """`shardings` (param_shardings' tree) with each FP8 weight's entry an Fp8Weight of
+    the weight's sharding and its scale's (fp8_scale_spec), for jax.device_put."""
+    def one(path: tuple, sh: NamedSharding, p: Any) -> Any:
+        if not isinstance(p, Fp8Weight):
+            return sh
+        name = jax.tree_util.keystr(path)
+        scale = fp8_scale_spec(name, sh.spec, p.shape, p.scale.shape, p.block, mesh)
+        return Fp8Weight(sh, NamedSharding(mesh, scale), p.block)
+
+    return jax.tree_util.tree_map_with_path(one, shardings, params)
 
 
 # Logical axes of the KV pool [L, Hkv, P, S, Dh]: each tp rank holds its KV heads' pages,

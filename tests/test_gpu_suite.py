@@ -34,7 +34,7 @@ class _Absent(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _Absent())
 """
-SECTIONS = ["kernels", "attention", "layers", "tbo", "engine", "sweep"]
+SECTIONS = ["kernels", "attention", "layers", "tbo", "engine", "fp8", "sweep"]
 
 
 def _bare_env(tmp: Path) -> dict[str, str]:
@@ -159,6 +159,20 @@ def test_engine_section_measures_startup_throughput_and_itl(suite):
     for name, rec in r["itl"].items():
         assert rec["stream_prefill_intervals"] == 0, name
         assert (rec["long_prefill_intervals"] > 0) == (name != "plain"), name
+
+
+def test_fp8_section_times_the_fp8_step_beside_the_bf16_one(suite):
+    r = suite[0]["sections"]["fp8"]["result"]
+    assert r["errors"] == [] and r["block"] == [16, 16]
+    # The FP8 copy holds each layer matrix in one byte (f32 at smoke size: a quarter).
+    assert r["weight_bytes"]["fp8"] < 0.6 * r["weight_bytes"]["bf16"]
+    steps = r["steps"]
+    assert steps["fp8"]["n"] == steps["bf16"]["n"] > 0
+    assert r["fp8_vs_bf16"] == pytest.approx(steps["fp8"]["median_s"] / steps["bf16"]["median_s"])
+    assert r["meets_target"] == (r["fp8_vs_bf16"] <= r["target"] == 0.6)
+    # The quantized model computes the same function, to e4m3's precision.
+    assert r["logits"]["same_argmax"]
+    assert r["logits"]["max_abs_diff"] < 0.05 * r["logits"]["bf16_max_abs"]
 
 
 def test_a_section_over_its_budget_is_killed_and_the_suite_goes_on(tmp_path):

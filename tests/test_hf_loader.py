@@ -27,8 +27,9 @@ TINY = ROOT / "tests" / "fixtures" / "tiny_models"
 sys.path.insert(0, str(ROOT / "scripts" / "bench"))
 import hf_folder  # noqa: E402
 
-# The tiny Llama's projection weights (the tensors FP8 checkpoints quantize).
-_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projection weights FP8 checkpoints quantize: attention (MLA's too), MLPs and every
+# expert's (DeepSeek-V3 / Qwen3-MoE FP8 releases); routers and norms stay as they are.
+_PROJ = re.compile(r"_proj(_with_mqa)?\.weight$")
 
 
 def _flat(params: dict) -> dict:
@@ -72,15 +73,16 @@ def test_restore_onto_mesh():
 # ---------------------------------------------------------------- FP8
 
 
-def _fp8_copy(tmp_path: Path, block: tuple[int, int] | None, per_channel: bool = False
-              ) -> tuple[Path, Path]:
-    """The tiny Llama quantized to e4m3 (per block, or per output channel as
-    compressed-tensors ships it), and the same weights dequantized in f32."""
-    src = TINY / "llama_untied"
+def _fp8_copy(tmp_path: Path, block: tuple[int, int] | None, per_channel: bool = False,
+              model: str = "llama_untied") -> tuple[Path, Path]:
+    """A tiny fixture (the Llama unless `model`) quantized to e4m3 (per block, or per
+    output channel as compressed-tensors ships it), and the same weights dequantized in
+    f32."""
+    src = TINY / model
     raw = load_file(str(src / "model.safetensors"))
     fp8, deq = {}, {}
     for name, w in raw.items():
-        if not any(p in name for p in _PROJ):
+        if not _PROJ.search(name):
             fp8[name] = deq[name] = w
             continue
         b = (1, w.shape[1]) if per_channel else block
@@ -291,14 +293,15 @@ def test_load_model_serves_fp8_folder(tmp_path, caplog):
 
 
 def test_fp8_folder_onto_mesh_and_orbax(tmp_path):
-    """On a mesh FP8 weights are dequantized into their tensor-parallel shards; the
-    conversion to orbax reads the folder the same way."""
+    """Dequantized at load (the CPU path), FP8 weights land in their tensor-parallel
+    shards; the conversion to orbax reads the folder the same way. (Kept FP8 on a mesh:
+    tests/test_fp8_moe_mesh.py.)"""
     if jax.device_count() < 4:
         pytest.skip("needs 4 (fake) devices: tests/conftest.py sets them")
     fp8, deq = _fp8_copy(tmp_path, (32, 32))
     _, ref = checkpoint.load_hf_safetensors(str(deq))
     mesh = sharding.make_mesh(dp=1, tp=4)
-    cfg, got, _ = hf_loader.restore_hf(str(fp8), "float32", mesh=mesh, keep_fp8=True)
+    cfg, got, _ = hf_loader.restore_hf(str(fp8), "float32", mesh=mesh)
     want = _flat(sharding.param_shardings(cfg, mesh))
     for k, v in _flat(got).items():
         assert v.sharding.is_equivalent_to(want[k], v.ndim), k

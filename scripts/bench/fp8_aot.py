@@ -5,6 +5,10 @@ Compiles, for a GPU target (scripts/bench/gpu_programs.py's compile-only topolog
                                FP8 kinds, `x @ w` in bf16) at R rows
   decode/rows=R/<kind>         the runner's whole one-row DECODE step, Llama-3-8B, per-layer
                                weights, with bf16 or FP8 (128 x 128 block) layer matrices
+  experts/<name>/<kind>/rows=R one MoE layer's expert product (models/moe.py's grouped
+                               product: ragged_dot in bf16, models/fp8.fp8_ragged_dot for
+                               FP8) for R decode rows of top-k pairs, the pairs spread
+                               over the experts as evenly as they go
 and reports per program the bytes its kernels move (scripts/bench/hlo_traffic.py), the
 ratio to bf16, whether every FP8 weight reaches its dot as f8e4m3fn (`fp8_operands`: the
 fusions with a dot that read an f8e4m3fn parameter) and the weight-shaped copies
@@ -33,11 +37,16 @@ from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS  # --target, --rows (of the matmuls), --json, --hlo_dir: gpu_aot's
 flags.DEFINE_bool("decode", True, "also the whole one-row decode step (slower to compile)")
+flags.DEFINE_bool("experts", True, "also the MoE expert products (EXPERTS) at --rows")
 
 # Llama-3-8B's layer matrices [K, N] (ours: [in, out]).
 MATRICES = {"wq": (4096, 4096), "wk": (4096, 1024), "w_gate": (4096, 14336),
             "w_down": (14336, 4096)}
 KINDS = {"bf16": None, "fp8_block": (128, 128), "fp8_channel": "channel"}
+# One MoE layer's stacked experts [E, K, N] and its top-k: Qwen3-30B-A3B (128 experts of
+# 2048 -> 768, top 8) and DeepSeek-V3 (256 of 7168 -> 2048, top 8); gate (up alike), down.
+EXPERTS = {"qwen3_30b_gate": (128, 2048, 768, 8), "qwen3_30b_down": (128, 768, 2048, 8),
+           "dsv3_gate": (256, 7168, 2048, 8), "dsv3_down": (256, 2048, 7168, 8)}
 
 
 def _fp8_dots(text: str) -> int:
@@ -108,6 +117,42 @@ def matmuls(tgt, mesh, rows: list[int], hlo_dir) -> list[dict]:
     return out
 
 
+def experts(tgt, mesh, rows: list[int], hlo_dir) -> list[dict]:
+    """The grouped expert product at decode row counts, bf16 against FP8 experts."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from models.moe import _grouped
+
+    rep = NamedSharding(mesh, PartitionSpec())
+    out = []
+    for name, (e, k, n, top_k) in EXPERTS.items():
+        for r in rows:
+            m = r * top_k  # (token, expert) pairs, sorted by expert as moe.experts sorts
+            x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16, sharding=rep)
+            sizes = jax.ShapeDtypeStruct((e,), jnp.int32, sharding=rep)
+            own = jax.ShapeDtypeStruct((m,), jnp.int32, sharding=rep)
+            for kind, block in KINDS.items():
+                w = (jax.ShapeDtypeStruct((e, k, n), jnp.bfloat16, sharding=rep)
+                     if block is None else _fp8_abstract((e, k, n), block, rep))
+                compiled = jax.jit(_grouped).trace(x, w, sizes, own).lower().compile()
+                rec = _record(f"experts/{name}/{kind}/rows={r}", compiled, tgt, [(e, k, n)],
+                              hlo_dir)
+                # The weights of the experts the pairs can reach (each pair its own expert
+                # at most): the bytes a kernel that reads only those would move.
+                active = min(e, m) * k * n
+                rec.update(pairs=m, active_expert_weight_bytes={
+                    "bf16": 2 * active, "fp8": active}["bf16" if block is None else "fp8"])
+                out.append(rec)
+    base = {(r["program"].split("/")[1], r["program"].split("/")[3]): r["bytes"]
+            for r in out if "/bf16/" in r["program"]}
+    for r in out:
+        _, name, _, rows_ = r["program"].split("/")
+        r["vs_bf16"] = r["bytes"] / base[(name, rows_)]
+    return out
+
+
 def decode_steps(tgt, mesh, hlo_dir) -> list[dict]:
     """The whole one-row decode step, bf16 against FP8 layer matrices."""
     import jax
@@ -151,6 +196,8 @@ def main(argv: list[str]) -> None:
     tgt = gpu_programs.target(FLAGS.target)
     mesh = gpu_programs.compile_only_mesh(tgt)
     records = matmuls(tgt, mesh, [int(r) for r in FLAGS.rows], FLAGS.hlo_dir)
+    if FLAGS.experts:
+        records += experts(tgt, mesh, [int(r) for r in FLAGS.rows], FLAGS.hlo_dir)
     if FLAGS.decode:
         with gpu_programs.compiled_pallas():
             records += decode_steps(tgt, mesh, FLAGS.hlo_dir)

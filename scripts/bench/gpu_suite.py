@@ -21,6 +21,9 @@ budget:
              prompt prefills (plain, multiplexing two-call and fused), all on the GPU
              default layout (one buffer per layer, wq|wk|wv and w_gate|w_up fused); then
              throughput again on the stacked, scanned, unfused weights (its predecessor)
+  fp8        scripts/bench/bench_fp8_step.py: a one-row decode step on random 8B-shaped weights
+             with FP8 (e4m3, 128 x 128 block scales) layer matrices against the bf16 step
+             (target <= 0.6x), both in the GPU default layout
   sweep      scripts/bench/bench_kernels.py --sweep: Mosaic tuning knobs side by side with the
              defaults on three decode shapes (whatever time the others left)
 Why subprocesses: a hung compile is killed at its budget and the suite goes on; a crash
@@ -56,7 +59,8 @@ SCRIPTS = REPO / "scripts" / "bench"
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "gpu_suite_out"), "where the JSON goes")
 flags.DEFINE_bool("smoke", False, "tiny sizes on any machine (a CPU check of the suite)")
-flags.DEFINE_list("sections", ["kernels", "attention", "layers", "tbo", "engine", "sweep"],
+flags.DEFINE_list("sections", ["kernels", "attention", "layers", "tbo", "engine", "fp8",
+                                "sweep"],
                   "sections to run")
 flags.DEFINE_integer("total_budget_s", None, "wall-clock limit of the whole suite (default "
                      "470 s; 1800 s with --smoke, whose sections have no budgets of their "
@@ -89,6 +93,9 @@ SECTIONS = [
     # the whole section 130 s without the per-layer runner.
     Section("engine", "bench_engine.py", ("--parts=throughput,itl,throughput_stacked",),
             ("--smoke", "--parts=throughput,itl,throughput_stacked"), 270),
+    # Two per-layer decode programs (10-13 s each compiled for an H100 on a CPU) and 16 GB
+    # of bf16 weights drawn and quantized on the device; its time comes out of the sweep's.
+    Section("fp8", "bench_fp8_step.py", (), ("--smoke",), 75),
     Section("sweep", "bench_kernels.py", ("--sections=roofline", "--sweep", "--iters=5"),
             ("--sections=roofline", "--sweep", "--smoke"), None),
 ]
