@@ -14,10 +14,11 @@ from jax.sharding import Mesh
 import cpu_kernels
 from models import registry
 from models.config import ModelConfig
-from models.kv_pool import kv_bytes_per_token
+from models.kv_pool import kv_bytes_per_token, ring_layers, ring_pool_pages
 from runtime import prefill_policy, sharding
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.model_runner import ModelRunner
+from runtime.paths import ring_pages
 from runtime.server_args import Platform
 
 if TYPE_CHECKING:
@@ -248,7 +249,8 @@ class RunnerSetup:
     @classmethod
     def from_args(cls, args: ServerArgs, model_cfg: ModelConfig) -> RunnerSetup:
         rcfg = runner_config(args, model_cfg)
-        pages = size_kv_pool(args, model_cfg, rcfg.kv_dtype)
+        pages = size_kv_pool(args, model_cfg, rcfg.kv_dtype,
+                             ring_pages(model_cfg, rcfg, args.page_size))
         if args.dp > 1:  # each data-parallel rank: its share and a padding page of its own
             pages = args.dp * ((pages - 1) // args.dp + 1)
         cache = CacheConfig(page_size=args.page_size, num_pages=pages)
@@ -313,6 +315,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         split_min_tokens=args.split_prefill_min_tokens,
         enable_two_batch_overlap=args.enable_two_batch_overlap,
         num_scheduler_steps=args.num_scheduler_steps,
+        sliding_window_rings=args.sliding_window_rings,
         speculative_num_draft_tokens=(args.speculative_num_draft_tokens
                                       if args.speculative_algorithm else 0),
         tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
@@ -321,21 +324,31 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
     )
 
 
-def size_kv_pool(args: ServerArgs, model_cfg: ModelConfig, dtype: str) -> int:
+def size_kv_pool(args: ServerArgs, model_cfg: ModelConfig, dtype: str,
+                 ring_pages: int = 0) -> int:
     """Number of pages (page 0 included) from max_total_tokens, else from mem_fraction of
-    the free device memory (GPU) or a fixed CPU default."""
-    per_token = kv_bytes_per_token(model_cfg, jnp.dtype(dtype))
+    the free device memory (GPU) or a fixed CPU default. With sliding-window rings of
+    `ring_pages` pages (models/kv_pool.py) a main-pool token costs the global layers only,
+    and the ring pool (one ring per request slot) comes out of the same budget first."""
+    glob, slide = ring_layers(model_cfg) if ring_pages else (range(model_cfg.num_layers), ())
+    per_token = kv_bytes_per_token(model_cfg, jnp.dtype(dtype), len(glob))
+    ring_bytes = (ring_pool_pages(ring_pages, args.max_running_requests + 1) * args.page_size
+                  * kv_bytes_per_token(model_cfg, jnp.dtype(dtype), len(slide)))
     tokens = args.max_total_tokens
     if tokens is None and on_gpu():
         stats = jax.devices()[0].memory_stats() or {}
         free = stats.get("bytes_limit", 0) - stats.get("bytes_in_use", 0)
-        tokens = int(free * args.mem_fraction) // per_token
+        tokens = max(int(free * args.mem_fraction) - ring_bytes, 0) // per_token
     elif tokens is None:
         import psutil
 
-        avail = psutil.virtual_memory().available * args.mem_fraction
-        tokens = min(_CPU_DEFAULT_KV_TOKENS, int(avail) // per_token)
+        avail = psutil.virtual_memory().available * args.mem_fraction - ring_bytes
+        tokens = min(_CPU_DEFAULT_KV_TOKENS, max(int(avail), 0) // per_token)
     pages = tokens // args.page_size + 1
     logger.info("KV pool: %d pages x %d tokens (%.2f GiB)", pages, args.page_size,
                 pages * args.page_size * per_token / 2**30)
+    if ring_pages:
+        logger.info("sliding-window ring pool: %d slots x %d pages x %d tokens (%.2f GiB)",
+                    args.max_running_requests + 1, ring_pages, args.page_size,
+                    ring_bytes / 2**30)
     return pages
