@@ -147,3 +147,25 @@ def test_unsupported_paths_refuse_at_start_up():
     with pytest.raises(ValueError, match="every layer sliding"):
         check_paths(mistral, RunnerConfig(sliding_window_rings=True), cache, None)
     assert ring_pages(cfg, RunnerConfig(), PAGE) == 0
+
+
+def test_the_pool_budget_counts_both_pools(monkeypatch):
+    """--mem_fraction sizes the main pool from what the ring pool leaves, at the global
+    layers' cost per token."""
+    import types
+
+    import psutil
+
+    from runtime.config import ServerArgs
+    from runtime.engine_setup import size_kv_pool
+
+    cfg, _ = checkpoint.load_hf_safetensors(str(FIXTURES / "gemma3"))
+    per_layer = kv_bytes_per_token(cfg, jnp.float32, 1)  # 2 KV heads x 16 x K, V x f32
+    budget = 1000 * PAGE * per_layer  # 1000 pages of one layer
+    monkeypatch.setattr(psutil, "virtual_memory",
+                        lambda: types.SimpleNamespace(available=budget))
+    args = ServerArgs(page_size=PAGE, max_running_requests=8, max_total_tokens=None,
+                      mem_fraction=1.0)
+    assert size_kv_pool(args, cfg, "float32") == 1000 * PAGE // 4 // PAGE + 1  # 4 layers
+    # 9 rings of 4 pages + the padding page, 2 layers: 74 one-layer pages; 926 left for 2
+    assert size_kv_pool(args, cfg, "float32", ring_pages=4) == 926 * PAGE // 2 // PAGE + 1
