@@ -131,6 +131,10 @@ class ModelRunner(SamplingLaunch):
         if mesh is not None:
             self.state = jax.device_put(self.state, self.placement.replicated)
         self.buckets = BucketPlan(runner_cfg, cache_cfg.page_size)
+        if self.ring_pages * cache_cfg.page_size >= self.max_seq_len:
+            logger.warning("sliding-window rings of %d tokens hold the longest context (%d): "
+                           "they save nothing; a smaller --chunked_prefill_size shrinks them",
+                           self.ring_pages * cache_cfg.page_size, self.max_seq_len)
         self.compiled: dict[str, Any] = {}  # every executable by name, set by warmup()
         self._samplers: dict[int, Callable] = {}
         # The last sampled rows and their sampler input (runner_sampling.sample_words).
