@@ -25,6 +25,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from models.config import ModelConfig
+from models.forward_batch import ForwardBatch
 from models.forward_mode import PAD_POSITION
 
 
@@ -169,3 +170,15 @@ def write_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
         return pool.reshape(L, H, P * S, d).at[idx].set(new).reshape(L, H, P, S, d)
 
     return KVPool(k=put(kv.k, k), v=put(kv.v, v))
+
+
+def with_rings(batch: ForwardBatch, kv: KVPool, row_slots: jax.Array) -> ForwardBatch:
+    """`batch` with its rows' ring addresses (ring_addresses) when the pool has rings:
+    row_slots [B] are the rows' request slots (padding rows': the spare last slot)."""
+    if not kv.ring_pages:
+        return batch
+    table, loc = ring_addresses(1 + row_slots * kv.ring_pages, batch.positions,
+                                batch.query_start, kv.ring_pages, kv.page_size,
+                                batch.page_table.shape[1])
+    return batch.replace(ring_page_table=table, ring_out_cache_loc=loc)
+

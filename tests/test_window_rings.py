@@ -140,8 +140,8 @@ def test_ring_addresses_wrap_the_ring():
 def test_unsupported_paths_refuse_at_start_up():
     cfg, _ = checkpoint.load_hf_safetensors(str(FIXTURES / "gemma3"))
     cache = CacheConfig(page_size=PAGE, num_pages=10)
-    for bad in (dict(enable_split_prefill=True), dict(num_scheduler_steps=2),
-                dict(speculative_num_draft_tokens=2), dict(multiplex_fused=True)):
+    for bad in (dict(enable_split_prefill=True), dict(enable_two_batch_overlap=True),
+                dict(multiplex_fused=True)):
         with pytest.raises(ValueError, match="sliding_window_rings"):
             check_paths(cfg, RunnerConfig(sliding_window_rings=True, **bad), cache, None)
     mistral = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2,
@@ -171,3 +171,39 @@ def test_the_pool_budget_counts_both_pools(monkeypatch):
     assert size_kv_pool(args, cfg, "float32") == 1000 * PAGE // 4 // PAGE + 1  # 4 layers
     # 9 rings of 4 pages + the padding page, 2 layers: 74 one-layer pages; 926 left for 2
     assert size_kv_pool(args, cfg, "float32", ring_pages=4) == 926 * PAGE // 2 // PAGE + 1
+
+
+@SLOW
+def test_rings_under_multi_step_and_verify_steps(monkeypatch):
+    """The multi-step decode program (4 steps) and prompt-lookup verify steps (3 drafted
+    tokens a row, always drafting) on rings give the shared pool's tokens."""
+    from tests.test_spec_decode import _AlwaysDrafts
+
+    kw = dict(num_scheduler_steps=4, speculative_num_draft_tokens=3)
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (6, 19, 12)]
+    outs = {}
+    for rings in (True, False):
+        runner = _runner("gemma3", rings, **kw)
+        multi, launch = [], runner.paths["multi_step"].launch
+
+        def counted(batch, launch=launch, multi=multi):
+            pending = launch(batch)
+            if pending is not None:
+                multi.append(batch.steps)
+            return pending
+
+        monkeypatch.setattr(runner.paths["multi_step"], "launch", counted)
+        _, steps = _generate(runner, prompts, 32, num_scheduler_steps=4)
+        assert multi
+        eng = Engine(engine_args(max_prefill_tokens=CHUNK, chunked_prefill_size=CHUNK,
+                                 speculative_algorithm="ngram",
+                                 speculative_num_draft_tokens=3), runner=runner)
+        eng.spec.costs, eng.spec.drafter = None, _AlwaysDrafts()
+        spec = eng.generate(prompts, SamplingParams(temperature=0, max_new_tokens=32,
+                                                    ignore_eos=True))
+        assert "target_verify" in {s.mode for s in eng.trace.steps()}
+        runner.check_no_compiles()
+        outs[rings] = ([o.output_ids for o in steps], [o.output_ids for o in spec])
+    assert outs[True] == outs[False]
+    assert outs[True][0] == outs[True][1]

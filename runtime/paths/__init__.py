@@ -43,9 +43,10 @@ def check_paths(model_cfg: ModelConfig, cfg: RunnerConfig, cache: CacheConfig,
 
 
 def check_rings(model_cfg: ModelConfig, cfg: RunnerConfig, mesh: Mesh | None) -> None:
-    """Sliding-window rings (models/kv_pool.py) run on the plain path of one device; the
-    other paths write the pool layer by layer or through their own programs and would
-    not address the rings, so they are refused rather than run on the wrong pages."""
+    """Sliding-window rings (models/kv_pool.py) run on the plain, multi-step and
+    speculative-verify paths of one device (models/kv_pool.with_rings); the others write
+    the pool layer by layer or through their own programs and would not address the
+    rings, so they are refused rather than run on the wrong pages."""
     if not model_cfg.has_window or model_cfg.uniform_window:
         raise ValueError("sliding_window_rings is for models with sliding and global layers "
                          f"(Gemma 3, gpt-oss); {model_cfg.architecture} has "
@@ -57,20 +58,19 @@ def check_rings(model_cfg: ModelConfig, cfg: RunnerConfig, mesh: Mesh | None) ->
         ("a device mesh (dp / tp / ep)", mesh is not None),
         ("enable_split_prefill / multiplexing", cfg.enable_split_prefill),
         ("multiplex_fused", cfg.multiplex_fused),
-        ("enable_two_batch_overlap", cfg.enable_two_batch_overlap),
-        (f"num_scheduler_steps={cfg.num_scheduler_steps}", cfg.num_scheduler_steps > 1),
-        ("speculative decoding", cfg.speculative_num_draft_tokens > 0)) if on]
+        ("enable_two_batch_overlap", cfg.enable_two_batch_overlap)) if on]
     if off:
-        raise ValueError(f"sliding_window_rings runs plain steps on one device; not with "
-                         f"{', '.join(off)} yet")
+        raise ValueError("sliding_window_rings runs the plain, multi-step and verify steps on "
+                         f"one device; not with {', '.join(off)} yet")
 
 
 def ring_pages(model_cfg: ModelConfig, cfg: RunnerConfig, page_size: int) -> int:
-    """Pages of one sliding-window ring (0: no rings): the window and the longest extend
-    one row can take in a step (the largest extend bucket)."""
+    """Pages of one sliding-window ring (0: no rings): the window and the most tokens
+    one row can feed in a step (the largest extend bucket, or a verify row's)."""
     if not cfg.sliding_window_rings:
         return 0
-    longest = max([*cfg.extend_token_buckets, *(s[0] for s in cfg.mixed_shapes)])
+    longest = max([*cfg.extend_token_buckets, *(s[0] for s in cfg.mixed_shapes),
+                   cfg.speculative_num_draft_tokens + 1])
     return ring_pages_for(max(model_cfg.layer_windows), longest, page_size)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from models.forward_batch import ForwardBatch
 from models.forward_mode import ForwardMode
-from models.kv_pool import ring_addresses
+from models.kv_pool import with_rings
 from runtime.batch_builder import (
     BucketShape,
     flatten_inputs,
@@ -132,11 +132,7 @@ class PlainPath(ExecPath):
                             arrays["input_ids"])
             batch = ForwardBatch(**{**arrays, "input_ids": ids}, mode=key.mode,
                                  num_extend_tokens=te, num_extend_seqs=be)
-            if kv.ring_pages:  # each slot's ring, padding rows' included (models/kv_pool.py)
-                table, loc = ring_addresses(1 + row_slots * kv.ring_pages, batch.positions,
-                                            batch.query_start, kv.ring_pages,
-                                            kv.page_size, shape.num_pages_per_seq)
-                batch = batch.replace(ring_page_table=table, ring_out_cache_loc=loc)
+            batch = with_rings(batch, kv, row_slots)
             return model.forward(params, kv, batch, cfg, backend, mesh=mesh)  # [B, V], pool
 
         place = r.placement
