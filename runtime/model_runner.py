@@ -127,7 +127,10 @@ class ModelRunner(SamplingLaunch):
                                prompt_mask=jnp.zeros((s, v), bool))
         # On a mesh, outputs keep the inputs' placement, so a donated pool stays where it
         # was and every call of an executable sees the shardings it was compiled for.
-        self.placement = MeshPlacement(mesh, None if mesh is None else KVPool(k=kv_sh, v=kv_sh))
+        # The ring pool splits its KV heads over tp as the main pool does.
+        ring_sh = kv_sh if self.ring_pages else None
+        self.placement = MeshPlacement(mesh, None if mesh is None else KVPool(
+            k=kv_sh, v=kv_sh, sk=ring_sh, sv=ring_sh, ring_pages=self.ring_pages))
         if mesh is not None:
             self.state = jax.device_put(self.state, self.placement.replicated)
         self.buckets = BucketPlan(runner_cfg, cache_cfg.page_size)

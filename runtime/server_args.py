@@ -117,7 +117,7 @@ class ServerArgs:
         False, "models with sliding and global layers (Gemma 3, gpt-oss): the sliding "
         "layers keep their K/V in a ring of window + chunk tokens per request, reused as the "
         "context grows; the global layers alone fill the main pool. Turns the prefix cache "
-        "off; not with split prefill, multiplexing, TBO, a draft model or a mesh "
+        "off; not with split prefill, multiplexing, TBO, a draft model or dp / ep "
         "(docs/models.md)")
     disable_overlap_schedule: bool = option(False, "schedule step N+1 only after step N's "
                                             "results are back")

@@ -207,3 +207,23 @@ def test_rings_under_multi_step_and_verify_steps(monkeypatch):
         outs[rings] = ([o.output_ids for o in steps], [o.output_ids for o in spec])
     assert outs[True] == outs[False]
     assert outs[True][0] == outs[True][1]
+
+
+@SLOW
+def test_rings_under_tensor_parallelism():
+    """tp=2 (each device: 2 query heads, 1 KV head of both pools): the shared pool's
+    tokens; dp refuses at start-up."""
+    from runtime.sharding import serving_mesh
+
+    cfg, _ = checkpoint.load_hf_safetensors(str(FIXTURES / "gemma3"))
+    mesh = serving_mesh(cfg, tp=2)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 200, n).tolist() for n in (7, 17)]
+    ringed = _runner("gemma3", True, mesh=mesh)
+    assert ringed.kv.sk.sharding.spec == ringed.kv.k.sharding.spec
+    _, got = _generate(ringed, prompts, 24)
+    _, want = _generate(_runner("gemma3", False, mesh=mesh), prompts, 24)
+    assert [o.output_ids for o in got] == [o.output_ids for o in want]
+    with pytest.raises(ValueError, match="dp / ep meshes"):
+        check_paths(cfg, RunnerConfig(sliding_window_rings=True),
+                    CacheConfig(page_size=PAGE, num_pages=10), serving_mesh(cfg, dp=2))

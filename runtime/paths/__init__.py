@@ -44,9 +44,9 @@ def check_paths(model_cfg: ModelConfig, cfg: RunnerConfig, cache: CacheConfig,
 
 def check_rings(model_cfg: ModelConfig, cfg: RunnerConfig, mesh: Mesh | None) -> None:
     """Sliding-window rings (models/kv_pool.py) run on the plain, multi-step and
-    speculative-verify paths of one device (models/kv_pool.with_rings); the others write
-    the pool layer by layer or through their own programs and would not address the
-    rings, so they are refused rather than run on the wrong pages."""
+    speculative-verify paths, on one device or a tp mesh (models/kv_pool.with_rings); the
+    others write the pool layer by layer or through their own programs and would not
+    address the rings, so they are refused rather than run on the wrong pages."""
     if not model_cfg.has_window or model_cfg.uniform_window:
         raise ValueError("sliding_window_rings is for models with sliding and global layers "
                          f"(Gemma 3, gpt-oss); {model_cfg.architecture} has "
@@ -55,13 +55,14 @@ def check_rings(model_cfg: ModelConfig, cfg: RunnerConfig, mesh: Mesh | None) ->
     if model_cfg.mla is not None:
         raise ValueError("sliding_window_rings: not for multi-head latent attention")
     off = [name for name, on in (
-        ("a device mesh (dp / tp / ep)", mesh is not None),
+        ("dp / ep meshes", mesh is not None and mesh.shape.get("dp", 1)
+         * mesh.shape.get("ep", 1) > 1),
         ("enable_split_prefill / multiplexing", cfg.enable_split_prefill),
         ("multiplex_fused", cfg.multiplex_fused),
         ("enable_two_batch_overlap", cfg.enable_two_batch_overlap)) if on]
     if off:
-        raise ValueError("sliding_window_rings runs the plain, multi-step and verify steps on "
-                         f"one device; not with {', '.join(off)} yet")
+        raise ValueError("sliding_window_rings runs the plain, multi-step and verify steps, "
+                         f"one device or tp; not with {', '.join(off)} yet")
 
 
 def ring_pages(model_cfg: ModelConfig, cfg: RunnerConfig, page_size: int) -> int:
