@@ -37,6 +37,10 @@ class ForwardBatch:
     mode: ForwardMode = struct.field(pytree_node=False)
     num_extend_tokens: int = struct.field(pytree_node=False)  # T_e
     num_extend_seqs: int = struct.field(pytree_node=False)    # B_e
+    # The sliding layers' ring addresses (models/kv_pool.ring_addresses; None: no rings):
+    # the virtual page table [B, Np] and the slot [T] each token's K/V go to.
+    ring_page_table: jax.Array | None = None
+    ring_out_cache_loc: jax.Array | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -26,7 +26,7 @@ from models import mla
 from models.config import ModelConfig, RopeScaling
 from models.forward_batch import ForwardBatch, real_row_mask, real_token_mask
 from models.fp8 import Fp8Weight, concat_columns, fp8_linear
-from models.kv_pool import KVPool, write_kv
+from models.kv_pool import KVPool, ring_layers, write_kv
 from pallas_kernels import get_paged_attention_fn
 
 Mlp = Callable[[dict, jax.Array], jax.Array]
@@ -384,6 +384,31 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
     return o.reshape(q.shape[0], -1)  # [T, Hq*Dh]
 
 
+def attend_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Array,
+                 batch: ForwardBatch, cfg: ModelConfig, attention_backend: str,
+                 mesh: Mesh | None = None, sinks: jax.Array | None = None) -> jax.Array:
+    """attend for model layer `layer` (traced). With sliding-window rings (kv.ring_pages,
+    models/kv_pool.py) a sliding layer reads its row of the ring pool through the batch's
+    ring page table and a global layer its row of the main pool; lax.cond runs only the
+    layer's own, so one scan body serves both kinds."""
+    if not kv.ring_pages:
+        return attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh, sinks)
+    glob, slide = ring_layers(cfg)
+    rows = np.zeros(cfg.num_layers, np.int32)  # each layer's row in its own pool
+    rows[list(glob)] = np.arange(len(glob))
+    rows[list(slide)] = np.arange(len(slide))
+    row = jnp.asarray(rows)[layer]
+    sliding = jnp.asarray(cfg.layer_windows, jnp.int32)[layer] > 0
+    main, rings = KVPool(k=kv.k, v=kv.v), KVPool(k=kv.sk, v=kv.sv)
+    ring_batch = batch.replace(page_table=batch.ring_page_table)
+    return jax.lax.cond(
+        sliding,
+        lambda: attend(q, k, v, rings, row, ring_batch, cfg, attention_backend, mesh, sinks,
+                       model_layer=layer),
+        lambda: attend(q, k, v, main, row, batch, cfg, attention_backend, mesh, sinks,
+                       model_layer=layer))
+
+
 def write_step_kv(kv: KVPool, layers: jax.Array, slots: jax.Array, k: jax.Array,
                   v: jax.Array, mesh: Mesh | None, attention_backend: str,
                   after: jax.Array | None = None) -> KVPool:
@@ -472,7 +497,7 @@ def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
         def body(h, layer):
             q, k, v = jax.lax.switch(layer, qkv_fns, h, *_layer_rope(cos, sin, layer, cfg))
             sinks = jax.lax.switch(layer, sink_fns) if sink_fns else None
-            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh, sinks)
+            o = attend_layer(q, k, v, kv, layer, batch, cfg, attention_backend, mesh, sinks)
             return jax.lax.switch(layer, out_fns, h, o), (k, v)
     else:
         # The packed CPU matmul skips the bucket's padding tokens (their rows come out
@@ -485,7 +510,8 @@ def _layer_body(params: dict, kv: KVPool, batch: ForwardBatch, cfg: ModelConfig,
             if rows is not None:
                 lp = cpu_kernels.only_rows(lp, rows)
             q, k, v = qkv(lp, h, *_layer_rope(cos, sin, layer, cfg), cfg)
-            o = attend(q, k, v, kv, layer, batch, cfg, attention_backend, mesh, lp.get("sinks"))
+            o = attend_layer(q, k, v, kv, layer, batch, cfg, attention_backend, mesh,
+                             lp.get("sinks"))
             return out_mlp(lp, h, o, cfg, mlp), (k, v)
     return body
 
@@ -522,14 +548,25 @@ def run_decoder_layers(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBat
     read inside the loop; this step's K/V are written once after it. `mesh`: see attend.
     """
     n = cfg.num_layers if num_layers is None else num_layers
+    if kv.ring_pages and (n != cfg.num_layers or not isinstance(start, int) or start):
+        raise ValueError("sliding-window rings run the whole layer stack in one call")
     cos, sin = _rope(batch, cfg)
     body = _layer_body(params, kv, batch, cfg, mlp, cos, sin, attention_backend, mesh)
     layers = jnp.arange(n, dtype=jnp.int32) + start
     h, (k, v) = jax.lax.scan(body, h, layers)  # k, v [n, T, Hkv, Dh]
     # h comes from every layer's attention, so the write follows their pool reads even
     # when XLA unrolls a one-layer scan (cpu_kernels.write_kv: else it copies the pool).
-    return h, write_step_kv(kv, layers, batch.out_cache_loc, k, v, mesh, attention_backend,
-                            after=h)
+    if not kv.ring_pages:
+        return h, write_step_kv(kv, layers, batch.out_cache_loc, k, v, mesh,
+                                attention_backend, after=h)
+    glob, slide = (np.asarray(ids, np.int32) for ids in ring_layers(cfg))
+    main = write_step_kv(KVPool(k=kv.k, v=kv.v), jnp.arange(len(glob), dtype=jnp.int32),
+                         batch.out_cache_loc, k[glob], v[glob], mesh, attention_backend,
+                         after=h)
+    rings = write_step_kv(KVPool(k=kv.sk, v=kv.sv), jnp.arange(len(slide), dtype=jnp.int32),
+                          batch.ring_out_cache_loc, k[slide], v[slide], mesh,
+                          attention_backend, after=h)
+    return h, KVPool(k=main.k, v=main.v, sk=rings.k, sv=rings.v, ring_pages=kv.ring_pages)
 
 
 def run_decoder_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: ForwardBatch,
@@ -543,6 +580,8 @@ def run_decoder_layer_range(params: dict, kv: KVPool, h: jax.Array, batch: Forwa
     the loop made XLA CPU copy all of it every trip: a fused multiplexed step took 6-8 s.
     The decode rows of a fused multiplexed step run the layers outside its prefill
     interval this way."""
+    if kv.ring_pages:
+        raise ValueError("sliding-window rings run the whole layer stack in one call")
     cos, sin = _rope(batch, cfg)
     body = _layer_body(params, kv, batch, cfg, mlp, cos, sin, attention_backend, mesh)
 

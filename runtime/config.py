@@ -162,6 +162,9 @@ class RunnerConfig:
     # Drafted tokens a TARGET_VERIFY program scores per row (runtime/paths/spec.py),
     # compiled for every decode bucket when > 0; 0: no speculative decoding.
     speculative_num_draft_tokens: int = 0
+    # A model with sliding and global layers keeps its sliding layers' K/V in per-slot
+    # rings of window + the longest extend (models/kv_pool.py); plain steps only.
+    sliding_window_rings: bool = _ARGS.sliding_window_rings
 
     def __post_init__(self) -> None:
         if self.speculative_num_draft_tokens < 0:

@@ -261,6 +261,11 @@ class Engine:
         config = dataclasses.replace(SchedulerConfig.from_server_args(
             args, CacheConfig(page_size=runner.cache_cfg.page_size, num_pages=num_pages),
             runner.max_seq_len, dp), sliding_window=self.model_cfg.uniform_window)
+        if runner.ring_pages and not config.disable_prefix_cache:
+            # A cached prefix's sliding-layer K/V lived in its request's ring, overwritten
+            # past the window and reused by the next request of that slot: nothing to hit.
+            logger.info("sliding-window rings: prefix cache off")
+            config = dataclasses.replace(config, disable_prefix_cache=True)
         decode_fn = tokenizer.decode if tokenizer else None
         # Decode first by default (runtime/prefill_policy.py), sized from step costs
         # measured now; None: prefill first, or the path a flag picked.

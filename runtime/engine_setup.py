@@ -14,10 +14,11 @@ from jax.sharding import Mesh
 import cpu_kernels
 from models import registry
 from models.config import ModelConfig
-from models.kv_pool import kv_bytes_per_token
+from models.kv_pool import kv_bytes_per_token, ring_layers, ring_pool_pages
 from runtime import prefill_policy, sharding
 from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.model_runner import ModelRunner
+from runtime.paths import ring_pages
 from runtime.server_args import Platform
 
 if TYPE_CHECKING:
@@ -252,7 +253,8 @@ class RunnerSetup:
         """`draft_cfg`: the draft model's (--speculative_algorithm=standalone), whose pool
         shares the memory budget."""
         rcfg = runner_config(args, model_cfg)
-        pages = size_kv_pool(args, model_cfg, rcfg.kv_dtype, draft_cfg)
+        pages = size_kv_pool(args, model_cfg, rcfg.kv_dtype, draft_cfg,
+                             ring_pages(model_cfg, rcfg, args.page_size))
         if args.dp > 1:  # each data-parallel rank: its share and a padding page of its own
             pages = args.dp * ((pages - 1) // args.dp + 1)
         cache = CacheConfig(page_size=args.page_size, num_pages=pages)
@@ -317,6 +319,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         split_min_tokens=args.split_prefill_min_tokens,
         enable_two_batch_overlap=args.enable_two_batch_overlap,
         num_scheduler_steps=args.num_scheduler_steps,
+        sliding_window_rings=args.sliding_window_rings,
         speculative_num_draft_tokens=(args.speculative_num_draft_tokens
                                       if args.speculative_algorithm else 0),
         tbo_token_distribution_threshold=args.tbo_token_distribution_threshold,
@@ -332,26 +335,33 @@ def free_device_bytes() -> int:
 
 
 def size_kv_pool(args: ServerArgs, model_cfg: ModelConfig, dtype: str,
-                 draft_cfg: ModelConfig | None = None) -> int:
+                 draft_cfg: ModelConfig | None = None, ring_pages: int = 0) -> int:
     """Number of pages (page 0 included) from max_total_tokens, else from mem_fraction of
-    the free device memory (GPU) or a fixed CPU default. A draft model (`draft_cfg`) keeps
-    a pool of as many pages (runtime/paths/draft.py) and its q rows: both come out of the
-    mem_fraction budget, so the target's pool shrinks by them."""
-    per_token = kv_bytes_per_token(model_cfg, jnp.dtype(dtype))
-    # The draft's pool per token of the target's, and its q rows ([slots, k, vocab] f32).
-    draft_per_token = 0 if draft_cfg is None else kv_bytes_per_token(draft_cfg,
-                                                                     jnp.dtype(dtype))
+    the free device memory (GPU) or a fixed CPU default. What else lives in the budget
+    comes out of it first:
+    - a draft model (`draft_cfg`) keeps a pool of as many pages (runtime/paths/draft.py)
+      and its q rows, so a token costs the target's and the draft's K/V;
+    - with sliding-window rings of `ring_pages` pages (models/kv_pool.py) a main-pool
+      token costs the global layers only, and the ring pool (one ring per request slot)
+      is reserved."""
+    kv = jnp.dtype(dtype)
+    glob, slide = ring_layers(model_cfg) if ring_pages else (range(model_cfg.num_layers), ())
+    per_token = kv_bytes_per_token(model_cfg, kv, len(glob))
+    draft_per_token = 0 if draft_cfg is None else kv_bytes_per_token(draft_cfg, kv)
     q_bytes = 0 if draft_cfg is None else (4 * (args.max_running_requests + 1)
                                            * args.speculative_num_draft_tokens
                                            * draft_cfg.vocab_size)
+    ring_bytes = (ring_pool_pages(ring_pages, args.max_running_requests + 1) * args.page_size
+                  * kv_bytes_per_token(model_cfg, kv, len(slide))) if ring_pages else 0
+    reserved = q_bytes + ring_bytes
     tokens = args.max_total_tokens
     if tokens is None and on_gpu():
-        budget = int(free_device_bytes() * args.mem_fraction) - q_bytes
+        budget = int(free_device_bytes() * args.mem_fraction) - reserved
         tokens = max(0, budget) // (per_token + draft_per_token)
     elif tokens is None:
         import psutil
 
-        budget = int(psutil.virtual_memory().available * args.mem_fraction) - q_bytes
+        budget = int(psutil.virtual_memory().available * args.mem_fraction) - reserved
         tokens = min(_CPU_DEFAULT_KV_TOKENS, max(0, budget) // (per_token + draft_per_token))
     pages = tokens // args.page_size + 1
     gib = pages * args.page_size / 2**30
@@ -359,4 +369,8 @@ def size_kv_pool(args: ServerArgs, model_cfg: ModelConfig, dtype: str,
                 gib * per_token, "" if draft_cfg is None else
                 f"; the draft model's pool as many pages ({gib * draft_per_token:.2f} GiB) "
                 f"and its q rows ({q_bytes / 2**30:.2f} GiB)")
+    if ring_pages:
+        logger.info("sliding-window ring pool: %d slots x %d pages x %d tokens (%.2f GiB)",
+                    args.max_running_requests + 1, ring_pages, args.page_size,
+                    ring_bytes / 2**30)
     return pages

@@ -49,7 +49,7 @@ from runtime.executable_budget import (
     compile_all,
     footprint,
 )
-from runtime.paths import ExecPath, LaunchedForward, check_paths, enabled_paths
+from runtime.paths import ExecPath, LaunchedForward, check_paths, enabled_paths, ring_pages
 from runtime.runner_sampling import PendingStep, SamplingLaunch
 from runtime.schedule_batch import ScheduleBatch
 from runtime.sharding import MeshPlacement
@@ -103,8 +103,17 @@ class ModelRunner(SamplingLaunch):
             logger.info("weights in 2 MiB pages: %d MiB", huge >> 20)
         kv_sh = None if mesh is None else sharding.kv_sharding(
             model_cfg, kv_pool_shape(model_cfg, cache_cfg), mesh)
+        if draft is not None and runner_cfg.sliding_window_rings:
+            raise ValueError("sliding_window_rings: not with a draft model yet")
+        # Sliding-window rings: one per request slot and one for the padding rows' slot.
+        self.ring_pages = ring_pages(model_cfg, runner_cfg, cache_cfg.page_size)
         self.kv: KVPool = init_kv_pool(model_cfg, cache_cfg, jnp.dtype(runner_cfg.kv_dtype),
-                                       kv_sh)
+                                       kv_sh, self.ring_pages, max_running_requests + 1)
+        if self.ring_pages:
+            logger.info("KV pools: main %d pages x %d global layers, sliding rings %d pages "
+                        "x %d layers (%d slots x %d pages)", self.kv.num_pages,
+                        self.kv.k.shape[0], self.kv.sk.shape[2], self.kv.sk.shape[0],
+                        max_running_requests + 1, self.ring_pages)
         if runner_cfg.attention_backend == "cpu":
             # The CPU attention kernels read each row's pages scattered over the pool: in 2
             # MiB pages, decode steps take 0.92-0.96x the time at 32 rows x 1,024 cached
@@ -119,10 +128,17 @@ class ModelRunner(SamplingLaunch):
                                prompt_mask=jnp.zeros((s, v), bool))
         # On a mesh, outputs keep the inputs' placement, so a donated pool stays where it
         # was and every call of an executable sees the shardings it was compiled for.
-        self.placement = MeshPlacement(mesh, None if mesh is None else KVPool(k=kv_sh, v=kv_sh))
+        # The ring pool splits its KV heads over tp as the main pool does.
+        ring_sh = kv_sh if self.ring_pages else None
+        self.placement = MeshPlacement(mesh, None if mesh is None else KVPool(
+            k=kv_sh, v=kv_sh, sk=ring_sh, sv=ring_sh, ring_pages=self.ring_pages))
         if mesh is not None:
             self.state = jax.device_put(self.state, self.placement.replicated)
         self.buckets = BucketPlan(runner_cfg, cache_cfg.page_size)
+        if self.ring_pages * cache_cfg.page_size >= self.max_seq_len:
+            logger.warning("sliding-window rings of %d tokens hold the longest context (%d): "
+                           "they save nothing; a smaller --chunked_prefill_size shrinks them",
+                           self.ring_pages * cache_cfg.page_size, self.max_seq_len)
         self.compiled: dict[str, Any] = {}  # every executable by name, set by warmup()
         self._samplers: dict[int, Callable] = {}
         # The last sampled rows and their sampler input (runner_sampling.sample_words).

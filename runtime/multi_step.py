@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from models.forward_batch import ForwardBatch, ForwardMode
+from models.kv_pool import with_rings
 from runtime.batch_builder import PAD_POSITION, BucketShape, input_layout, unflatten_inputs
 from runtime.bucket_plan import StepKey
 from runtime.schedule_batch import BatchRow
@@ -129,7 +130,7 @@ def multi_step_fn(key: StepKey, steps: int, page_size: int,
                 page_table=table, seq_lens=jnp.where(live, seq0 + i, 0),
                 query_start=arrays["query_start"], logits_indices=arrays["logits_indices"],
                 mode=ForwardMode.DECODE, num_extend_tokens=0, num_extend_seqs=0)
-            logits, kv = forward(params, kv, batch)  # [B, V]
+            logits, kv = forward(params, kv, with_rings(batch, kv, row_slots))  # [B, V]
             w = words.at[b:2 * b].set(mask0 * live)
             w = w.at[step_at:step_at + b].add(i)
             out, state = sample(state, logits, w)

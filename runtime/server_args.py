@@ -113,6 +113,12 @@ class ServerArgs:
         "--enable_two_batch_overlap override it")
     schedule_policy: str = option("fcfs", "admission order", choices=("fcfs", "lpm"))
     disable_prefix_cache: bool = option(False, "no radix prefix cache")
+    sliding_window_rings: bool = option(
+        False, "models with sliding and global layers (Gemma 3, gpt-oss): the sliding "
+        "layers keep their K/V in a ring of window + chunk tokens per request, reused as the "
+        "context grows; the global layers alone fill the main pool. Turns the prefix cache "
+        "off; not with split prefill, multiplexing, TBO, a draft model or dp / ep "
+        "(docs/models.md)")
     disable_overlap_schedule: bool = option(False, "schedule step N+1 only after step N's "
                                             "results are back")
     # Decode steps per DECODE batch, run on the device in one program when no request can

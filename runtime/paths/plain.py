@@ -18,6 +18,7 @@ import numpy as np
 
 from models.forward_batch import ForwardBatch
 from models.forward_mode import ForwardMode
+from models.kv_pool import with_rings
 from runtime.batch_builder import (
     BucketShape,
     flatten_inputs,
@@ -131,6 +132,7 @@ class PlainPath(ExecPath):
                             arrays["input_ids"])
             batch = ForwardBatch(**{**arrays, "input_ids": ids}, mode=key.mode,
                                  num_extend_tokens=te, num_extend_seqs=be)
+            batch = with_rings(batch, kv, row_slots)
             return model.forward(params, kv, batch, cfg, backend, mesh=mesh)  # [B, V], pool
 
         place = r.placement

@@ -22,6 +22,7 @@ import numpy as np
 
 from models.forward_batch import ForwardBatch, real_token_mask
 from models.forward_mode import ForwardMode
+from models.kv_pool import with_rings
 from runtime import sampling
 from runtime.batch_builder import BucketShape, input_layout, pack_flat, unflatten_inputs
 from runtime.executable_budget import MULTI_STEP_COST, PlanPart
@@ -200,11 +201,12 @@ class SpecPath(ExecPath):
 
         def verify(params, kv, state, flat, words, *draft_q):
             arrays = unflatten_inputs(flat, layout)
-            arrays.pop("row_slots")
+            row_slots = arrays.pop("row_slots")  # [B]
             # Logits at every token, not only each row's last: [T] indices.
             arrays["logits_indices"] = jnp.arange(te, dtype=jnp.int32)
-            batch = ForwardBatch(**arrays, mode=ForwardMode.TARGET_VERIFY,
-                                 num_extend_tokens=te, num_extend_seqs=be)
+            batch = with_rings(ForwardBatch(**arrays, mode=ForwardMode.TARGET_VERIFY,
+                                            num_extend_tokens=te, num_extend_seqs=be),
+                               kv, row_slots)
             h = model.embed(params, batch.input_ids)  # [T, D]
             h, kv = model.run_layers(params, kv, h, batch, cfg, attention_backend=backend,
                                      mesh=mesh)
