@@ -159,8 +159,8 @@ def mesh_placed(runner: Any) -> tuple[Any, Any, Any]:
     params = jax.tree_util.tree_map_with_path(
         lambda p, a: sds(a, param_sharding(p, a, runner.mesh, runner.model_cfg)),
         runner.params)
-    kv = jax.tree.map(sds, runner.kv, runner._kv_sh)
-    state = jax.tree.map(lambda a: sds(a, runner._replicated), runner.state)
+    kv = jax.tree.map(sds, runner.kv, runner.placement.kv)
+    state = jax.tree.map(lambda a: sds(a, runner.placement.replicated), runner.state)
     return params, kv, state
 
 
