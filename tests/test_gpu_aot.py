@@ -88,6 +88,17 @@ def test_traffic_counts_loop_trips_slices_and_weight_copies():
     assert t.unknown_trip_loops == 0
 
 
+def test_traffic_counts_a_data_dependent_loop_at_the_expected_trips():
+    """A while loop without a known trip count (models/moe.py's loop over the routed experts)
+    counts its body `unknown_trips` times, and is reported."""
+    text = _LOOP_HLO.replace(', backend_config={"known_trip_count":{"n":"4"}}', "")
+    once = hlo_traffic.TrafficModel(text).run()
+    assert once.unknown_trip_loops == 1
+    four = hlo_traffic.TrafficModel(_LOOP_HLO).run().bytes
+    assert once.bytes == four / 4
+    assert hlo_traffic.TrafficModel(text, unknown_trips=2.5).run().bytes == 2.5 * once.bytes
+
+
 def test_traffic_pallas_pool_operands_count_the_modelled_read():
     text = """HloModule m, is_scheduled=true
 
