@@ -209,22 +209,33 @@ def _expert_mlp(x: jax.Array, lp: dict, e: jax.Array, cfg: ModelConfig | None) -
     return y + lp["be_down"][e] if "be_down" in lp else y
 
 
-def _routed_experts(xs: jax.Array, es: jax.Array, lp: dict,
-                    cfg: ModelConfig | None) -> jax.Array:
+def _routed_experts(xs: jax.Array, es: jax.Array, lp: dict, cfg: ModelConfig | None,
+                    window: int) -> jax.Array:
     """xs [M, D], es [M] (n_local: empty) -> [M, D]: a while loop over the local experts
-    that received a pair, each trip every row through that expert's MLP, kept for its
-    rows. The trip count is data dependent, so a step reads only the routed experts'
-    weights; the rows ride along (few at decode sizes, see routed_loop_pays)."""
+    that received a pair. The trip count is data dependent, so a step reads only the routed
+    experts' weights. The pairs are sorted by expert and each trip runs the `window` sorted
+    rows from its group's start (a group holds at most one pair per token, so `window` >=
+    the step's tokens covers it), keeping the rows of its expert."""
+    m = xs.shape[0]
     n_local = lp["we_down"].shape[0]
+    window = min(window, m)
+    order = jnp.argsort(es, stable=True)  # group the pairs by expert; empties last
+    xs, sorted_e = xs[order], es[order]  # [M, D], [M]
     sizes = jnp.bincount(es, length=n_local)  # [El]
+    starts = jnp.cumsum(sizes) - sizes  # [El] each group's first sorted row
     routed = jnp.argsort(sizes == 0, stable=True).astype(jnp.int32)  # routed experts first
     trips = jnp.count_nonzero(sizes).astype(jnp.int32)
 
     def trip(i: jax.Array, ys: jax.Array) -> jax.Array:
         e = routed[i]
-        return jnp.where((es == e)[:, None], _expert_mlp(xs, lp, e, cfg), ys)
+        s0 = jnp.minimum(starts[e], m - window)  # the window stays inside; still holds e's
+        y = _expert_mlp(jax.lax.dynamic_slice_in_dim(xs, s0, window), lp, e, cfg)  # [W, D]
+        mine = jax.lax.dynamic_slice_in_dim(sorted_e, s0, window) == e  # [W]
+        kept = jnp.where(mine[:, None], y, jax.lax.dynamic_slice_in_dim(ys, s0, window))
+        return jax.lax.dynamic_update_slice_in_dim(ys, kept, s0, 0)
 
-    return jax.lax.fori_loop(0, trips, trip, jnp.zeros_like(xs))
+    ys = jax.lax.fori_loop(0, trips, trip, jnp.zeros_like(xs))
+    return jnp.zeros_like(ys).at[order].set(ys)
 
 
 def experts(recv_x: jax.Array, recv_e: jax.Array, lp: dict,
@@ -240,9 +251,11 @@ def experts(recv_x: jax.Array, recv_e: jax.Array, lp: dict,
     xs, es = recv_x.reshape(r * c, d), recv_e.reshape(r * c)
     if cfg is not None and _on_gpu():
         k = cfg.num_experts_per_tok
-        if routed_loop_pays(n_local, r, r * c // min(k, n_local) if tokens is None else tokens,
-                            k):
-            return _routed_experts(xs, es, lp, cfg).reshape(r, c, d)
+        tokens = r * c // min(k, n_local) if tokens is None else tokens
+        if routed_loop_pays(n_local, r, tokens, k):
+            # >= 8 rows a trip: a one-row product would become a multiply + reduce that
+            # writes a weight-sized product (docs/gpu.md)
+            return _routed_experts(xs, es, lp, cfg, max(tokens, 8)).reshape(r, c, d)
     order = jnp.argsort(es, stable=True)  # group the pairs by expert; empties last
     sizes = jnp.bincount(es, length=n_local).astype(jnp.int32)  # [El]
     xs = xs[order]  # [R*C, D]
