@@ -185,10 +185,11 @@ def routed_loop_pays(n_local: int, num_ranks: int, tokens: int, k: int) -> bool:
     """Whether the loop over the routed local experts (`_routed_experts`) moves fewer bytes
     than ragged_dot, which XLA's GPU compiler makes a dense product of every received row
     with every local expert. Each loop trip copies its expert's slices before the gemms (a
-    gemm does not read a dynamic slice in place): ~4 experts' worth of bytes a trip at
-    decode sizes (docs/gpu.md), so it pays while a rank's expected routed local experts
-    under uniform routing, for `tokens` tokens of the step on all ranks, stay under a
-    quarter of its experts: at most 4 tokens for Qwen3-30B-A3B (128 experts, top-8)."""
+    gemm does not read a dynamic slice in place): ~3.2 experts' worth of bytes a trip at
+    decode sizes (30 MB for Qwen3-30B-A3B's 9.4 MB, docs/gpu.md), so it is chosen while a
+    rank's expected routed local experts under uniform routing, for `tokens` tokens of the
+    step on all ranks, stay under a quarter of its experts: at most 4 tokens for
+    Qwen3-30B-A3B (128 experts, top-8)."""
     num_experts = n_local * num_ranks
     routed = n_local * (1 - (1 - 1 / num_experts) ** (tokens * k))
     return 4 * routed <= n_local
