@@ -185,15 +185,88 @@ def _grouped(xs: jax.Array, w: jax.Array | Fp8Weight, sizes: jax.Array,
     return jax.lax.ragged_dot(xs, w, sizes)
 
 
+def _on_gpu() -> bool:
+    """Whether this process traces its programs for a GPU (scripts/bench/gpu_programs.py
+    patches it while compiling for compile-only GPUs from a CPU process)."""
+    return jax.default_backend() == "gpu"
+
+
+def routed_loop_pays(n_local: int, num_ranks: int, tokens: int, k: int) -> bool:
+    """Whether the loop over the routed local experts (`_routed_experts`) moves fewer bytes
+    than ragged_dot, which XLA's GPU compiler makes a dense product of every received row
+    with every local expert. Each loop trip copies its expert's slices before the gemms (a
+    gemm does not read a dynamic slice in place): ~3.2 experts' worth of bytes a trip at
+    decode sizes (30 MB for Qwen3-30B-A3B's 9.4 MB, docs/gpu.md), so it is chosen while a
+    rank's expected routed local experts under uniform routing, for `tokens` tokens of the
+    step on all ranks, stay under a quarter of its experts: at most 4 tokens for
+    Qwen3-30B-A3B (128 experts, top-8)."""
+    num_experts = n_local * num_ranks
+    routed = n_local * (1 - (1 - 1 / num_experts) ** (tokens * k))
+    return 4 * routed <= n_local
+
+
+def _expert_mlp(x: jax.Array, lp: dict, e: jax.Array, cfg: ModelConfig | None) -> jax.Array:
+    """x [M, D] through local expert e's gated MLP -> [M, D] (see `experts`)."""
+    if "we_gate_up" in lp:
+        gu = x @ lp["we_gate_up"][e] + lp["be_gate_up"][e]  # [M, 2Fm]
+        g, u = gu[:, ::2], gu[:, 1::2]  # the columns interleave
+    else:
+        g, u = x @ lp["we_gate"][e], x @ lp["we_up"][e]  # [M, Fm] each
+    if cfg is not None and cfg.expert_act == "clamped_swiglu":
+        act = clamped_swiglu(g, u, cfg.swiglu_alpha, cfg.swiglu_limit)
+    else:
+        act = jax.nn.silu(g) * u
+    y = act @ lp["we_down"][e]  # [M, D]
+    return y + lp["be_down"][e] if "be_down" in lp else y
+
+
+def _routed_experts(xs: jax.Array, es: jax.Array, lp: dict, cfg: ModelConfig | None,
+                    window: int) -> jax.Array:
+    """xs [M, D], es [M] (n_local: empty) -> [M, D]: a while loop over the local experts
+    that received a pair. The trip count is data dependent, so a step reads only the routed
+    experts' weights. The pairs are sorted by expert and each trip runs the `window` sorted
+    rows from its group's start (a group holds at most one pair per token, so `window` >=
+    the step's tokens covers it), keeping the rows of its expert."""
+    m = xs.shape[0]
+    n_local = lp["we_down"].shape[0]
+    window = min(window, m)
+    order = jnp.argsort(es, stable=True)  # group the pairs by expert; empties last
+    xs, sorted_e = xs[order], es[order]  # [M, D], [M]
+    sizes = jnp.bincount(es, length=n_local)  # [El]
+    starts = jnp.cumsum(sizes) - sizes  # [El] each group's first sorted row
+    routed = jnp.argsort(sizes == 0, stable=True).astype(jnp.int32)  # routed experts first
+    trips = jnp.count_nonzero(sizes).astype(jnp.int32)
+
+    def trip(i: jax.Array, ys: jax.Array) -> jax.Array:
+        e = routed[i]
+        s0 = jnp.minimum(starts[e], m - window)  # the window stays inside; still holds e's
+        y = _expert_mlp(jax.lax.dynamic_slice_in_dim(xs, s0, window), lp, e, cfg)  # [W, D]
+        mine = jax.lax.dynamic_slice_in_dim(sorted_e, s0, window) == e  # [W]
+        kept = jnp.where(mine[:, None], y, jax.lax.dynamic_slice_in_dim(ys, s0, window))
+        return jax.lax.dynamic_update_slice_in_dim(ys, kept, s0, 0)
+
+    ys = jax.lax.fori_loop(0, trips, trip, jnp.zeros_like(xs))
+    return jnp.zeros_like(ys).at[order].set(ys)
+
+
 def experts(recv_x: jax.Array, recv_e: jax.Array, lp: dict,
-            cfg: ModelConfig | None = None) -> jax.Array:
+            cfg: ModelConfig | None = None, tokens: int | None = None) -> jax.Array:
     """The gated MLP of each received pair through its local expert: recv_x [R, C, D],
     recv_e [R, C] -> [R, C, D]; empty slots (id = local experts) come back as zeros.
     SwiGLU, or cfg.expert_act; gpt-oss's fused interleaved gate|up and biases where lp
-    has them (cfg.expert_bias)."""
+    has them (cfg.expert_bias). `tokens`: the step's tokens on all R ranks (static; None:
+    R * the tokens whose pairs fill C). On a GPU, for few tokens (routed_loop_pays), a
+    loop over the routed local experts; otherwise ragged_dot (and always on a CPU)."""
     r, c, d = recv_x.shape
     n_local = lp["we_down"].shape[0]
     xs, es = recv_x.reshape(r * c, d), recv_e.reshape(r * c)
+    if cfg is not None and _on_gpu():
+        k = cfg.num_experts_per_tok
+        tokens = r * c // min(k, n_local) if tokens is None else tokens
+        if routed_loop_pays(n_local, r, tokens, k):
+            # >= 8 rows a trip: a one-row product would become a multiply + reduce that
+            # writes a weight-sized product (docs/gpu.md)
+            return _routed_experts(xs, es, lp, cfg, max(tokens, 8)).reshape(r, c, d)
     order = jnp.argsort(es, stable=True)  # group the pairs by expert; empties last
     sizes = jnp.bincount(es, length=n_local).astype(jnp.int32)  # [El]
     xs = xs[order]  # [R*C, D]
@@ -228,17 +301,26 @@ Stage = Callable[[dict], dict]
 
 
 def moe_stages(lp: dict, cfg: ModelConfig, axis: str | None = None,
-               num_ranks: int = 1) -> list[Stage]:
+               num_ranks: int = 1, tokens: int | None = None) -> list[Stage]:
     """One rank's MoE MLP as an operation list (SGLang's per-layer stages): each stage
     takes and returns a micro-batch's state dict, starting from {"x": [T, D]} and ending
     with "out" [T, D]. Communication (exchange) opens the dispatch and combine stages, so
     an overlapped schedule can put the other micro-batch's compute beside it
-    (models/moe_overlap.py); moe_block runs the list in order."""
+    (models/moe_overlap.py); moe_block runs the list in order. `tokens`: the real tokens
+    of all ranks (static; None: all of them), the rest padding (expert_parallel pads to a
+    multiple of the ranks), whose pairs go out empty: a padding row's routing would
+    otherwise run experts (zeros route to the lowest ids, all on rank 0)."""
     n_local = lp["we_down"].shape[0]
 
     def prepare(s: dict) -> dict:  # gate, select experts, pack the per-peer buffers
         w, ids = route(s["x"], lp["router"], cfg, lp.get("router_bias"))
         send_x, send_e, where = dispatch(s["x"], ids, num_ranks, n_local)
+        t, k = ids.shape
+        if axis is not None and tokens is not None and tokens < t * num_ranks:
+            real = jax.lax.axis_index(axis) * t + jnp.arange(t) < tokens  # [T]
+            pair_e = send_e[where.dest, where.slot]  # [N]
+            send_e = send_e.at[where.dest, where.slot].set(
+                jnp.where(jnp.repeat(real, k), pair_e, n_local))
         return {**s, "w": w, "where": where, "send_x": send_x, "send_e": send_e}
 
     def dispatch_shared(s: dict) -> dict:  # tokens out; the shared expert needs none of them
@@ -252,7 +334,7 @@ def moe_stages(lp: dict, cfg: ModelConfig, axis: str | None = None,
         return out
 
     def run_experts(s: dict) -> dict:
-        return {**s, "y": experts(s["recv_x"], s["recv_e"], lp, cfg)}  # [R, C, D]
+        return {**s, "y": experts(s["recv_x"], s["recv_e"], lp, cfg, tokens)}  # [R, C, D]
 
     def combine_send(s: dict) -> dict:  # results back to the tokens' ranks
         return {**s, "back": exchange(s["y"], axis)}
@@ -265,11 +347,11 @@ def moe_stages(lp: dict, cfg: ModelConfig, axis: str | None = None,
 
 
 def moe_block(lp: dict, x: jax.Array, cfg: ModelConfig, axis: str | None = None,
-              num_ranks: int = 1) -> jax.Array:
+              num_ranks: int = 1, tokens: int | None = None) -> jax.Array:
     """One rank's MoE MLP over its tokens x [T, D] -> [T, D]; with `axis`, inside a
-    shard_map over it, lp holding this rank's experts."""
+    shard_map over it, lp holding this rank's experts (`tokens`: see moe_stages)."""
     state = {"x": x}
-    for stage in moe_stages(lp, cfg, axis, num_ranks):
+    for stage in moe_stages(lp, cfg, axis, num_ranks, tokens):
         state = stage(state)
     return state["out"]
 
@@ -300,8 +382,9 @@ class MoeMlp:
 
     def __call__(self, lp: dict, x: jax.Array) -> jax.Array:
         if self.ep == 1:
-            return moe_block(lp, x, self.cfg)
-        body = functools.partial(moe_block, cfg=self.cfg, axis=EP_AXIS, num_ranks=self.ep)
+            return moe_block(lp, x, self.cfg, tokens=x.shape[0])
+        body = functools.partial(moe_block, cfg=self.cfg, axis=EP_AXIS, num_ranks=self.ep,
+                                 tokens=x.shape[0])
         return expert_parallel(self.mesh, lambda lp, x: (body(lp, x),), lp, x)[0]
 
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from models import moe, registry
 from models.forward_batch import ForwardMode
@@ -91,3 +92,85 @@ def test_ep4_model_equals_ep1_extend_then_decode():
     for got, want in zip(outs[1], outs[0], strict=True):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-5)
         np.testing.assert_array_equal(got.argmax(-1), want.argmax(-1))
+
+
+def _gpt_oss_experts(rng: np.random.Generator, n: int) -> tuple:
+    """gpt-oss's expert variant on tiny-moe's sizes: fused interleaved gate|up, biases on
+    both products, the clamped SwiGLU; n local experts."""
+    d, f = CFG.hidden_size, CFG.moe_intermediate_size
+    cfg = dataclasses.replace(CFG, expert_bias=True, expert_act="clamped_swiglu",
+                              swiglu_alpha=1.702, swiglu_limit=1.5)
+    lp = {"we_gate_up": rng.standard_normal((n, d, 2 * f)) / np.sqrt(d),
+          "be_gate_up": rng.standard_normal((n, 2 * f)),
+          "we_down": rng.standard_normal((n, f, d)) / np.sqrt(f),
+          "be_down": rng.standard_normal((n, d))}
+    return cfg, {k: jnp.asarray(v, jnp.float32) for k, v in lp.items()}
+
+
+@pytest.mark.parametrize("variant", ["swiglu", "gpt_oss"])
+def test_routed_expert_loop_equals_ragged_dot(variant, monkeypatch):
+    """The GPU's loop over the routed local experts (models/moe.py `_routed_experts`) gives
+    ragged_dot's results on every received pair, for random routings that leave experts
+    empty (and one that routes nothing), with zeros in the empty slots."""
+    rng = np.random.default_rng(3)
+    n_local, r, c = 4, 4, 6
+    if variant == "swiglu":
+        cfg = CFG
+        lp = {k: v[0, :n_local] for k, v in PARAMS["layers"].items()
+              if k in ("we_gate", "we_up", "we_down")}
+    else:
+        cfg, lp = _gpt_oss_experts(rng, n_local)
+    x = jnp.asarray(rng.standard_normal((r, c, CFG.hidden_size)), jnp.float32)
+    for used in ([1], [0, 3], [0, 1, 2, 3], []):
+        e = rng.choice(np.asarray(used + [n_local]), (r, c))  # n_local: an empty slot
+        e = jnp.asarray(e, jnp.int32)
+        want = moe.experts(x, e, lp, cfg)  # the CPU's ragged_dot
+        monkeypatch.setattr(moe, "_on_gpu", lambda: True)
+        monkeypatch.setattr(moe, "routed_loop_pays", lambda *a: True)
+        # tokens = every slot: a group may fill all of them here (a real exchange has at
+        # most one pair per token and expert; the EP tests below run shorter windows)
+        got = jax.jit(moe.experts, static_argnums=(3, 4))(x, e, lp, cfg, r * c)
+        monkeypatch.undo()
+        real = np.asarray(e) < n_local
+        np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real],
+                                   atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got)[~real], 0)
+
+
+@pytest.mark.parametrize("t", [1, 3, 13])  # padded to a multiple of ep: 3, 1 and 3 rows
+def test_ep4_routed_expert_loop_equals_ep1(t, monkeypatch):
+    """EP=4 with the routed-expert loop (a GPU's decode path, forced here for every token
+    count) equals EP=1's ragged_dot on the unbalanced routing; the padding rows send no
+    pair (else their zero rows would route to experts 0 and 1)."""
+    lp, x = _unbalanced_layer(t, seed=t)
+    want = jax.jit(moe.MoeMlp(CFG))(lp, x)
+    monkeypatch.setattr(moe, "_on_gpu", lambda: True)
+    monkeypatch.setattr(moe, "routed_loop_pays", lambda *a: True)
+    got = jax.jit(moe.MoeMlp(CFG, make_mesh(ep=4)))(lp, x)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_padding_rows_send_no_pair():
+    """One token on four ranks: the three padding rows' pairs go out empty, so only the
+    token's top-k pairs reach the experts."""
+    lp, x = _unbalanced_layer(1, seed=5)
+
+    def sent(lp: dict, x: jax.Array) -> jax.Array:  # this rank's experts in lp
+        prepare = moe.moe_stages(lp, CFG, moe.EP_AXIS, 4, tokens=1)[0]
+        return prepare({"x": x})["send_e"][None]  # [1, R, C]
+
+    xp = jnp.pad(x, ((0, 3), (0, 0)))
+    specs = {k: P(moe.EP_AXIS) if k in moe.EXPERT_KEYS else P() for k in lp}
+    f = jax.shard_map(sent, mesh=make_mesh(ep=4), in_specs=(specs, P(moe.EP_AXIS)),
+                      out_specs=P(moe.EP_AXIS))
+    send_e = np.asarray(jax.jit(f)(lp, xp))  # [4 ranks, R, C]
+    n_local = CFG.num_experts // 4
+    assert (send_e < n_local).sum() == CFG.num_experts_per_tok
+    assert (send_e[1:] == n_local).all()
+
+
+@pytest.mark.parametrize(("tokens", "pays"), [(1, True), (4, True), (8, False), (32, False)])
+def test_routed_loop_pays_for_qwen3_30b_decode_at_ep8(tokens, pays):
+    """Qwen3-30B-A3B at ep=8 (16 of 128 experts a GPU, top-8): the loop while a GPU expects
+    at most a quarter of its experts routed (3.6 of 16 at 4 tokens, 6.3 at 8)."""
+    assert moe.routed_loop_pays(16, 8, tokens, 8) is pays

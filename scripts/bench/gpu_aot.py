@@ -13,7 +13,8 @@ also counts the step's collectives (launches per step, and their bytes).
 
 Per program (one JSON record each, and a table on stdout):
   bytes          bytes its kernels read and write (scripts/bench/hlo_traffic.py: loop trip counts
-                 multiplied in, Pallas attention at the modelled KV read)
+                 multiplied in, Pallas attention at the modelled KV read; a MoE step's loop
+                 over its routed experts at the expected count, `unknown_trips`)
   perfect_bytes  weights read once (the embedding's gathered rows only) + the KV read by
                  its rows at --context tokens each + the KV it writes + its inputs and outputs
   ratio          bytes / perfect_bytes
@@ -177,6 +178,16 @@ def _kv_split(runner) -> int:
     return _split(runner, "kv_heads", runner.model_cfg.kv_size)
 
 
+def routed_local_experts(runner, tokens: int) -> float:
+    """A GPU's expected routed local experts for `tokens` tokens under uniform routing (the
+    perfect program's model): the trips of models/moe.py's loop over them, a while loop
+    whose trip count the HLO cannot know."""
+    cfg = runner.model_cfg
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    n_local = e // (1 if runner.mesh is None else runner.mesh.shape.get("ep", 1))
+    return n_local * (1 - (1 - 1 / e) ** (tokens * k))
+
+
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
                "collective-permute", "ragged-all-to-all")
 
@@ -201,11 +212,13 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: 
     kv_item = jnp.dtype(runner.cfg.kv_dtype).itemsize
     read = ((rows or 0) * context * cfg.kv_size * kv_item / _kv_split(runner)
             if s and s.num_pages_per_seq else 0)
-    traffic = hlo_traffic.TrafficModel(text, pool, read, weight_shapes(runner)).run()
+    tokens = (s.num_extend_tokens + s.num_decode_seqs) if s else None
+    trips = routed_local_experts(runner, tokens) if cfg.is_moe and tokens else 1.0
+    traffic = hlo_traffic.TrafficModel(text, pool, read, weight_shapes(runner), trips).run()
     perfect = perfect_bytes(runner, name, context)
     mem = compiled.memory_analysis()
     return dict(program=name, target=tgt.name, model=model, layers=layers, rows=rows,
-                tokens=(s.num_extend_tokens + s.num_decode_seqs) if s else None,
+                tokens=tokens, unknown_trips=trips,
                 context=context, bytes=traffic.bytes, perfect_bytes=perfect,
                 ratio=traffic.bytes / perfect if perfect else None,
                 weight_copies=sum(c.count for c in traffic.copies),

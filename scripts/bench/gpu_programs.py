@@ -74,9 +74,10 @@ def compile_only_mesh(tgt: Target, shape: tuple[int, ...] = (1,),
 @contextlib.contextmanager
 def compiled_pallas() -> Iterator[None]:
     """The "pallas" attention backend as on a GPU: compiled kernels, not the interpreter
-    that a CPU default backend picks (pallas_kernels._interpret)."""
+    that a CPU default backend picks (pallas_kernels._interpret); and models/moe.py's GPU
+    expert product (its `_on_gpu` asks the default backend, here the CPU)."""
     import pallas_kernels
-    from models import layers
+    from models import layers, moe
     from pallas_kernels.ragged_paged_attention import paged_attention
 
     def get(backend: str) -> Callable:
@@ -84,12 +85,12 @@ def compiled_pallas() -> Iterator[None]:
             return functools.partial(paged_attention, interpret=False)
         return pallas_kernels.get_paged_attention_fn(backend)
 
-    saved = layers.get_paged_attention_fn
-    layers.get_paged_attention_fn = get
+    saved, saved_on_gpu = layers.get_paged_attention_fn, moe._on_gpu
+    layers.get_paged_attention_fn, moe._on_gpu = get, lambda: True
     try:
         yield
     finally:
-        layers.get_paged_attention_fn = saved
+        layers.get_paged_attention_fn, moe._on_gpu = saved, saved_on_gpu
 
 
 def abstract_runner(model_cfg: Any, cache_cfg: Any, runner_cfg: Any, max_running: int,
@@ -159,8 +160,8 @@ def mesh_placed(runner: Any) -> tuple[Any, Any, Any]:
     params = jax.tree_util.tree_map_with_path(
         lambda p, a: sds(a, param_sharding(p, a, runner.mesh, runner.model_cfg)),
         runner.params)
-    kv = jax.tree.map(sds, runner.kv, runner._kv_sh)
-    state = jax.tree.map(lambda a: sds(a, runner._replicated), runner.state)
+    kv = jax.tree.map(sds, runner.kv, runner.placement.kv)
+    state = jax.tree.map(lambda a: sds(a, runner.placement.replicated), runner.state)
     return params, kv, state
 
 

@@ -4,8 +4,9 @@ XLA's own HloCostAnalysis counts a while loop's body once and custom calls (cuBL
 Pallas) not at all, so the engine's layer loop and attention kernels would vanish from
 it. This walks the scheduled module instead: every instruction outside fusions is one
 kernel (or none: bitcasts, tuples, parameters), costed at the bytes it reads plus the bytes
-it writes, times the trip counts of the loops around it (`known_trip_count`; the largest
-branch of a conditional).
+it writes, times the trip counts of the loops around it (`known_trip_count`, else the
+caller's `unknown_trips`: a data-dependent loop's expected trips; the largest branch of a
+conditional).
 - A fusion reads an operand whole unless the fused code only slices it (dynamic-slice,
   slice, gather): then it reads the slices. A fusion whose root updates an operand in
   place (dynamic-update-slice, scatter) writes the update, not the buffer.
@@ -169,8 +170,10 @@ class TrafficModel:
     """Walks a parsed module from its entry; see the module docstring for the costs."""
 
     def __init__(self, text: str, kv_pool_bytes: int = 0, kv_read_per_call: float = 0.0,
-                 weight_shapes: Iterable[tuple[int, ...]] = ()) -> None:
+                 weight_shapes: Iterable[tuple[int, ...]] = (),
+                 unknown_trips: float = 1.0) -> None:
         self.comps, self.entry = parse(text)
+        self.unknown_trips = unknown_trips
         self.kv_pool_bytes, self.kv_read = kv_pool_bytes, kv_read_per_call
         self.weight_shapes = {_norm(s) for s in weight_shapes}
 
@@ -196,7 +199,7 @@ class TrafficModel:
                 n = re.search(r'"known_trip_count":\{"n":"(\d+)"\}', ins.attrs)
                 t.unknown_trip_loops += n is None
                 self._walk(self.comps[_called(ins.attrs, "body")[0]],
-                           mult * (int(n.group(1)) if n else 1), t)
+                           mult * (int(n.group(1)) if n else self.unknown_trips), t)
             elif ins.op == "conditional":
                 branches = (_called(ins.attrs, "branch_computations")
                             or _called(ins.attrs, "true_computation")
