@@ -5,6 +5,8 @@ weights dequantized, on the 4 fake CPU devices of tests/conftest.py."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,7 +23,7 @@ from runtime import checkpoint, hf_loader, sharding
 from runtime.batch_builder import BucketShape
 from runtime.checkpoint import CheckpointError
 from runtime.config import CacheConfig
-from tests.model_utils import SimpleRow, make_batch
+from tests.model_utils import TINY, SimpleRow, make_batch
 from tests.test_hf_loader import _fp8_copy
 
 PAGE = 4
@@ -189,3 +191,30 @@ def test_runner_on_a_tp_mesh_with_fp8_weights_generates_as_dequantized(tmp_path)
     ps = prompts(cfg.vocab_size)[:3]
     check_same(each_alone(runner, ps, greedy, 64),
                each_alone(small_runner(cfg, deq), ps, greedy, 64))
+
+
+def test_routed_expert_loop_takes_fp8_experts(monkeypatch):
+    """The GPU's loop over the routed local experts (models/moe.py `_routed_experts`) indexes
+    FP8 experts per trip (Fp8Weight[e]) and gives the dequantized experts' results."""
+    rng = np.random.default_rng(5)
+    n, d, f, block = 4, 32, 24, (16, 8)
+
+    def fp8(key: int, k: int, cols: int) -> Fp8Weight:
+        w = jax.random.normal(jax.random.key(key), (n, k, cols)) / np.sqrt(k)
+        scale = jax.random.uniform(jax.random.key(key + 1),
+                                   (n, -(-k // block[0]), -(-cols // block[1])),
+                                   minval=0.5, maxval=2.0)
+        return Fp8Weight(w.astype(FP8), scale, block)
+
+    lp = {"we_gate": fp8(1, d, f), "we_up": fp8(3, d, f), "we_down": fp8(5, f, d)}
+    deq = {k: dequantize(v) for k, v in lp.items()}
+    cfg = dataclasses.replace(TINY, hidden_size=d, moe_intermediate_size=f)
+    x = jnp.asarray(rng.standard_normal((2, 3, d)), jnp.float32)
+    e = jnp.asarray(rng.choice(np.asarray([0, 2, n]), (2, 3)), jnp.int32)  # n: empty slot
+    want = moe.experts(x, e, deq, cfg)
+    monkeypatch.setattr(moe, "_on_gpu", lambda: True)
+    monkeypatch.setattr(moe, "routed_loop_pays", lambda *a: True)
+    got = jax.jit(moe.experts, static_argnums=(3, 4))(x, e, lp, cfg, 6)
+    real = np.asarray(e) < n
+    np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real],
+                               atol=1e-4, rtol=1e-4)
