@@ -110,7 +110,9 @@ def test_multiplexing_on_the_mesh_matches_plain(tp):
     the plain path on the same mesh, in strict no-recompile mode; the interval programs
     run attention on each device's own heads too."""
     reference = _dense_reference()  # first: a warm-up later would count as our compilation
-    runner = _runner(DENSE, llama.init_params(DENSE, jax.random.key(3)), tp=tp, **SPLIT)
+    # One extend bucket of 4 sequences: half the split and fused programs to compile.
+    runner = _runner(DENSE, llama.init_params(DENSE, jax.random.key(3)), tp=tp,
+                     extend_seq_buckets=(4,), **SPLIT)
     pool = "f32[" + ",".join(map(str, runner.kv.k.shape)) + "]"
     for name in runner.paths["split_prefill"].names + runner.paths["fused"].names:
         assert not re.search(re.escape(pool) + r"\S* all-gather",
