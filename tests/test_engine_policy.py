@@ -114,12 +114,12 @@ def test_the_policy_adds_only_its_mixed_programs():
     on = runner_config(ServerArgs(attention_backend="xla", cpu_matmul="xla"), CFG)
     off = runner_config(ServerArgs(attention_backend="xla", cpu_matmul="xla",
                                    itl_target_ms=0), CFG)
-    assert off.mixed_shapes == () and len(on.mixed_shapes) == 4
+    assert off.mixed_shapes == () and len(on.mixed_shapes) == 5  # 64, 96, 128, 256, 512
     from runtime.bucket_plan import BucketPlan
 
     keys_on, keys_off = BucketPlan(on, 16).step_keys(), BucketPlan(off, 16).step_keys()
     mixed = [k for k in keys_on if k.mode is ForwardMode.MIXED]
-    assert len(keys_on) - len(keys_off) == len(mixed) == 4 * len(on.kv_len_buckets)
+    assert len(keys_on) - len(keys_off) == len(mixed) == 5 * len(on.kv_len_buckets)
 
     def rows(keys):
         return {k.shape.num_extend_seqs + k.shape.num_decode_seqs for k in keys}
