@@ -24,7 +24,7 @@ import cpu_kernels
 from cpu_kernels import PackedWeight, at_layer, packed_matmul
 from models import mla
 from models.config import ModelConfig, RopeScaling
-from models.forward_batch import ForwardBatch, real_row_mask, real_token_mask
+from models.forward_batch import ForwardBatch, ForwardMode, real_row_mask, real_token_mask
 from models.fp8 import Fp8Weight, concat_columns, fp8_linear
 from models.kv_pool import KVPool, ring_layers, write_kv
 from pallas_kernels import get_paged_attention_fn
@@ -365,6 +365,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, kv: KVPool, layer: jax.Arra
                            num_extend_tokens=batch.num_extend_tokens,
                            num_extend_seqs=batch.num_extend_seqs, sm_scale=cfg.sm_scale,
                            logit_softcap=cfg.attn_logit_softcapping)
+    if batch.mode is ForwardMode.TARGET_VERIFY and attention_backend == "xla":
+        # Rows of 1 + k tokens on their caches: the jnp decode walk reads each row's prefix
+        # once (attention_ref._verify); the CPU and Pallas extend kernels already do.
+        fn = functools.partial(fn, verify_width=batch.num_extend_tokens // batch.num_extend_seqs)
     variants = {"window": layer_window(cfg, layer if model_layer is None else model_layer),
                 "sinks": sinks}
     variants = {name: x for name, x in variants.items() if x is not None}

@@ -95,28 +95,46 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, *, sm_
     """q [B, Hq, Dh], k_new/v_new [B, Hkv, Dh]: each row's one query sits at position
     seq_len - 1 and attends to its pool prefix and to its own new key.
 
-    The prefix is walked in blocks of _DECODE_BLOCK_TOKENS with an online softmax, for as
-    many blocks as the batch's longest prefix needs (a dynamic trip count): the cost
-    follows the context the rows have, not the width of their KV bucket, which is up to
-    4x larger. The row's own key seeds the softmax, so no block is concatenated. With a
-    window the walk starts at the block of the earliest key any live row sees: blocks
-    wholly before every row's window are not read."""
+    The prefix is walked in blocks of _DECODE_BLOCK_TOKENS with an online softmax
+    (_walk_prefix). The row's own key seeds the softmax, so no block is concatenated."""
     b, hq, d = q.shape
     hkv = k_new.shape[1]
-    s_page = k_pool.shape[3]
     qg = q.reshape(b, hkv, hq // hkv, d).transpose(1, 0, 2, 3)  # [Hkv, B, G, Dh]
     m = _scores(qg, k_new, "hbgd,bhd->hbg", sm_scale, logit_softcap)  # [Hkv, B, G] running max
     l = jnp.ones_like(m)  # running sum of exp(s - m)
     acc = jnp.broadcast_to(v_new.transpose(1, 0, 2)[:, :, None].astype(jnp.float32),
                            (*m.shape, d))  # [Hkv, B, G, Dh]
-    q_pos = (seq_lens - 1)[:, None]  # [B, 1]
+    prefix = seq_lens - 1  # [B]
+    m, l, acc = _walk_prefix(qg, prefix, prefix[:, None], seq_lens, (m, l, acc), k_pool,
+                             v_pool, layer, page_table, sm_scale=sm_scale, window=window,
+                             logit_softcap=logit_softcap)
+    if sinks is not None:
+        sinks = sinks.astype(jnp.float32).reshape(hkv, 1, hq // hkv)  # [Hkv, 1, G]
+    l, acc = _with_sinks(m, l, acc, sinks)
+    out = (acc / l[..., None]).astype(q.dtype)  # [Hkv, B, G, Dh]; l >= 1 (own key)
+    return out.transpose(1, 0, 2, 3).reshape(b, hq, d)
+
+
+def _walk_prefix(qg, prefix_len, q_pos, seq_lens, carry, k_pool, v_pool, layer, page_table,
+                 *, sm_scale, window, logit_softcap):
+    """The decode walk: queries qg [Hkv, B, Q, Dh] at positions q_pos [B, Q] (or [B, 1])
+    against their row's pool keys [0, prefix_len) [B], folded into the online-softmax
+    carry (m, l [Hkv, B, Q], acc [Hkv, B, Q, Dh]).
+
+    The prefix goes by in blocks of _DECODE_BLOCK_TOKENS, for as many blocks as the
+    batch's longest prefix needs (a dynamic trip count): the cost follows the context the
+    rows have, not the width of their KV bucket, which is up to 4x larger. With a window
+    the walk starts at the block of the earliest key any live row (seq_len > 0) sees:
+    blocks wholly before every row's window are not read."""
+    s_page = k_pool.shape[3]
     bp = max(1, min(page_table.shape[1], _DECODE_BLOCK_TOKENS // s_page))  # pages per block
     n_pages = -(-page_table.shape[1] // bp) * bp
     page_table = jnp.pad(page_table, ((0, 0), (0, n_pages - page_table.shape[1])))
-    needed = (jnp.max(q_pos) + bp * s_page - 1) // (bp * s_page)  # blocks holding a prefix
+    needed = (jnp.max(prefix_len) + bp * s_page - 1) // (bp * s_page)  # blocks holding a prefix
     first_block = 0
     if window is not None:  # all rows padding: past `needed`, no trips
-        live = jnp.where(seq_lens > 0, window_start(q_pos[:, 0], window), jnp.iinfo(jnp.int32).max)
+        live = jnp.where(seq_lens > 0, window_start(prefix_len, window),
+                         jnp.iinfo(jnp.int32).max)
         first_block = jnp.min(live) // (bp * s_page)
 
     def block(i, carry):
@@ -124,31 +142,81 @@ def _decode(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, *, sm_
         pages = lax.dynamic_slice_in_dim(page_table, i * bp, bp, axis=1)  # [B, bp]
         k = _gather_pages(k_pool, layer, pages)  # [Hkv, B, bp * S, Dh]
         v = _gather_pages(v_pool, layer, pages)
-        kv_pos = i * bp * s_page + jnp.arange(bp * s_page)[None, :]  # [1, bp * S]
-        mask = ((kv_pos < q_pos) & _in_window(kv_pos, q_pos, window))[None, :, None]
+        kv_pos = i * bp * s_page + jnp.arange(bp * s_page)[None, None, :]  # [1, 1, bp * S]
+        mask = ((kv_pos < prefix_len[:, None, None])
+                & _in_window(kv_pos, q_pos[:, :, None], window))[None]  # [1, B, Q|1, bp * S]
         # Scores and p @ v as multiply-reduce, not einsum: XLA CPU runs an [Hkv x B]-
         # batched dot of G-row matrices slowly, a fused multiply-reduce well (B=32 at
         # 200 context, 30 layers: 72 against 126 ms; a decode step 165-181 against 226).
         raw = (qg[:, :, :, None].astype(jnp.float32) * k[:, :, None].astype(jnp.float32)
-               ).sum(-1) * sm_scale  # [Hkv, B, G, bp * S]
+               ).sum(-1) * sm_scale  # [Hkv, B, Q, bp * S]
         s = jnp.where(mask, _softcap(raw, logit_softcap), _MASKED)
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[..., None]) * mask  # [Hkv, B, G, bp * S]
-        pv = (p[..., None] * v[:, :, None].astype(jnp.float32)).sum(-2)  # [Hkv, B, G, Dh]
+        p = jnp.exp(s - m_new[..., None]) * mask  # [Hkv, B, Q, bp * S]
+        pv = (p[..., None] * v[:, :, None].astype(jnp.float32)).sum(-2)  # [Hkv, B, Q, Dh]
         return m_new, l * alpha + p.sum(axis=-1), acc * alpha[..., None] + pv
 
     if bp == n_pages:  # one block: no loop
-        m, l, acc = block(0, (m, l, acc))
-    else:  # the blocks also read the pool and the page table, perhaps on other mesh axes
-        carry = tuple(varying_like(c, k_pool, v_pool, page_table, seq_lens, layer)
-                      for c in (m, l, acc))
-        m, l, acc = lax.fori_loop(first_block, needed, block, carry)
-    if sinks is not None:
-        sinks = sinks.astype(jnp.float32).reshape(hkv, 1, hq // hkv)  # [Hkv, 1, G]
+        return block(0, carry)
+    # The blocks also read the pool and the page table, perhaps on other mesh axes.
+    carry = tuple(varying_like(c, k_pool, v_pool, page_table, seq_lens, layer) for c in carry)
+    return lax.fori_loop(first_block, needed, block, carry)
+
+
+def _verify(q, k_new, v_new, k_pool, v_pool, layer, page_table, seq_lens, query_start,
+            positions, *, width, sm_scale, window=None, sinks=None, logit_softcap=0.0):
+    """A TARGET_VERIFY batch's extend half, laid out as _extend's (q [T_e, Hq, Dh], rows
+    back to back from query_start [B + 1]), each row at most W = `width` tokens (its
+    last token and its drafts) on its cached prefix (page_table [B, Np]); T_e = B * W.
+
+    A row's W queries attend to the same pool prefix, so they go through the decode walk
+    (_walk_prefix) as W * G query heads of their KV head: the prefix is read once per row
+    (_extend's one pass scores every token against every row's page-table slots, B x W x
+    B x Np pairs: 8 rows of 5 tokens on SmolLM2 took 3.4x the forward of the CPU
+    kernels), and its cost follows the context, so one page-table width serves all. The
+    row's new keys seed the online softmax, causally masked. Tokens past a row's first W
+    and padding rows come out 0."""
+    t, hq, d = q.shape
+    hkv = k_new.shape[1]
+    g, b = hq // hkv, page_table.shape[0]
+    first = query_start[:b]  # [B]
+    j = jnp.arange(width)
+    # Row r's token j is token first[r] + j if the row has it; the others sit past every
+    # position (their outputs are dropped), so a real query's causal mask excludes them.
+    has = j[None, :] < (query_start[1:b + 1] - first)[:, None]  # [B, W]
+    idx = jnp.clip(first[:, None] + j[None, :], 0, t - 1)  # [B, W]
+    pos = jnp.where(has, positions[idx], jnp.iinfo(jnp.int32).max)  # [B, W]
+    qg = q[idx].reshape(b, width, hkv, g, d).transpose(2, 0, 1, 3, 4).reshape(
+        hkv, b, width * g, d)  # [Hkv, B, W * G, Dh], query index w * G + g
+    kn = k_new[idx].transpose(2, 0, 1, 3)  # [Hkv, B, W, Dh]
+    vn = v_new[idx].transpose(2, 0, 1, 3)
+    q_pos = jnp.repeat(pos, g, axis=1)  # [B, W * G]
+    # Every query sees its own key (a padding one too), so l > 0.
+    new = ((pos[:, None, :] <= q_pos[:, :, None])
+           & _in_window(pos[:, None, :], q_pos[:, :, None], window))[None]  # [1, B, WG, W]
+    s = jnp.where(new, _scores(qg, kn, "hbqd,hbkd->hbqk", sm_scale, logit_softcap), _MASKED)
+    m = s.max(axis=-1)  # [Hkv, B, W * G]
+    p = jnp.exp(s - m[..., None]) * new
+    acc = jnp.einsum("hbqk,hbkd->hbqd", p, vn.astype(jnp.float32),
+                     preferred_element_type=jnp.float32)  # [Hkv, B, W * G, Dh]
+    # [B] cached tokens of each row (a padding row, seq_len 0, may hold padding tokens)
+    prefix = jnp.where(has[:, 0] & (seq_lens > 0), pos[:, 0], 0)
+    m, l, acc = _walk_prefix(qg, prefix, q_pos, seq_lens, (m, p.sum(axis=-1), acc), k_pool,
+                             v_pool, layer, page_table, sm_scale=sm_scale, window=window,
+                             logit_softcap=logit_softcap)
+    if sinks is not None:  # [Hq] -> [Hkv, 1, W * G]: each head's logit at all W positions
+        sinks = jnp.tile(sinks.astype(jnp.float32).reshape(hkv, 1, 1, g),
+                         (1, 1, width, 1)).reshape(hkv, 1, width * g)
     l, acc = _with_sinks(m, l, acc, sinks)
-    out = (acc / l[..., None]).astype(q.dtype)  # [Hkv, B, G, Dh]; l >= 1 (own key)
-    return out.transpose(1, 0, 2, 3).reshape(b, hq, d)
+    out = (acc / l[..., None]).reshape(hkv, b, width, g, -1).transpose(1, 2, 0, 3, 4)
+    out = out.reshape(b * width, hq, -1)  # [B * W, Hq, Dh], row r's token j at r * W + j
+    # Back to the token axis: token i is token i - first[r] of its row r.
+    row = jnp.searchsorted(query_start[1:b + 1], jnp.arange(t), side="right")  # [T_e]
+    at = jnp.arange(t) - jnp.take(first, row, mode="clip")
+    keep = (row < b) & (at < width)
+    return jnp.where(keep[:, None, None], out[jnp.clip(row * width + at, 0, t - 1)],
+                     0).astype(q.dtype)
 
 
 def _extend(q, k_new, v_new, k_pool, v_pool, layer, page_table, query_start,
@@ -252,18 +320,25 @@ def paged_attention_ref(
     logit_softcap: float = 0.0,
     decode_fn: Callable | None = None,
     extend_fn: Callable | None = None,
+    verify_width: int = 0,
 ) -> jax.Array:
     """Attention for the extend rows then the decode rows of a batch -> [T, Hq, Dh].
 
     decode_fn / extend_fn: the decode rows' / extend tokens' attention with _decode's /
     _extend's signature (the CPU backend passes cpu_kernels.decode_attention and
-    extend_attention); None: the jnp paths above."""
+    extend_attention); None: the jnp paths above. verify_width > 0: the extend rows are a
+    TARGET_VERIFY batch's, each at most that many tokens, and the jnp path scores them
+    with the decode walk (_verify)."""
     te, be = num_extend_tokens, num_extend_seqs
     if window is not None:
         window = jnp.asarray(window, jnp.int32)
     common = dict(sm_scale=sm_scale, window=window, sinks=sinks, logit_softcap=logit_softcap)
     parts = []
-    if te:
+    if te and verify_width and extend_fn is None:
+        parts.append(_verify(q[:te], k_new[:te], v_new[:te], k_pool, v_pool, layer,
+                             page_table[:be], seq_lens[:be], query_start[:be + 1],
+                             positions[:te], width=verify_width, **common))
+    elif te:
         parts.append((extend_fn or _extend)(q[:te], k_new[:te], v_new[:te], k_pool, v_pool,
                                             layer, page_table[:be], query_start[:be + 1],
                                             positions[:te], **common))

@@ -77,28 +77,19 @@ class BucketPlan:
             return [self._pages(n) for n in self.cfg.kv_len_buckets]
         return self.decode_widths()
 
-    def verify_shape(self, rows: int, max_ctx: int, k: int) -> BucketShape:
-        """The TARGET_VERIFY bucket of `rows` rows of 1 + k tokens over at most `max_ctx`
-        cached tokens: an extend step whose rows are decode_buckets."""
-        c = self.cfg
-        b = smallest_fitting(c.decode_buckets, rows, "verify rows")
-        widths = self._verify_widths()
-        np_ = widths[-1] if len(widths) == 1 else self._pages(
-            smallest_fitting(c.kv_len_buckets, max_ctx, "sequence length"))
-        return BucketShape(b * (k + 1), b, 0, np_)
+    def verify_shape(self, rows: int, k: int) -> BucketShape:
+        """The TARGET_VERIFY bucket of `rows` rows of 1 + k tokens: an extend step whose
+        rows are decode_buckets."""
+        b = smallest_fitting(self.cfg.decode_buckets, rows, "verify rows")
+        return BucketShape(b * (k + 1), b, 0, self.decode_widths()[-1])
 
     def verify_shapes(self, k: int) -> list[BucketShape]:
-        """Every TARGET_VERIFY bucket: decode_buckets x the verify page-table widths."""
+        """Every TARGET_VERIFY bucket, one per decode bucket. Its page-table width is
+        decode's: every backend's verify attention reads each row's prefix up to its
+        length (the CPU and Pallas extend kernels; the jnp path walks it as decode does,
+        attention_ref._verify), so a wider table costs only its host packing."""
         return [BucketShape(b * (k + 1), b, 0, n) for b in self.cfg.decode_buckets
-                for n in self._verify_widths()]
-
-    def _verify_widths(self) -> list[int]:
-        """A verify row is an extend over its cache, through the jnp attention on both CPU
-        backends (whose cost follows the table width: one width per kv_len bucket); the
-        Pallas kernels read up to seq_lens and take one width."""
-        if self.cfg.attention_backend in ("xla", "cpu"):
-            return [self._pages(n) for n in self.cfg.kv_len_buckets]
-        return self.decode_widths()
+                for n in self.decode_widths()]
 
     @property
     def _prefixless_extend(self) -> bool:

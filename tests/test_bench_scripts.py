@@ -496,8 +496,13 @@ def test_bench_multi_step_smoke(tmp_path: Path) -> None:
 
 def test_bench_spec_smoke(tmp_path: Path) -> None:
     """scripts/bench/bench_spec.py at a tiny size: plain and prompt lookup alternately on one
-    runner, both prompt sets, the same greedy tokens, acceptance reported."""
-    r = _run("bench_spec.py", tmp_path, "--rounds=2", "--streams=4", png=False)
+    runner, both prompt sets, the same greedy tokens, acceptance reported; bare decode and
+    verify steps timed at 1 and 4 rows."""
+    r = _run("bench_spec.py", tmp_path, "--rounds=2", "--streams=4", "--step_rounds=2",
+             png=False)
+    for rows in ("rows_1", "rows_4"):
+        step = r["bare_steps"][rows]
+        assert step["decode_ms"] > 0 and step["verify_ms"] > 0, step
     assert set(r["results"]) == {"copy_heavy", "chat"}
     for res in r["results"].values():
         s = res["summary"]

@@ -173,6 +173,23 @@ def test_decode_reads_each_weight_once(target, rows):
 
 
 @needs_plugin
+def test_verify_moves_about_what_decode_and_its_sampler_move():
+    """A k=4 TARGET_VERIFY step at 8B on an H100 (1 and 8 rows of 5 tokens, sampling inside)
+    reads each weight once: within 1.05x / 1.2x the bytes of a DECODE step of as many rows
+    plus its sampler, and no weight-sized copy."""
+    import gpu_aot
+
+    recs = {r["program"]: r for r in gpu_aot.run(
+        "h100", "8b", ["default"], [1, 8], r"^(decode|target_verify|sample)/", context=512,
+        kv_tokens=131072, log=lambda _: None, draft_tokens=4)}
+    for rows, margin in ((1, 1.05), (8, 1.2)):
+        verify = recs[f"target_verify/bd{rows}_k4_np512"]
+        decode = recs[f"decode/te0_be0_bd{rows}_np512"]["bytes"] + recs[f"sample/B{rows}"]["bytes"]
+        assert verify["weight_copies"] == 0, verify
+        assert verify["bytes"] <= margin * decode, (verify["bytes"], decode)
+
+
+@needs_plugin
 def test_tbo_ep8_all_to_alls_overlap_the_other_micro_batch():
     """The TBO program (tiny-moe's layer loop, two 32-row micro-batches) compiled for eight
     H100s (1x1x8) with the runner's TBO options: every expert-parallel all-to-all is an

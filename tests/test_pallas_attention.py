@@ -208,6 +208,33 @@ def test_reference_extend_one_row(monkeypatch):
     _check([(77, 33)], [], page_size=16, group=3, dtype=jnp.float32, spare_row=False)
 
 
+@pytest.mark.parametrize("window,cap,sinks,spare_row", [(None, 0.0, False, True),
+                                                          (37, 5.0, True, True),
+                                                          (None, 0.0, False, False)])
+def test_reference_verify_is_extend(monkeypatch, window, cap, sinks, spare_row):
+    """A TARGET_VERIFY batch (rows of at most W = 5 tokens on cached prefixes, back to
+    back, the bucket's padding after them) through the decode walk (verify_width) gives
+    the extend path's outputs for every real token. One-page walk blocks make the rows
+    span 1 to 10 of them; without a spare row the padding sits in the last row's range."""
+    from pallas_kernels import attention_ref
+    monkeypatch.setattr(attention_ref, "_DECODE_BLOCK_TOKENS", 16)
+    width, rows = 5, [(5, 20), (1, 143), (3, 7), (5, 0), (2, 16)]
+    n_rows = len(rows) + spare_row
+    batch, n_pages = _batch(rows, [], 16, pad_tokens=n_rows * width - 16, spare_row=spare_row)
+    assert batch.num_extend_tokens == n_rows * width
+    args = _inputs(batch, n_pages, 16, 3, jnp.float32, seed=2)
+    kw = dict(num_extend_tokens=batch.num_extend_tokens, num_extend_seqs=batch.num_extend_seqs,
+              sm_scale=DH ** -0.5, logit_softcap=cap)
+    sink_arr = _sinks(3, 2) if sinks else None
+    ext_fn, extra = _traced_variants(functools.partial(paged_attention_ref, **kw), window,
+                                     sink_arr)
+    ver_fn, _ = _traced_variants(functools.partial(paged_attention_ref, verify_width=width,
+                                                   **kw), window, sink_arr)
+    ext, ver = np.asarray(ext_fn(*args, *extra)), np.asarray(ver_fn(*args, *extra))
+    assert np.isfinite(ver).all()
+    np.testing.assert_allclose(ver[:16], ext[:16], atol=1e-5, rtol=1e-5)
+
+
 def test_reference_extend_without_page_table(monkeypatch):
     """Fresh prompts run with a page table of width 0 (the runner's prefixless EXTEND
     executables): same result as with the rows' (empty-prefix) pages listed."""

@@ -8,18 +8,21 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from models import llama
 from models.forward_mode import ForwardMode
+from models.kv_pool import init_kv_pool
+from runtime.batch_builder import BucketShape
 from runtime.config import CacheConfig, RunnerConfig
 from runtime.engine import Engine
 from runtime.model_runner import ModelRunner
 from runtime.ngram import NgramDrafter
 from runtime.request import SamplingParams
 from tests.engine_utils import PAGE, check_same, engine_args, mixed_prompts
-from tests.model_utils import TINY
+from tests.model_utils import TINY, SimpleRow, all_position_logits, make_batch
 
 CFG = dataclasses.replace(TINY, max_position_embeddings=256)
 K = 4
@@ -182,3 +185,47 @@ class _ByPosition:
     def draft(self, seq: list[int], k: int) -> list[int]:
         i = len(seq) - self.start
         return self.tokens[i:i + k]
+
+
+@pytest.mark.parametrize("attention", ["xla", "cpu"])
+def test_verify_forward_logits_equal_extend(attention):
+    """A TARGET_VERIFY forward (rows of at most 1 + K tokens on cached prefixes, the
+    bucket's padding after them; on "xla" its attention is the decode walk,
+    attention_ref._verify) gives at every real token the logits a single EXTEND over the
+    row's whole sequence gives there."""
+    params = llama.init_params(CFG, jax.random.key(5))
+    rng = np.random.default_rng(7)
+    width, page = K + 1, PAGE
+    rows = [(37, 5), (3, 1), (150, 4), (20, 2)]  # (cached prefix, new tokens) per row
+    seqs = [list(rng.integers(0, CFG.vocab_size, pre + n)) for pre, n in rows]
+    pages, next_page = [], 1
+    for pre, n in rows:
+        count = -(-(pre + n) // page)
+        pages.append(list(range(next_page, next_page + count)))
+        next_page += count
+    kv = init_kv_pool(CFG, CacheConfig(page_size=page, num_pages=next_page), jnp.float32)
+    ctx = max(len(p) for p in pages)
+
+    @functools.partial(jax.jit, static_argnames="mode")
+    def run(kv, batch, mode):
+        batch = batch.replace(mode=mode)
+        h, kv = llama.run_layers(params, kv, llama.embed(params, batch.input_ids), batch, CFG,
+                                 attention_backend=attention)
+        return llama.compute_logits(params, h, jnp.arange(batch.num_tokens), CFG), kv
+
+    # The prefixes into the pool, one EXTEND row each.
+    cached = [SimpleRow(s[:pre], 0, p) for s, (pre, _), p in zip(seqs, rows, pages, strict=True)]
+    n_cached = sum(pre for pre, _ in rows)
+    _, kv = run(kv, make_batch(ForwardMode.EXTEND, cached, [],
+                               BucketShape(n_cached, len(rows), 0, 0), page),
+                ForwardMode.EXTEND)
+    # The verify step: 5 row slots (one padding row), 3 padding tokens at the end.
+    new = [SimpleRow(s[pre:], pre, p) for s, (pre, _), p in zip(seqs, rows, pages, strict=True)]
+    shape = BucketShape(5 * width, 5, 0, ctx)
+    got, _ = run(kv, make_batch(ForwardMode.TARGET_VERIFY, new, [], shape, page),
+                 ForwardMode.TARGET_VERIFY)
+    t = 0
+    for s, (pre, n) in zip(seqs, rows, strict=True):
+        want = all_position_logits(params, CFG, s, page_size=page)[pre:]
+        np.testing.assert_allclose(np.asarray(got[t:t + n]), want, atol=2e-4, rtol=2e-4)
+        t += n

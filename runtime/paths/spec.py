@@ -85,9 +85,9 @@ class SpecPath(ExecPath):
     def plan_parts(self) -> list[PlanPart]:
         c = self.runner.cfg
         return [PlanPart("TARGET_VERIFY", len(self.shapes), MULTI_STEP_COST,
-                         f"--speculative_algorithm: {len(c.decode_buckets)} decode_buckets x "
-                         "page-table widths, each row 1 + --speculative_num_draft_tokens "
-                         "tokens")]
+                         "--speculative_algorithm: one per decode bucket "
+                         f"({len(c.decode_buckets)}), each row 1 + "
+                         "--speculative_num_draft_tokens tokens")]
 
     def lowerings(self, params: Any, kv: Any, state: Any) -> Iterable[Lowering]:
         r = self.runner
@@ -106,9 +106,7 @@ class SpecPath(ExecPath):
     def bucket_for(self, batch: ScheduleBatch) -> BucketShape | None:
         if batch.mode is not ForwardMode.TARGET_VERIFY:
             return None
-        rows = batch.decode_rows
-        return self.runner.buckets.verify_shape(len(rows), max(r.start_pos for r in rows),
-                                                self.k)
+        return self.runner.buckets.verify_shape(len(batch.decode_rows), self.k)
 
     def launch(self, batch: ScheduleBatch) -> PendingStep | None:
         if batch.mode is not ForwardMode.TARGET_VERIFY:

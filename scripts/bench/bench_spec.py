@@ -9,7 +9,10 @@ quoting the text") and chat. For each set: single stream (each prompt alone, dec
 tokens after the first over their time, plain and speculative alternately) and
 --streams prompts at once (output tok/s), over --rounds alternating rounds; plus the
 acceptance (drafted tokens kept) and tokens a verify row yields. Greedy, so both engines
-must give the same tokens (the JSON says whether they did). Writes bench_spec.json.
+must give the same tokens (the JSON says whether they did). Then bare steps on the same
+runner (--step_rounds): a DECODE step of 1 and of --streams rows against a TARGET_VERIFY
+step of as many rows of 1 + k tokens, --step_context tokens cached, called alternately
+(median ms of launch + read-back). Writes bench_spec.json.
 """
 
 from __future__ import annotations
@@ -23,9 +26,12 @@ from typing import Any
 import bench_common as bc
 from absl import app, flags
 
+from models.forward_mode import ForwardMode
 from runtime.config import ServerArgs
 from runtime.engine import Engine
-from runtime.request import SamplingParams
+from runtime.model_runner import ModelRunner
+from runtime.request import Req, SamplingParams
+from runtime.schedule_batch import BatchRow, ScheduleBatch
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON goes")
@@ -37,6 +43,8 @@ flags.DEFINE_integer("single_prompts", 4, "prompts of each set run as a single s
 flags.DEFINE_integer("draft_tokens", 4, "--speculative_num_draft_tokens")
 flags.DEFINE_list("kv_len_buckets", ["512", "1024"], "see ServerArgs (prompts + outputs "
                   "here stay under 512 tokens)")
+flags.DEFINE_integer("step_rounds", 10, "timed calls of each bare step (0: none)")
+flags.DEFINE_integer("step_context", 200, "cached tokens of each row of the bare steps")
 flags.DEFINE_string("compilation_cache_dir", "~/.cache/xlaserve/jax", "see ServerArgs; '' off")
 
 _NAMES = ["total", "count", "items", "value", "result", "index", "buffer", "limit", "scale",
@@ -177,6 +185,46 @@ def _summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "same_tokens_single": same, "same_tokens_streams": same_streams}
 
 
+def _bare_batch(mode: ForwardMode, rows: int, n: int, context: int,
+                page_size: int) -> ScheduleBatch:
+    """`rows` rows of n tokens on `context` cached ones (slots 0.., pages 1.., whatever
+    they hold: attention costs the same), greedy."""
+    sp = SamplingParams(temperature=0, max_new_tokens=1 << 16, ignore_eos=True)
+    out, first = [], 1
+    for i in range(rows):
+        pages = -(-(context + n) // page_size)
+        req = Req(rid=f"bare{i}", prompt_ids=[3] * context, sampling=sp, req_slot=i)
+        out.append(BatchRow(req=req, input_ids=list(range(3, 3 + n)), start_pos=context,
+                            pages=list(range(first, first + pages)), sample=n == 1))
+        first += pages
+    return ScheduleBatch(mode=mode, extend_rows=[], decode_rows=out)
+
+
+def _step_times(runner: ModelRunner, k: int, row_counts: list[int], context: int,
+                rounds: int) -> dict[str, dict[str, float]]:
+    """Median ms of a bare DECODE and a TARGET_VERIFY step (rows of 1 + k tokens) at each
+    row count, called alternately after one warm call each. Run after the engines: the
+    steps write K/V into pages the engines' allocators see as free."""
+    page = runner.cache_cfg.page_size
+    out = {}
+    for rows in row_counts:
+        batches = {"decode_ms": _bare_batch(ForwardMode.DECODE, rows, 1, context, page),
+                   "verify_ms": _bare_batch(ForwardMode.TARGET_VERIFY, rows, k + 1, context,
+                                            page)}
+        secs: dict[str, list[float]] = {name: [] for name in batches}
+        for _ in range(rounds + 1):
+            for name, batch in batches.items():
+                t0 = time.perf_counter()
+                runner.launch(batch).result()
+                secs[name].append(time.perf_counter() - t0)
+        rec = {name: 1e3 * statistics.median(v[1:]) for name, v in secs.items()}
+        rec["ratio"] = rec["verify_ms"] / rec["decode_ms"]
+        out[f"rows_{rows}"] = rec
+        bc.log(f"bare steps, {rows} rows: decode {rec['decode_ms']:.1f} ms, verify "
+               f"(1 + {k} tokens a row) {rec['verify_ms']:.1f} ms, {rec['ratio']:.2f}x")
+    return out
+
+
 def main(argv: list[str]) -> None:
     del argv
     bc.enable_compilation_cache(FLAGS.compilation_cache_dir or None)
@@ -207,6 +255,12 @@ def main(argv: list[str]) -> None:
         results[name] = _run_set(engines, prompts, n)
         for key, v in results[name]["summary"].items():
             bc.log(f"  {key:28s} {v:.3f}" if isinstance(v, float) else f"  {key:28s} {v}")
+    steps = {}
+    if FLAGS.step_rounds:
+        context = min(FLAGS.step_context, spec.runner.max_seq_len - FLAGS.draft_tokens - 1)
+        steps = {"load_average": bc.load_average(), "context": context,
+                 **_step_times(spec.runner, FLAGS.draft_tokens, sorted({1, streams}), context,
+                               FLAGS.step_rounds)}
     bc.write_json(FLAGS.out_dir, "bench_spec.json", {
         "script": "bench_spec", "command": bc.command_line(),
         "git_revision": bc.git_revision(), "machine": bc.machine_info(),
@@ -214,7 +268,7 @@ def main(argv: list[str]) -> None:
         # Measured device seconds per step kind (decode/bdN against target_verify/bdN).
         "step_costs": {k: v for k, v in spec.runner.costs.snapshot().items()
                        if k.startswith(("decode/", "target_verify/"))},
-        "results": results})
+        "bare_steps": steps, "results": results})
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ a perfect program must move. Predictions from the compiled programs, not timings
     make gpu-aot        # DECODE at 1 / 32 / 128 rows, Llama-3-8B shapes, H100 and H200
     ... gpu_aot.py --model=70b --tp=8 --programs='^decode/'      # eight GPUs of one host
     ... gpu_aot.py --model=qwen3-moe --ep=8 --programs='^decode/'
+    ... gpu_aot.py --rows=1,8 --draft_tokens=4 --programs='^(decode|target_verify)/'
 
 With --tp / --ep the runner's weights, KV pool and inputs are placed by runtime/sharding.py's
 rules on a mesh of compile-only GPUs; every byte below is then one GPU's, and each record
@@ -42,8 +43,9 @@ import hlo_traffic  # noqa: E402
 from absl import app, flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-# The runner's DECODE and EXTEND steps, its multi-step decode programs and its samplers.
-PROGRAMS = r"^(decode|extend|multi_decode|sample)/"
+# The runner's DECODE and EXTEND steps, its multi-step decode programs, its samplers and
+# (with --draft_tokens) its TARGET_VERIFY programs.
+PROGRAMS = r"^(decode|extend|multi_decode|sample|target_verify)/"
 flags.DEFINE_enum("target", "h100", sorted(gpu_programs.TARGETS), "GPU to compile for")
 flags.DEFINE_string("json", None, "write one JSON record per program here")
 flags.DEFINE_enum("model", "8b", ["8b", "70b", "qwen3-moe"], "model shape "
@@ -63,6 +65,8 @@ flags.DEFINE_list("layers", ["default"], "layer weight layouts to compile: defau
 flags.DEFINE_integer("context", 512, "earlier context per row, in tokens (the KV read)")
 flags.DEFINE_integer("kv_tokens", 131072, "KV pool size in tokens")
 flags.DEFINE_string("hlo_dir", None, "write each optimized HLO here")
+flags.DEFINE_integer("draft_tokens", 0, "speculative decoding's k: the plan then also has a "
+                     "TARGET_VERIFY program per decode bucket (rows x (1 + k) tokens)")
 
 
 def model_config(name: str):
@@ -73,10 +77,12 @@ def model_config(name: str):
 
 
 def build_runner(model_cfg, layers: str, rows: list[int], kv_tokens: int,
-                 extend: tuple[tuple[int, int], ...] = (), steps: int = 1, mesh=None):
+                 extend: tuple[tuple[int, int], ...] = (), steps: int = 1, mesh=None,
+                 draft_tokens: int = 0):
     """The runner a GPU engine would build for these shapes (weights abstract). `layers`:
     see --layers; `extend`: (tokens, rows) EXTEND buckets; `steps`: multi-step decode;
-    `mesh`: gpu_programs.runner_mesh's (weights, pool and inputs placed by its rules)."""
+    `mesh`: gpu_programs.runner_mesh's (weights, pool and inputs placed by its rules);
+    `draft_tokens`: see --draft_tokens."""
     import dataclasses
 
     from runtime import engine_setup
@@ -93,7 +99,9 @@ def build_runner(model_cfg, layers: str, rows: list[int], kv_tokens: int,
                       chunked_prefill_size=max(tokens),
                       max_extend_seqs=max([b for _, b in extend] or [1]),
                       num_scheduler_steps=steps,
-                      per_layer_weights=per_layer, fuse_projections=fused)
+                      per_layer_weights=per_layer, fuse_projections=fused,
+                      speculative_algorithm="ngram" if draft_tokens else None,
+                      speculative_num_draft_tokens=draft_tokens or 4)
     rcfg = engine_setup.runner_config(args, model_cfg)
     if extend:  # exactly these (tokens, rows) pairs: seq buckets are crossed with tokens
         rcfg = dataclasses.replace(rcfg, extend_seq_buckets=tuple(sorted({b for _, b in
@@ -205,8 +213,10 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: 
         with open(os.path.join(hlo_dir, f"{tgt.name}.{layers}.{name.replace('/', '.')}"
                                ".hlo.txt"), "w") as f:
             f.write(text)
-    key = {key_name(k): k for k in runner.step_keys()}.get(name)
-    s = key.shape if key else None
+    shapes = {key_name(k): k.shape for k in runner.step_keys()}
+    if (spec := runner.paths.get("spec")) is not None:  # TARGET_VERIFY: rows x (1 + k) tokens
+        shapes.update(zip(spec.names, spec.shapes, strict=True))
+    s = shapes.get(name)
     rows = (s.num_extend_seqs + s.num_decode_seqs) if s else None
     pool = gpu_programs.shard_bytes(runner.kv.k)  # one device's share of the K pool
     kv_item = jnp.dtype(runner.cfg.kv_dtype).itemsize
@@ -237,7 +247,7 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: 
 def run(target: str, model: str, layers_list: list[str], rows: list[int], programs: str,
         context: int, kv_tokens: int, log=print, hlo_dir: str | None = None,
         extend: tuple[tuple[int, int], ...] = (), steps: int = 1, tp: int = 1,
-        ep: int = 1) -> list[dict]:
+        ep: int = 1, draft_tokens: int = 0) -> list[dict]:
     """Compile and analyse the selected programs, one compilation at a time; with tp or
     ep > 1, for that many GPUs of one host (bytes per device)."""
     tgt = gpu_programs.target(target)
@@ -246,7 +256,7 @@ def run(target: str, model: str, layers_list: list[str], rows: list[int], progra
     records = []
     for layers in layers_list:
         runner = build_runner(model_config(model), layers, rows, kv_tokens, extend, steps,
-                              runner_mesh)
+                              runner_mesh, draft_tokens)
         with gpu_programs.compiled_pallas():
             for name, lower in runner._lowerings():
                 if not re.search(programs, name):
@@ -281,7 +291,8 @@ def main(argv: list[str]) -> None:
     extend = tuple(tuple(int(x) for x in e.split("x")) for e in FLAGS.extend)
     records = run(FLAGS.target, FLAGS.model, FLAGS.layers, [int(r) for r in FLAGS.rows],
                   FLAGS.programs, FLAGS.context, FLAGS.kv_tokens, hlo_dir=FLAGS.hlo_dir,
-                  extend=extend, steps=FLAGS.steps, tp=FLAGS.tp, ep=FLAGS.ep)
+                  extend=extend, steps=FLAGS.steps, tp=FLAGS.tp, ep=FLAGS.ep,
+                  draft_tokens=FLAGS.draft_tokens)
     if FLAGS.json:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
         with open(FLAGS.json, "w") as f:
