@@ -41,11 +41,12 @@ from models.config import ModelConfig
 # A stream that has decoded fewer tokens than this does not bound the step (module doc).
 YOUNG_STREAM_TOKENS = 8
 # The default target: this many times the running batch's DECODE step, measured at start-up
-# and followed while serving (a stream slows to 1/4 of its pace while a prompt prefills
-# beside it).
-DEFAULT_DECODE_MULTIPLE = 4.0
+# and followed while serving (a stream slows to ~1/4 of its pace while a prompt prefills
+# beside it). Below 4 because the steps the cost model sizes are device time: the ITL a
+# client sees adds the host's and the network's jitter (docs/multiplexing.md).
+DEFAULT_DECODE_MULTIPLE = 3.75
 # Chunk buckets of the MIXED programs (those up to the chunked-prefill size). 96 sits
-# between 64 and 128 because the default target (4 decode steps) usually falls between
+# between 64 and 128 because the default target (~4 decode steps) usually falls between
 # those two chunks' steps: without it a prompt advances 64 tokens a step where 96 fit.
 CHUNK_BUCKETS = (64, 96, 128, 256, 512)
 # The measured / predicted correction: an exponential moving average, bounded.

@@ -106,7 +106,7 @@ class ServerArgs:
     itl_target_ms: float | None = option(
         None, "decode first: every step carries the running decode rows and prefill fills it "
         "up to this step time, as a MIXED chunk sized from the measured step costs (a whole "
-        "EXTEND when nothing decodes; runtime/prefill_policy.py). Default: 4x the full "
+        "EXTEND when nothing decodes; runtime/prefill_policy.py). Default: 3.75x the full "
         "batch's decode step, measured at start-up and logged; 0: prefill first (a prefill "
         "step carries no decode rows). --enable_mixed_chunk, --enable_split_prefill, "
         "--enable_multiplexing, --chunked_prefill_size<=0, --dp>1 and "

@@ -194,7 +194,7 @@ def test_policy_shapes_share_the_largest_sampler():
 
 
 def test_default_target_is_a_multiple_of_the_decode_step():
-    assert default_target(COSTS, 16) == pytest.approx(0.040)
+    assert default_target(COSTS, 16) == pytest.approx(0.0375)
     slow = StepCosts(decode_s=0.010, step_s=0.0, token_s=0.01, pair_weight=0.0)
     assert default_target(slow, 16) == pytest.approx(slow.mixed_s(16, 0))  # the floor
     assert extend_work(10, 0, 0.0) == 10
@@ -271,12 +271,12 @@ def test_measured_steps_correct_the_predictions():
 
 
 def test_the_default_target_follows_the_decode_step():
-    """Without --itl_target_ms the target is 4x the decode step as measured while
+    """Without --itl_target_ms the target is 3.75x the decode step as measured while
     serving, from the start-up figure on."""
     p = PrefillPolicy(None, COSTS, SHAPES)
-    assert p.target_s == pytest.approx(0.040)
+    assert p.target_s == pytest.approx(0.0375)
     for _ in range(40):
         p.observe_decode(0.020)
-    assert p.target_s == pytest.approx(0.080, rel=0.01)
-    assert p.plan(3, False, 0, None, 10_000).target_ms == pytest.approx(80, rel=0.01)
+    assert p.target_s == pytest.approx(0.075, rel=0.01)
+    assert p.plan(3, False, 0, None, 10_000).target_ms == pytest.approx(75, rel=0.01)
     assert p.to_json()["decode_ms_now"] == pytest.approx(20, rel=0.01)
