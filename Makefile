@@ -95,8 +95,10 @@ gpu-aot: $(GPU_STAMP)
 # llama-server F32 side by side (Q4_1 is in the offline run); the long-prompt frontier over xlaserve's
 # prefill-first, chunked / multiplexed and default (decode-first) configs; prefill first,
 # mixed chunks, multiplexing and the default side by side on long prompts, a burst of 32
-# short requests, an overload soak (Poisson 2/s: ~5x what a loaded 2-vCPU box serves) and
-# shared prefixes (docs/multiplexing.md); then docs/benchmarks.md's generated section
+# short requests, Poisson 2/s and
+# shared prefixes, then the overload soak (Poisson 8/s x 200: ~5x what 2 vCPUs serve) with
+# prefill first, the default and multiplexing (docs/multiplexing.md); prompt lookup against
+# plain decoding (bench_spec.py, docs/speculative.md); then docs/benchmarks.md's generated section
 # from the JSON.
 # llama-server joins when `make peers` has built it (a note says so otherwise); BENCH_PEERS
 # is expanded late because LLAMA_SERVER is defined below.
@@ -124,6 +126,11 @@ bench: setup
 		--concurrent_input_len=128 --request_rates=2 --num_prompts=64 --input_len=512 \
 		--output_len=128 --request_timeout_s=1800 --config=prefill_first=--itl_target_ms=0 \
 		--config=default= --config="mixed128=--chunked_prefill_size=128 --enable_mixed_chunk" \
+		--config="mux256=--enable_multiplexing --chunked_prefill_size=256"
+	$(PY) scripts/bench/bench_serving.py --out_dir=$(BENCH_OUT) --tag=overload \
+		--scenarios=concurrent,poisson --concurrency=32 --concurrent_input_len=128 \
+		--request_rates=8 --num_prompts=200 --input_len=512 --output_len=128 \
+		--request_timeout_s=1800 --config=prefill_first=--itl_target_ms=0 --config=default= \
 		--config="mux256=--enable_multiplexing --chunked_prefill_size=256"
 	$(PY) scripts/bench/bench_spec.py --out_dir=$(BENCH_OUT)
 	$(PY) scripts/bench/bench_report.py --results_dir=$(BENCH_OUT) --doc=docs/benchmarks.md
