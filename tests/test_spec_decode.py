@@ -28,8 +28,8 @@ CFG = dataclasses.replace(TINY, max_position_embeddings=256)
 K = 4
 
 
-@pytest.fixture(scope="module", params=[("packed", "cpu"), ("xla", "xla")],
-            ids=["cpu", "xla"])
+@pytest.fixture(scope="module", params=[("packed", "cpu"), ("xla", "xla"), ("xla", "pallas")],
+                ids=["cpu", "xla", "pallas"])  # pallas: the GPU kernels in interpret mode
 def runner(request) -> ModelRunner:
     matmul, attention = request.param
     params = llama.init_params(CFG, jax.random.key(3))
