@@ -85,26 +85,38 @@ def dense_llama_logits(params: dict, cfg: ModelConfig, ids: list[int]) -> np.nda
 
 
 def all_position_logits(params: dict, cfg: ModelConfig, ids: list[int], page_size: int = 16,
-                        attention_backend: str = "xla", kv_dtype: Any = np.float32
-                        ) -> np.ndarray:
+                        attention_backend: str = "xla", kv_dtype: Any = np.float32,
+                        mesh: Any = None) -> np.ndarray:
     """Our forward over one sequence in a single EXTEND call -> logits [T, V] (f32);
-    `kv_dtype`: the pool's (its dtype rounds this step's K/V, see layers.attend)."""
+    `kv_dtype`: the pool's (its dtype rounds this step's K/V, see layers.attend); `mesh`:
+    the pool split over KV heads (runtime/sharding.kv_sharding), the batch replicated."""
     from models.kv_pool import init_kv_pool
     from models.registry import model_module
     from runtime.config import CacheConfig
 
     t = len(ids)
     n_pages = -(-t // page_size)
-    kv = init_kv_pool(cfg, CacheConfig(page_size=page_size, num_pages=n_pages + 1), kv_dtype)
+    cache = CacheConfig(page_size=page_size, num_pages=n_pages + 1)
+    kv_sh = None
+    if mesh is not None:
+        from models.kv_pool import kv_pool_shape
+        from runtime import sharding
+
+        kv_sh = sharding.kv_sharding(cfg, kv_pool_shape(cfg, cache), mesh)
+    kv = init_kv_pool(cfg, cache, kv_dtype, kv_sh)
     batch = make_batch(ForwardMode.EXTEND, [SimpleRow(list(ids), 0, list(range(1, n_pages + 1)))],
                        [], BucketShape(t, 1, 0, n_pages), page_size)
+    if mesh is not None:
+        from jax.sharding import NamedSharding, PartitionSpec
+
+        batch = jax.device_put(batch, NamedSharding(mesh, PartitionSpec()))
 
     model = model_module(cfg)
 
     @jax.jit
     def run(params, kv, batch):
         h, _ = model.run_layers(params, kv, model.embed(params, batch.input_ids), batch, cfg,
-                                attention_backend=attention_backend)
+                                attention_backend=attention_backend, mesh=mesh)
         return model.compute_logits(params, h, jnp.arange(t), cfg)
 
     return np.asarray(run(params, kv, batch))

@@ -15,15 +15,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from models import fp8, moe
-from models.forward_batch import ForwardMode
 from models.fp8 import FP8, Fp8Weight, dequantize, fp8_ragged_dot
-from models.kv_pool import init_kv_pool, kv_pool_shape
-from models.registry import model_module
 from runtime import checkpoint, hf_loader, sharding
-from runtime.batch_builder import BucketShape
 from runtime.checkpoint import CheckpointError
-from runtime.config import CacheConfig
-from tests.model_utils import TINY, SimpleRow, make_batch
+from tests.model_utils import TINY, all_position_logits
 from tests.test_hf_loader import _fp8_copy
 
 PAGE = 4
@@ -58,26 +53,7 @@ def test_ragged_product_equals_dequantized(block, n, blocked_max_rows, monkeypat
 
 
 def _logits(params: dict, cfg, tokens: list[int], mesh=None) -> np.ndarray:
-    """Every position's logits [T, V] of one EXTEND call, on `mesh` (the pool split over
-    KV heads, the batch replicated) or one device."""
-    model = model_module(cfg)
-    t = len(tokens)
-    n_pages = -(-t // PAGE)
-    cache = CacheConfig(page_size=PAGE, num_pages=n_pages + 1)
-    kv_sh = None if mesh is None else sharding.kv_sharding(cfg, kv_pool_shape(cfg, cache), mesh)
-    kv = init_kv_pool(cfg, cache, jnp.float32, kv_sh)
-    batch = make_batch(ForwardMode.EXTEND, [SimpleRow(tokens, 0, list(range(1, n_pages + 1)))],
-                       [], BucketShape(t, 1, 0, n_pages), PAGE)
-    if mesh is not None:
-        batch = jax.device_put(batch, NamedSharding(mesh, P()))
-
-    @jax.jit
-    def run(params, kv, batch):
-        h, _ = model.run_layers(params, kv, model.embed(params, batch.input_ids), batch, cfg,
-                                mesh=mesh)
-        return model.compute_logits(params, h, jnp.arange(t), cfg)
-
-    return np.asarray(run(params, kv, batch))
+    return all_position_logits(params, cfg, tokens, page_size=PAGE, mesh=mesh)
 
 
 def _tokens(cfg) -> list[int]:

@@ -109,6 +109,12 @@ def matmuls(tgt, mesh, rows: list[int], hlo_dir) -> list[dict]:
                 rec = _record(f"matmul/{name}/{kind}/rows={r}", compiled, tgt, [(k, n)],
                               hlo_dir)
                 out.append(rec)
+    return _vs_bf16(out)
+
+
+def _vs_bf16(out: list[dict]) -> list[dict]:
+    """Each record's bytes against the bf16 record of the same matrix and rows (programs
+    named kind/name/dtype/rows=R)."""
     base = {(r["program"].split("/")[1], r["program"].split("/")[3]): r["bytes"]
             for r in out if "/bf16/" in r["program"]}
     for r in out:
@@ -145,12 +151,7 @@ def experts(tgt, mesh, rows: list[int], hlo_dir) -> list[dict]:
                 rec.update(pairs=m, active_expert_weight_bytes={
                     "bf16": 2 * active, "fp8": active}["bf16" if block is None else "fp8"])
                 out.append(rec)
-    base = {(r["program"].split("/")[1], r["program"].split("/")[3]): r["bytes"]
-            for r in out if "/bf16/" in r["program"]}
-    for r in out:
-        _, name, _, rows_ = r["program"].split("/")
-        r["vs_bf16"] = r["bytes"] / base[(name, rows_)]
-    return out
+    return _vs_bf16(out)
 
 
 def decode_steps(tgt, mesh, hlo_dir) -> list[dict]:
