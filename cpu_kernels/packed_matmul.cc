@@ -283,6 +283,21 @@ struct X12DotStep : X12Step {
 // unit's own panel; the next panel where a single tile will read it): non-temporal, so
 // the weights stream past the caches. Otherwise the later tiles of a unit read the panel
 // from L2, so it is fetched there (T1).
+// Whether `once` prefetches are non-temporal. On AMD (Zen 3 / 4) they are: see TileHint.
+// On Intel (a Sapphire Rapids-class Xeon with AVX-512 and AMX), prefetchnta streamed a
+// one-row unit's panel at 8.5-11 GB/s against 22-33 GB/s fetched T1 (bench_cpu_matmul.py
+// --rows=1 --contenders=f32, SmolLM2 shapes: qkv 234 -> 75 us, lm_head 9.7 -> 4.0 ms),
+// so one row decoded slower than eight: the SmolLM2 f32 one-row decode step took 50.9 ms
+// non-temporal and 21.8 ms T1 (bench_one_batch.py --decode_batches=1,2,4,8,16; 2-4 rows
+// likewise 2.3x). T0 was no better than T1 there.
+inline bool NonTemporalOnce() {
+  static const bool non_temporal = [] {
+    __builtin_cpu_init();  // this may run in the library's constructors, before libgcc's
+    return !__builtin_cpu_is("intel");
+  }();
+  return non_temporal;
+}
+
 struct Prefetch {
   const char* next = nullptr;
   int64_t begin = 0, end = 0;
@@ -352,7 +367,7 @@ template <typename Step, int MR, int J>
 inline void Tile(const Step& step, const typename Step::X* x, int64_t ldx,
                  const typename Step::T* panel, int64_t steps, float* y, int64_t ldy,
                  const vn::Mask* mask, Prefetch pf) {
-  if (pf.once) {
+  if (pf.once && NonTemporalOnce()) {
     TileHint<Step, MR, J, _MM_HINT_NTA>(step, x, ldx, panel, steps, y, ldy, mask, pf);
   } else {
     TileHint<Step, MR, J, _MM_HINT_T1>(step, x, ldx, panel, steps, y, ldy, mask, pf);
