@@ -494,6 +494,31 @@ def test_bench_multi_step_smoke(tmp_path: Path) -> None:
     assert r["rounds"][0]["4"]["single"]["new_tokens"] == r["new_tokens"] == 8
 
 
+def test_bare_step_batches_and_their_ratio() -> None:
+    """bench_common's bare steps (bench_spec.py, bench_verify_step.py): one row per token
+    list on `context` cached tokens, each its own slot and pages that cover what it writes,
+    no page shared (page 0 is the pool's padding page); only one-token rows sample; the
+    verify / decode ratio is of the medians."""
+    sys.path.insert(0, str(REPO / "scripts" / "bench"))
+    import bench_common as bc
+
+    from models.forward_mode import ForwardMode
+
+    batch = bc.bare_batch(ForwardMode.TARGET_VERIFY, [[7, 8, 9, 10, 11]] * 3, 30, 16)
+    rows = batch.decode_rows
+    assert batch.mode is ForwardMode.TARGET_VERIFY and batch.extend_rows == []
+    assert [r.req.req_slot for r in rows] == [0, 1, 2]
+    assert all(r.start_pos == 30 and len(r.req.prompt_ids) == 30 for r in rows)
+    assert all(r.input_ids == [7, 8, 9, 10, 11] and not r.sample for r in rows)
+    pages = [p for r in rows for p in r.pages]
+    assert all(len(r.pages) == 3 for r in rows)  # 35 tokens in 16-token pages
+    assert sorted(pages) == pages == list(range(1, 10))
+    (decode,) = bc.bare_batch(ForwardMode.DECODE, [[5]], 32, 16).decode_rows
+    assert decode.sample and decode.pages == [1, 2, 3] and decode.start_pos == 32
+    rec = bc.verify_vs_decode([0.010, 0.030, 0.020], [0.025, 0.012, 0.100])
+    assert rec == pytest.approx({"decode_ms": 20.0, "verify_ms": 25.0, "ratio": 1.25})
+
+
 def test_bench_spec_smoke(tmp_path: Path) -> None:
     """scripts/bench/bench_spec.py at a tiny size: plain and prompt lookup alternately on one
     runner, both prompt sets, the same greedy tokens, acceptance reported; bare decode and

@@ -34,7 +34,7 @@ class _Absent(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, _Absent())
 """
-SECTIONS = ["kernels", "attention", "layers", "tbo", "engine", "fp8", "sweep"]
+SECTIONS = ["kernels", "attention", "layers", "tbo", "engine", "fp8", "spec", "sweep"]
 
 
 def _bare_env(tmp: Path) -> dict[str, str]:
@@ -173,6 +173,27 @@ def test_fp8_section_times_the_fp8_step_beside_the_bf16_one(suite):
     # The quantized model computes the same function, to e4m3's precision.
     assert r["logits"]["same_argmax"]
     assert r["logits"]["max_abs_diff"] < 0.05 * r["logits"]["bf16_max_abs"]
+
+
+def test_spec_section_times_verify_beside_decode(suite):
+    r = suite[0]["sections"]["spec"]["result"]
+    assert r["errors"] == [] and r["draft_tokens"] == 4 and r["context"] == 64
+    assert set(r["steps"]) == {"rows_1", "rows_8"}
+    for step in r["steps"].values():
+        assert step["decode_ms"] > 0 and step["verify_ms"] > 0 and step["n"] == r["rounds"]
+        assert step["ratio"] == pytest.approx(step["verify_ms"] / step["decode_ms"])
+    one = r["steps"]["rows_1"]["ratio"]
+    assert r["verify_vs_decode_one_row"] == one
+    assert r["meets_target"] == (one <= r["target"] == 1.3)
+    # Only the two steps' programs at rows 1 and 8 (and what a runner always has: one
+    # EXTEND bucket, two page-table widths on XLA's attention; samplers; slot init).
+    assert sorted(r["runner"]["compile_s"]) == [
+        "decode/te0_be0_bd1_np8", "decode/te0_be0_bd8_np8", "extend/te16_be1_bd0_np0",
+        "extend/te16_be1_bd0_np8", "init_slot/N128", "sample/B1", "sample/B8",
+        "target_verify/bd1_k4_np8", "target_verify/bd8_k4_np8"]
+    # The GPU default layout, every step compiled at start-up.
+    assert r["runner"]["per_layer_weights"] and r["runner"]["fuse_projections"]
+    assert r["compiles_after_warmup"] == 0
 
 
 def test_a_section_over_its_budget_is_killed_and_the_suite_goes_on(tmp_path):

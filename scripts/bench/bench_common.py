@@ -41,8 +41,10 @@ from absl import flags  # noqa: E402
 
 import cpu_kernels  # noqa: E402
 from models.config import ModelConfig  # noqa: E402
+from models.forward_mode import ForwardMode  # noqa: E402
 from runtime.config import ServerArgs  # noqa: E402
-from runtime.request import SamplingParams  # noqa: E402
+from runtime.request import Req, SamplingParams  # noqa: E402
+from runtime.schedule_batch import BatchRow, ScheduleBatch  # noqa: E402
 
 # A random model small enough that --smoke / --tiny runs compile and run in seconds.
 TINY_CONFIG = ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
@@ -370,6 +372,19 @@ def tiny_model() -> tuple[ModelConfig, dict]:
     return TINY_CONFIG, llama.init_params(TINY_CONFIG, jax.random.key(0))
 
 
+def init_weights(cfg: ModelConfig, dtype: str) -> tuple[dict, float]:
+    """Random weights drawn on the default device by one jitted program (no host copy,
+    no f32 temporaries: 16 GB of Llama-3-8B bf16 never touch the host); (params, seconds
+    including its compile)."""
+    from models import registry
+
+    t0 = time.perf_counter()
+    init = jax.jit(functools.partial(registry.model_module(cfg).init_params, cfg,
+                                     dtype=jnp.dtype(dtype)))
+    params = jax.block_until_ready(init(jax.random.key(registry.PRESET_SEED)))
+    return params, time.perf_counter() - t0
+
+
 def smoke_args(base: ServerArgs, kv_len: int = 64) -> ServerArgs:
     """Few buckets for a --smoke run on tiny_model() (each bucket is a compile); the
     scheduler's token budget fits the largest."""
@@ -403,6 +418,44 @@ def decode_weight_bytes(engine: Any) -> int:
 
 def pow2_at_least(n: int, lo: int = 1) -> int:
     return max(lo, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+# ---------------------------------------------------------------- bare steps
+
+
+def bare_batch(mode: ForwardMode, tokens: Sequence[Sequence[int]], context: int,
+               page_size: int) -> ScheduleBatch:
+    """One row per token list, each on `context` cached tokens (slots 0.., pages 1.. in
+    turn, whatever they hold: attention costs the same), greedy; a row of one token
+    samples into its slot as a decode row does."""
+    sp = SamplingParams(temperature=0, max_new_tokens=1 << 16, ignore_eos=True)
+    rows, first = [], 1
+    for i, ids in enumerate(tokens):
+        pages = -(-(context + len(ids)) // page_size)
+        req = Req(rid=f"bare{i}", prompt_ids=[3] * context, sampling=sp, req_slot=i)
+        rows.append(BatchRow(req=req, input_ids=list(ids), start_pos=context,
+                             pages=list(range(first, first + pages)), sample=len(ids) == 1))
+        first += pages
+    return ScheduleBatch(mode=mode, extend_rows=[], decode_rows=rows)
+
+
+def time_alternately(runner: Any, batches: dict[str, ScheduleBatch],
+                     rounds: int) -> dict[str, list[float]]:
+    """Seconds of each batch's step, launch to read-back, the batches called in turn for
+    `rounds` rounds after one warm call each (drift in the machine hits them alike)."""
+    secs: dict[str, list[float]] = {name: [] for name in batches}
+    for _ in range(rounds + 1):
+        for name, batch in batches.items():
+            t0 = time.perf_counter()
+            runner.launch(batch).result()
+            secs[name].append(time.perf_counter() - t0)
+    return {name: v[1:] for name, v in secs.items()}
+
+
+def verify_vs_decode(decode_s: Sequence[float], verify_s: Sequence[float]) -> dict[str, float]:
+    """The median decode and verify steps in ms and their ratio (verify / decode)."""
+    decode_ms, verify_ms = 1e3 * median(decode_s), 1e3 * median(verify_s)
+    return {"decode_ms": decode_ms, "verify_ms": verify_ms, "ratio": verify_ms / decode_ms}
 
 
 # ---------------------------------------------------------------- output

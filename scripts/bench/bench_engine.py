@@ -33,12 +33,10 @@ from typing import Any
 
 import bench_common as bc
 import jax
-import jax.numpy as jnp
 import numpy as np
 from absl import app, flags
 from gpu_shapes import KV_LEN, LLAMA3_8B
 
-from models import registry
 from models.config import ModelConfig
 from runtime.config import ServerArgs
 from runtime.engine import Engine
@@ -101,16 +99,6 @@ def _sizes() -> Sizes:
                  tuple(int(c) for c in FLAGS.concurrency), FLAGS.input_len,
                  FLAGS.output_len, FLAGS.itl_streams, FLAGS.long_len,
                  FLAGS.itl_decode_tokens, FLAGS.itl_after_steps)
-
-
-def init_weights(cfg: ModelConfig, dtype: str) -> tuple[dict, float]:
-    """Random weights drawn on the default device by one jitted program (no host copy,
-    no f32 temporaries); (params, seconds including its compile)."""
-    t0 = time.perf_counter()
-    init = jax.jit(functools.partial(registry.model_module(cfg).init_params, cfg,
-                                     dtype=jnp.dtype(dtype)))
-    params = jax.block_until_ready(init(jax.random.key(registry.PRESET_SEED)))
-    return params, time.perf_counter() - t0
 
 
 def _base_args(s: Sizes, max_running: int, decode_buckets: tuple[int, ...], extend_seqs: int,
@@ -273,7 +261,7 @@ def main(argv: list[str]) -> None:
         "model": bc.model_summary(s.cfg, "llama3-8b-shape random" if not FLAGS.smoke
                                   else "tiny random", s.dtype),
         "sizes": dataclasses.asdict(s), "errors": []}
-    params, results["weights_init_s"] = init_weights(s.cfg, s.dtype)
+    params, results["weights_init_s"] = bc.init_weights(s.cfg, s.dtype)
     bc.log(f"weights ({results['model']['weight_bytes'] / 2**30:.1f} GiB) in "
            f"{results['weights_init_s']:.1f} s")
     _write(results)

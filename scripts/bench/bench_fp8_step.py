@@ -81,8 +81,7 @@ def _nbytes(tree: Any) -> int:
 def run(cfg: ModelConfig, dtype: str, block: tuple[int, int], results: dict[str, Any]) -> None:
     model = registry.model_module(cfg)
     t0 = time.perf_counter()
-    init = jax.jit(functools.partial(model.init_params, cfg, dtype=jnp.dtype(dtype)))
-    stacked = jax.block_until_ready(init(jax.random.key(registry.PRESET_SEED)))
+    stacked, _ = bc.init_weights(cfg, dtype)
     quantize = jax.jit(_quantize, static_argnums=1)
     fp8_layers = {k: (quantize(v, block) if k in FP8_KEYS else v)
                   for k, v in stacked["layers"].items()}

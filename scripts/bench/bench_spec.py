@@ -30,8 +30,7 @@ from models.forward_mode import ForwardMode
 from runtime.config import ServerArgs
 from runtime.engine import Engine
 from runtime.model_runner import ModelRunner
-from runtime.request import Req, SamplingParams
-from runtime.schedule_batch import BatchRow, ScheduleBatch
+from runtime.request import SamplingParams
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", "bench_out", "where the JSON goes")
@@ -185,21 +184,6 @@ def _summary(rounds: list[dict[str, Any]]) -> dict[str, Any]:
         "same_tokens_single": same, "same_tokens_streams": same_streams}
 
 
-def _bare_batch(mode: ForwardMode, rows: int, n: int, context: int,
-                page_size: int) -> ScheduleBatch:
-    """`rows` rows of n tokens on `context` cached ones (slots 0.., pages 1.., whatever
-    they hold: attention costs the same), greedy."""
-    sp = SamplingParams(temperature=0, max_new_tokens=1 << 16, ignore_eos=True)
-    out, first = [], 1
-    for i in range(rows):
-        pages = -(-(context + n) // page_size)
-        req = Req(rid=f"bare{i}", prompt_ids=[3] * context, sampling=sp, req_slot=i)
-        out.append(BatchRow(req=req, input_ids=list(range(3, 3 + n)), start_pos=context,
-                            pages=list(range(first, first + pages)), sample=n == 1))
-        first += pages
-    return ScheduleBatch(mode=mode, extend_rows=[], decode_rows=out)
-
-
 def _step_times(runner: ModelRunner, k: int, row_counts: list[int], context: int,
                 rounds: int) -> dict[str, dict[str, float]]:
     """Median ms of a bare DECODE and a TARGET_VERIFY step (rows of 1 + k tokens) at each
@@ -208,17 +192,11 @@ def _step_times(runner: ModelRunner, k: int, row_counts: list[int], context: int
     page = runner.cache_cfg.page_size
     out = {}
     for rows in row_counts:
-        batches = {"decode_ms": _bare_batch(ForwardMode.DECODE, rows, 1, context, page),
-                   "verify_ms": _bare_batch(ForwardMode.TARGET_VERIFY, rows, k + 1, context,
-                                            page)}
-        secs: dict[str, list[float]] = {name: [] for name in batches}
-        for _ in range(rounds + 1):
-            for name, batch in batches.items():
-                t0 = time.perf_counter()
-                runner.launch(batch).result()
-                secs[name].append(time.perf_counter() - t0)
-        rec = {name: 1e3 * statistics.median(v[1:]) for name, v in secs.items()}
-        rec["ratio"] = rec["verify_ms"] / rec["decode_ms"]
+        secs = bc.time_alternately(runner, {
+            "decode": bc.bare_batch(ForwardMode.DECODE, [[3]] * rows, context, page),
+            "verify": bc.bare_batch(ForwardMode.TARGET_VERIFY, [range(3, 4 + k)] * rows,
+                                    context, page)}, rounds)
+        rec = bc.verify_vs_decode(secs["decode"], secs["verify"])
         out[f"rows_{rows}"] = rec
         bc.log(f"bare steps, {rows} rows: decode {rec['decode_ms']:.1f} ms, verify "
                f"(1 + {k} tokens a row) {rec['verify_ms']:.1f} ms, {rec['ratio']:.2f}x")

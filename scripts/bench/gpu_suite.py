@@ -24,6 +24,9 @@ budget:
   fp8        scripts/bench/bench_fp8_step.py: a one-row decode step on random 8B-shaped weights
              with FP8 (e4m3, 128 x 128 block scales) layer matrices against the bf16 step
              (target <= 0.6x), both in the GPU default layout
+  spec       scripts/bench/bench_verify_step.py: speculative decoding's TARGET_VERIFY step
+             (1 + 4 tokens a row, random drafts) against a DECODE step of the same rows
+             (1 and 8) on random 8B-shaped bf16 weights (target: one row <= 1.3x)
   sweep      scripts/bench/bench_kernels.py --sweep: Mosaic tuning knobs side by side with the
              defaults on three decode shapes (whatever time the others left)
 Why subprocesses: a hung compile is killed at its budget and the suite goes on; a crash
@@ -60,7 +63,7 @@ FLAGS = flags.FLAGS
 flags.DEFINE_string("out_dir", os.environ.get("OUT", "gpu_suite_out"), "where the JSON goes")
 flags.DEFINE_bool("smoke", False, "tiny sizes on any machine (a CPU check of the suite)")
 flags.DEFINE_list("sections", ["kernels", "attention", "layers", "tbo", "engine", "fp8",
-                                "sweep"],
+                                "spec", "sweep"],
                   "sections to run")
 flags.DEFINE_integer("total_budget_s", None, "wall-clock limit of the whole suite (default "
                      "470 s; 1800 s with --smoke, whose sections have no budgets of their "
@@ -96,6 +99,11 @@ SECTIONS = [
     # Two per-layer decode programs (10-13 s each compiled for an H100 on a CPU) and 16 GB
     # of bf16 weights drawn and quantized on the device; its time comes out of the sweep's.
     Section("fp8", "bench_fp8_step.py", (), ("--smoke",), 75),
+    # One runner of 8 programs (DECODE and TARGET_VERIFY at 1 and 8 rows, one EXTEND, 2
+    # samplers, slot init): ~3 s per 8B program compiled on the H200 plus the weights'
+    # 6 s draw, ~45 s in all; its time also comes out of the sweep's. The one-row pair
+    # is timed first and written at once, so a cut-short run still answers the target.
+    Section("spec", "bench_verify_step.py", (), ("--smoke",), 60),
     Section("sweep", "bench_kernels.py", ("--sections=roofline", "--sweep", "--iters=5"),
             ("--sections=roofline", "--sweep", "--smoke"), None),
 ]
@@ -123,10 +131,10 @@ def _traceback_from(log_text: str) -> str | None:
 
 
 def engine_backend(kernels: dict[str, Any] | None) -> tuple[str | None, str | None]:
-    """The engine section's attention backend from the kernels section's record: the
-    runtime's default (Pallas on a GPU) unless a bf16 kernel check, the dtype the engine
-    runs, failed or did not run there; then XLA's attention, so the engine's numbers still
-    come back. (backend flag or None, why)."""
+    """The engine and spec sections' attention backend from the kernels section's record:
+    the runtime's default (Pallas on a GPU) unless a bf16 kernel check, the dtype they
+    run, failed or did not run there; then XLA's attention, so their numbers still come
+    back. (backend flag or None, why)."""
     if kernels is None or FLAGS.smoke:
         return None, None
     cases = [c for c in ((kernels.get("result") or {}).get("correctness") or [])
@@ -216,7 +224,7 @@ def main(argv: list[str]) -> None:
             budget = left if FLAGS.smoke or sec.budget_s is None else min(sec.budget_s, left)
             extra: tuple[str, ...] = ()
             why = None
-            if sec.name == "engine":
+            if sec.name in ("engine", "spec"):
                 backend, why = engine_backend(summary["sections"].get("kernels"))
                 extra = (f"--attention_backend={backend}",) if backend else ()
             log(f"{sec.name}: starting (budget {budget:.0f} s){' ' + extra[0] if extra else ''}")
