@@ -144,6 +144,10 @@ class RunnerConfig:
     multiplex_fused: bool = _ARGS.multiplex_fused
     # Extend buckets with fewer tokens get no split programs (they prefill whole).
     split_min_tokens: int = 0
+    # The decode-first policy's layer intervals (runtime/prefill_policy.py): split-prefill
+    # programs for one row of this extend bucket only (0: none; enable_split_prefill
+    # compiles every bucket's).
+    policy_split_tokens: int = 0
     # "int8": weight-only int8 matrices on the packed CPU matmul (cpu_kernels.pack_int8),
     # the rest in `dtype`; None: the matrices in `dtype` too.
     quantization: str | None = _ARGS.quantization

@@ -33,7 +33,7 @@ from runtime.engine_setup import RunnerSetup, load_draft_model, load_model, plat
 from runtime.exec_trace import ExecutionTrace, StepRecord
 from runtime.grammar import GrammarCache, RequestGrammar
 from runtime.model_runner import ModelRunner, PendingStep
-from runtime.multiplexing import IntervalPolicy, MultiplexLoop
+from runtime.multiplexing import IntervalPolicy, MultiplexLoop, SplitLauncher, Splitter
 from runtime.paths import LaunchedForward
 from runtime.paths.draft import DraftPath, draft_cost_key
 from runtime.paths.spec import verify_cost_key
@@ -42,6 +42,7 @@ from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler, SchedulerStats
 from runtime.spec_decode import SpecDecoding
+from runtime.split_prefill import SplitPrefill, next_interval
 from runtime.traced_launch import TracedStep, launch_traced, read_back
 
 if TYPE_CHECKING:  # imported with a tokenizer only: token-id engines run without `tokenizers`
@@ -91,37 +92,58 @@ class _Tracked:
 class StepLoop:
     """The plain engine loop: one scheduler batch per iteration. With overlap it launches
     batch N+1 before it reads back batch N, so host scheduling hides behind device work.
-    Every step goes into `trace`."""
+    Every step goes into `trace`.
+
+    With `splitter` (the split-prefill path) it also runs the prefill policy's layer
+    intervals: a step the policy sized as "interval" launches its decode rows as a DECODE
+    step and starts a split prefill of its extend rows; each later iteration launches a
+    DECODE step of the other streams and the next interval, as many layers as the policy
+    fits beside it (PrefillPolicy.interval_layers), until the last one and its sampling."""
 
     def __init__(self, scheduler: Scheduler, runner: ModelRunner, overlap: bool,
-                 trace: ExecutionTrace) -> None:
+                 trace: ExecutionTrace, splitter: Splitter | None = None) -> None:
         self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
         self.trace = trace
-        self._pending: TracedStep | None = None
+        self.splitter = splitter
+        self.launcher = (None if splitter is None
+                         else SplitLauncher(runner, splitter, trace))
+        self.split: SplitPrefill | None = None
+        self._pending: list[TracedStep] = []
 
     @property
     def has_pending(self) -> bool:
-        return self._pending is not None
+        return bool(self._pending) or self.split is not None
 
     def step(self) -> list[ReqEvent]:
         t0 = time.perf_counter()
+        if self.split is not None:
+            return self._split_step(t0)
         batch = self.scheduler.next_batch()
-        if batch is not None and self._pending is not None and _constrained(batch):
+        if batch is not None and batch.decision is not None and batch.decision.path == "interval":
+            events: list[ReqEvent] = []
+            if self._pending and _constrained(batch):  # as _split_step's
+                events, self._pending = self._process(self._pending), []
+            return events + self._settle(self._start_split(batch, t0))
+        if batch is not None and self._pending and _constrained(batch):
             return self._step_deferred(batch, t0)
-        launched = (launch_traced(self.trace, self.runner, batch, t0)
-                    if batch is not None else None)
-        if self.overlap:
-            done, self._pending = self._pending, launched
-        else:
-            done = launched
-        if done is None:
-            return []
-        return self._process(done)
+        return self._settle([] if batch is None
+                            else [launch_traced(self.trace, self.runner, batch, t0)])
 
-    def _process(self, done: TracedStep) -> list[ReqEvent]:
-        events = self.scheduler.process_results(done.pending.batch, read_back(self.trace, done))
-        self.trace.processed(done.record, time.perf_counter())
-        self._observe(done.record)
+    def _settle(self, launched: list[TracedStep]) -> list[ReqEvent]:
+        """Read back the steps due: with overlap the previous iteration's, else these."""
+        if self.overlap:
+            ready, self._pending = self._pending, launched
+        else:
+            ready = launched
+        return self._process(ready)
+
+    def _process(self, done: list[TracedStep]) -> list[ReqEvent]:
+        events: list[ReqEvent] = []
+        for step in done:
+            events += self.scheduler.process_results(step.pending.batch,
+                                                     read_back(self.trace, step))
+            self.trace.processed(step.record, time.perf_counter())
+            self._observe(step.record)
         return events
 
     def _observe(self, rec: StepRecord) -> None:
@@ -135,17 +157,65 @@ class StepLoop:
         took = rec.ready - rec.device_start
         if rec.mode == ForwardMode.DECODE.value:
             policy.observe_decode(took)
-        elif decision is not None and decision.predicted_ms is not None:
+        elif (rec.mode == ForwardMode.MIXED.value and decision is not None
+              and decision.predicted_ms is not None):
             policy.observe(decision.predicted_ms / 1e3 / decision.scale, took)
+
+    def _start_split(self, batch: ScheduleBatch, t0: float) -> list[TracedStep]:
+        """The policy's "interval" step: its decode rows as a DECODE step, and the first
+        interval of a split prefill of its extend rows (held by the scheduler)."""
+        assert self.splitter is not None, "an interval decision needs the split programs"
+        prefill = ScheduleBatch(ForwardMode.SPLIT_PREFILL, batch.extend_rows, [],
+                                decision=batch.decision)
+        if not self.splitter.can_split(prefill):
+            raise RuntimeError(f"the prefill policy's interval has no split program for "
+                               f"{self.runner.bucket_for(prefill)}")
+        self.split = self.splitter.start_split(prefill)
+        decode = ScheduleBatch(ForwardMode.DECODE, [], batch.decode_rows)
+        return self._advance(decode, t0)
+
+    def _split_step(self, t0: float) -> list[ReqEvent]:
+        """An iteration with a split prefill in flight: a DECODE step of the other
+        streams (if any) and the next interval."""
+        decode = self.scheduler.next_decode()
+        events: list[ReqEvent] = []
+        if decode is not None and _constrained(decode):
+            # Its rows' grammar masks need the tokens still in flight: read them first.
+            events, self._pending = self._process(self._pending), []
+        return events + self._settle(self._advance(decode, t0))
+
+    def _advance(self, decode: ScheduleBatch | None, t0: float) -> list[TracedStep]:
+        """Launch `decode` and the split's next interval beside it (all its layers when
+        nothing decodes); after the last, its sampling, and release its requests."""
+        split, launcher, policy = self.split, self.launcher, self.scheduler.policy
+        splitter = self.splitter
+        assert split is not None and launcher is not None and policy is not None
+        assert splitter is not None
+        launched = []
+        if decode is None:
+            launcher.run_rest(split)
+        else:
+            launched.append(launch_traced(self.trace, self.runner, decode, t0))
+            row = split.batch.extend_rows[0]
+            want = policy.interval_layers(split.remaining, self.runner.step_cost(decode),
+                                          splitter.layer_cost(split), row.start_pos,
+                                          len(row.input_ids))
+            k = next_interval(split.remaining, want, splitter.interval_sizes)
+            launcher.run(split, k, launched[0].record.step)
+        if split.done:
+            self.split = None
+            launched.append(launcher.finish(split))
+            self.scheduler.release_prefill()
+        return launched
 
     def _step_deferred(self, batch: ScheduleBatch, t0: float) -> list[ReqEvent]:
         """Overlap with grammar rows: their masks need the tokens of the step in flight.
         Launch this batch's forward, consume the previous step's tokens while it runs,
         then launch its sampling with the masks (SGLang's order)."""
         fwd = self.runner.launch_forward(batch)
-        assert self._pending is not None
         events = self._process(self._pending)
-        self._pending = launch_traced(self.trace, _SampleLauncher(self.runner, fwd), batch, t0)
+        self._pending = [launch_traced(self.trace, _SampleLauncher(self.runner, fwd), batch,
+                                       t0)]
         return events
 
 
@@ -303,7 +373,11 @@ class Engine:
                 fused=runner.paths.get("fused") if args.multiplex_fused else None,
                 trace=self.trace)
         else:
-            self.loop = StepLoop(self.scheduler, runner, overlap, self.trace)
+            # The policy's layer intervals run on the split-prefill path where the runner
+            # compiled it for them (RunnerConfig.policy_split_tokens).
+            splitter = (runner.paths.get("split_prefill")
+                        if self.policy is not None and self.policy.split is not None else None)
+            self.loop = StepLoop(self.scheduler, runner, overlap, self.trace, splitter)
         self._tracked: dict[str, _Tracked] = {}
         self._ids = itertools.count()
         self.grammars = (GrammarCache(tokenizer.backend.to_str(), self.model_cfg.vocab_size,

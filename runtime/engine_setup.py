@@ -20,6 +20,7 @@ from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.model_runner import ModelRunner
 from runtime.paths import ring_pages
 from runtime.server_args import Platform
+from runtime.split_prefill import interval_sizes
 
 if TYPE_CHECKING:
     from runtime.tokenizer import Tokenizer
@@ -291,6 +292,15 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
     # Under dp every bucket is one rank's: decode rows up to its share of the requests.
     per_rank_running = args.max_running_requests // args.dp
     cpu_matmul = default_cpu_matmul(args, model_cfg)
+    chunks = prefill_policy.chunk_buckets(max_extend)
+    # The policy's layer intervals where one can be a finer step than the smallest chunk
+    # (deep models); not on the sliding-window rings, whose pools the split programs
+    # would not address.
+    policy_split = (max_extend if args.decode_first and not args.sliding_window_rings
+                    and prefill_policy.split_pays(model_cfg.num_layers,
+                                                  min(interval_sizes(model_cfg.num_layers,
+                                                                     args.split_prefill_layers)),
+                                                  max_extend, chunks[0]) else 0)
     return RunnerConfig(
         dtype=default_dtype(args),
         kv_cache_dtype=args.kv_cache_dtype,
@@ -302,7 +312,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         kv_len_buckets=kv,
         enable_mixed=args.enable_mixed_chunk or args.dp > 1,
         mixed_shapes=(prefill_policy.policy_shapes(
-            prefill_policy.chunk_buckets(max_extend), args.max_extend_seqs,
+            chunks, args.max_extend_seqs,
             args.max_running_requests) if args.decode_first else ()),
         max_top_logprobs=args.max_top_logprobs,
         strict_compile=args.strict_compile,
@@ -317,6 +327,7 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
         split_prefill_layers=args.split_prefill_layers,
         multiplex_fused=args.multiplex_fused,
         split_min_tokens=args.split_prefill_min_tokens,
+        policy_split_tokens=policy_split,
         enable_two_batch_overlap=args.enable_two_batch_overlap,
         num_scheduler_steps=args.num_scheduler_steps,
         sliding_window_rings=args.sliding_window_rings,

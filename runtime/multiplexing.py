@@ -119,6 +119,60 @@ class IntervalPolicy:
         return max(1, min(remaining, int((target - decode_cost) / layer_cost)))
 
 
+class SplitLauncher:
+    """Runs a split prefill's intervals and its finishing sampling step into the trace:
+    for the MultiplexLoop and for the default loop's layer-interval prefills
+    (runtime/engine.py StepLoop)."""
+
+    def __init__(self, runner: CostedRunner, splitter: Splitter,
+                 trace: ExecutionTrace) -> None:
+        self.runner, self.splitter, self.trace = runner, splitter, trace
+
+    def run(self, split: SplitPrefill, k: int, decode_step: int | None) -> None:
+        """Launch split's next k layers; decode_step: the trace's step number of the
+        DECODE step that shares the iteration."""
+        t0, start, index = time.perf_counter(), split.next_layer, len(split.intervals)
+        self.count(split)
+        self.splitter.run_interval(split, k)
+        # Nobody reads an interval back: the trace places its end by the measured cost.
+        per_layer = self.splitter.layer_cost(split)
+        self.trace.record(step_record(
+            split.batch, split.shape, t0, t0, time.perf_counter(),
+            self.runner.compiles_after_warmup,
+            split=interval_record(split, start, k, index, decode_step),
+            est_device_s=None if per_layer is None else per_layer * k))
+
+    def run_rest(self, split: SplitPrefill, want: int | None = None) -> None:
+        """Nothing to interleave with: the remaining layers back to back, `want` (None:
+        all) at a time."""
+        while not split.done:
+            k = next_interval(split.remaining, want or split.remaining,
+                              self.splitter.interval_sizes)
+            self.run(split, k, None)
+
+    def finish(self, split: SplitPrefill) -> TracedStep:
+        """The prefill's logits and sampling, after its last interval."""
+        t0 = time.perf_counter()
+        pending = self.splitter.finish_split(split)
+        rec = step_record(split.batch, split.shape, t0, t0, time.perf_counter(),
+                          self.runner.compiles_after_warmup)
+        return TracedStep(pending, self.trace.record(rec))
+
+    @staticmethod
+    def count(split: SplitPrefill) -> None:
+        for row in split.batch.extend_rows:
+            row.req.prefill_intervals += 1
+
+
+def interval_record(split: SplitPrefill, start: int, k: int, index: int,
+                    decode_step: int | None, rids: tuple[str, ...] | None = None
+                    ) -> SplitInterval:
+    """The trace's record of split's interval `index`: layers [start, start + k)."""
+    return SplitInterval(prefill_id=split.batch.extend_rows[0].req.rid, interval=index,
+                         start_layer=start, num_layers=k, total_layers=split.num_layers,
+                         decode_step=decode_step, rids=rids)
+
+
 class MultiplexLoop:
     """The engine loop with split prefill; `interleave=False` runs each split prefill to
     its end before decoding (prefill priority, as the plain loop), for --enable_split_prefill
@@ -132,11 +186,19 @@ class MultiplexLoop:
         self.scheduler, self.runner, self.splitter, self.policy = (scheduler, runner,
                                                                    splitter, policy)
         self.overlap, self.interleave, self.fused = overlap, interleave, fused
-        self.trace = trace if trace is not None else ExecutionTrace(capacity=0)
+        self.launcher = SplitLauncher(runner, splitter,
+                                      trace if trace is not None else ExecutionTrace(0))
         self.split: SplitPrefill | None = None
         self._pending: list[TracedStep] = []
-        self.last_intervals: list[tuple[int, int]] = []  # of the latest iteration
         self._last_decode = time.perf_counter()  # when a decode step last launched
+
+    @property
+    def trace(self) -> ExecutionTrace:
+        return self.launcher.trace
+
+    @trace.setter
+    def trace(self, trace: ExecutionTrace) -> None:
+        self.launcher.trace = trace
 
     @property
     def has_pending(self) -> bool:
@@ -166,11 +228,10 @@ class MultiplexLoop:
                 # Its rows' grammar masks need the tokens still in flight: read them first.
                 events = self._process(self._pending + launched)
                 self._pending, launched = [], []
-        self.last_intervals = []
         launched += self._launch(decode, t0)
         if self.split is not None and self.split.done:
             split, self.split = self.split, None
-            launched.append(self._finish(split))
+            launched.append(self.launcher.finish(split))
             sched.release_prefill()
         if self.overlap:
             ready, self._pending = self._pending, launched
@@ -200,10 +261,8 @@ class MultiplexLoop:
         split, sizes = self.split, self.splitter.interval_sizes
         if split is None:
             return [launch_traced(self.trace, self.runner, decode, t0)] if decode else []
-        if decode is None:
-            while not split.done:  # nothing to interleave with: run it all now
-                want = self.policy.fixed or split.remaining
-                self._run(split, next_interval(split.remaining, want, sizes), None)
+        if decode is None:  # nothing to interleave with: run it all now
+            self.launcher.run_rest(split, self.policy.fixed)
             return []
         want = self.policy.layers(split.remaining, self.runner.step_cost(decode),
                                   self.splitter.layer_cost(split))
@@ -213,7 +272,7 @@ class MultiplexLoop:
             if fused is not None:
                 return [fused]
         pending = launch_traced(self.trace, self.runner, decode, t0)
-        self._run(split, k, pending.record.step)
+        self.launcher.run(split, k, pending.record.step)
         return [pending]
 
     def _launch_fused(self, decode: ScheduleBatch, fuser: Fuser, split: SplitPrefill, k: int,
@@ -223,43 +282,10 @@ class MultiplexLoop:
         fused = fuser.launch_fused(decode, split, k)
         if fused is None:
             return None
-        self._count(split, start, k)
-        interval = self._interval(split, start, k, index, None,
-                                  rids=tuple(r.req.rid for r in split.batch.extend_rows))
+        self.launcher.count(split)
+        interval = interval_record(split, start, k, index, None,
+                                   rids=tuple(r.req.rid for r in split.batch.extend_rows))
         rec = step_record(decode, self.runner.bucket_for(decode), t0, sched_end,
                           time.perf_counter(), self.runner.compiles_after_warmup,
                           split=interval)
         return TracedStep(fused, self.trace.record(rec))
-
-    def _run(self, split: SplitPrefill, k: int, decode_step: int | None) -> None:
-        t0, start, index = time.perf_counter(), split.next_layer, len(split.intervals)
-        self._count(split, start, k)
-        self.splitter.run_interval(split, k)
-        # Nobody reads an interval back: the trace places its end by the measured cost.
-        per_layer = self.splitter.layer_cost(split)
-        self.trace.record(step_record(
-            split.batch, split.shape, t0, t0, time.perf_counter(),
-            self.runner.compiles_after_warmup,
-            split=self._interval(split, start, k, index, decode_step),
-            est_device_s=None if per_layer is None else per_layer * k))
-
-    def _finish(self, split: SplitPrefill) -> TracedStep:
-        """The prefill's logits and sampling, after its last interval."""
-        t0 = time.perf_counter()
-        pending = self.splitter.finish_split(split)
-        rec = step_record(split.batch, split.shape, t0, t0, time.perf_counter(),
-                          self.runner.compiles_after_warmup)
-        return TracedStep(pending, self.trace.record(rec))
-
-    @staticmethod
-    def _interval(split: SplitPrefill, start: int, k: int, index: int,
-                  decode_step: int | None, rids: tuple[str, ...] | None = None
-                  ) -> SplitInterval:
-        return SplitInterval(prefill_id=split.batch.extend_rows[0].req.rid, interval=index,
-                             start_layer=start, num_layers=k, total_layers=split.num_layers,
-                             decode_step=decode_step, rids=rids)
-
-    def _count(self, split: SplitPrefill, start: int, k: int) -> None:
-        self.last_intervals.append((start, k))
-        for row in split.batch.extend_rows:
-            row.req.prefill_intervals += 1

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from models.forward_mode import ForwardMode
 from runtime import prefill_policy
 from runtime.bucket_plan import StepKey
-from runtime.prefill_policy import PrefillPolicy, StepCosts
+from runtime.prefill_policy import PrefillPolicy, SplitShape, StepCosts
 from runtime.server_args import ServerArgs
 
 if TYPE_CHECKING:
@@ -74,17 +74,22 @@ def build_policy(args: ServerArgs, runner: ModelRunner) -> PrefillPolicy | None:
     costs = measure_costs(runner)
     smallest = min(te for te, _, _ in shapes)
     fixed = None if args.itl_target_ms is None else args.itl_target_ms / 1000
-    policy = PrefillPolicy(fixed, costs, shapes)
+    splitter = runner.paths.get("split_prefill")
+    split = (SplitShape(runner.cfg.policy_split_tokens, runner.model_cfg.num_layers,
+                        tuple(splitter.interval_sizes))
+             if splitter is not None and runner.cfg.policy_split_tokens else None)
+    policy = PrefillPolicy(fixed, costs, shapes, split)
     target = policy.target_s
     source = "default" if fixed is None else "--itl_target_ms"
     logger.info("prefill policy: decode first, itl target %.0f ms (%s: %.1fx the %d-row "
                 "decode step of %.1f ms); MIXED step = %.1f ms + %.3f ms per token of "
                 "extend work; chunk of %d from 0 predicted %.0f ms, of %d %.0f ms; measured "
-                "in %.1f s", 1e3 * target, source, target / costs.decode_s,
+                "in %.1f s; layer intervals of %s", 1e3 * target, source, target / costs.decode_s,
                 max(bd + be for _, be, bd in shapes), 1e3 * costs.decode_s,
                 1e3 * (costs.decode_s + costs.step_s), 1e3 * costs.token_s, smallest,
                 1e3 * costs.mixed_s(smallest, 0), max(te for te, _, _ in shapes),
                 1e3 * costs.mixed_s(max(te for te, _, _ in shapes), 0),
-                time.perf_counter() - t0)
+                time.perf_counter() - t0,
+                "none" if split is None else f"{split.tokens} tokens, sizes {split.sizes}")
     return policy
 

@@ -8,6 +8,11 @@ inter-token-latency target (`--itl_target_ms`), goes to prefill:
 - streams decode: a token-axis chunk in a MIXED step, the largest chunk bucket whose
   predicted MIXED step fits the target (the step cost model below); the smallest bucket
   when none fits, so a prefill always advances;
+- streams decode and no chunk fits, as where the prompt has reached a long context and
+  attention over it makes even the smallest chunk overrun the target: a layer interval
+  (split prefill) of the largest chunk beside a DECODE step, if the runner compiled its
+  programs (SplitShape) and the interval's step is the cheaper; the chunk advances a few
+  decoder layers a step, as many as keep each step within the target (interval_layers);
 - every decoding stream is young (fewer than YOUNG_STREAM_TOKENS tokens) and every
   waiting prompt has a free slot: the largest chunk. Such streams arrived with the prompts
   still waiting (a burst being admitted): small chunks would stretch the whole wave's
@@ -96,10 +101,28 @@ class StepCosts:
 
 
 @dataclasses.dataclass(frozen=True)
+class SplitShape:
+    """The layer-interval prefill a runner compiled for the policy: one row of `tokens`,
+    advanced `sizes` layers (any of them) of `num_layers` per call."""
+
+    tokens: int
+    num_layers: int
+    sizes: tuple[int, ...]
+
+
+def split_pays(num_layers: int, min_interval: int, tokens: int, smallest_chunk: int) -> bool:
+    """Whether a layer interval can make a finer step than the smallest chunk: its
+    fraction of the chunk's layers holds fewer token-equivalents than that chunk (a
+    2-layer interval of 30 layers of 512 tokens: 34 against 64; of a 4-layer model: 256),
+    so compiling its programs for the policy is worth it."""
+    return min_interval * tokens < smallest_chunk * num_layers
+
+
+@dataclasses.dataclass(frozen=True)
 class PrefillDecision:
     """Which path a step's prefill took and why (the execution trace keeps it per step)."""
 
-    path: str  # "extend" | "mixed" | "mixed_young"
+    path: str  # "extend" | "mixed" | "mixed_young" | "interval"
     reason: str
     decode_rows: int
     chunk_tokens: int  # the step's prefill token budget
@@ -131,14 +154,17 @@ class PrefillPolicy:
     """Per step: how many prefill tokens and rows ride beside `decode_rows` decode rows."""
 
     def __init__(self, target_s: float | None, costs: StepCosts,
-                 shapes: tuple[tuple[int, int, int], ...]) -> None:
+                 shapes: tuple[tuple[int, int, int], ...],
+                 split: SplitShape | None = None) -> None:
         """target_s: the per-step target; None: default_target of the decode step as
-        measured while serving (observe_decode), from costs.decode_s on."""
+        measured while serving (observe_decode), from costs.decode_s on. split: the
+        layer-interval programs, if the runner has them."""
         if target_s is not None and target_s <= 0:
             raise ValueError(f"itl target {target_s} s: must be > 0 (0 turns the policy off)")
         if not shapes:
             raise ValueError("the policy needs MIXED programs (policy_shapes)")
         self.fixed_target_s, self.costs, self.shapes = target_s, costs, shapes
+        self.split = split
         self.smallest_chunk = min(te for te, _, _ in shapes)
         # Measured over predicted device time of the MIXED steps run so far (observe):
         # the start-up costs drift with the machine's load and the attention's real cost.
@@ -185,12 +211,53 @@ class PrefillPolicy:
         by_tokens = sorted({te for te, _, _ in fits})
         for te in reversed(by_tokens):
             predicted = self._predict(te, start_pos, remaining, queued)
-            if predicted <= self.target_s or te == by_tokens[0]:
-                why = ("largest chunk whose predicted step fits the target"
-                       if predicted <= self.target_s else "no chunk fits: the smallest")
+            if predicted <= self.target_s:
                 rows = max(be for t, be, _ in fits if t == te)
-                return self._decision("mixed", why, decode_rows, te, rows, predicted)
-        raise AssertionError("unreachable: the smallest bucket is always taken")
+                return self._decision("mixed", "largest chunk whose predicted step fits "
+                                      "the target", decode_rows, te, rows, predicted)
+        te = by_tokens[0]
+        predicted = self._predict(te, start_pos, remaining, queued)
+        if self.split is not None:
+            interval = self._predict_interval(min(self.split.sizes), start_pos, remaining,
+                                              queued)
+            if interval < predicted:
+                return self._decision(
+                    "interval", f"no chunk fits: the smallest's step {1e3 * predicted:.0f} "
+                    f"ms, a {min(self.split.sizes)}-layer interval's {1e3 * interval:.0f} ms",
+                    decode_rows, self.split.tokens, 1, interval)
+        rows = max(be for t, be, _ in fits if t == te)
+        return self._decision("mixed", "no chunk fits: the smallest", decode_rows, te, rows,
+                              predicted)
+
+    def interval_layers(self, remaining: int, decode_s: float | None,
+                        layer_s: float | None, start_pos: int, tokens: int) -> int:
+        """Layers of the next interval of a split prefill of `tokens` from `start_pos` with
+        `remaining` layers to go, beside a DECODE step of decode_s seconds (None: as last
+        measured): as many as keep the step within the target, at least one. layer_s: a
+        layer's measured seconds (None: the cost model's)."""
+        if decode_s is None:
+            decode_s = self.decode_s
+        if layer_s is None or layer_s <= 0:
+            layer_s = self._layer_s(start_pos, tokens)
+        fit = (self.target_s - decode_s) / layer_s
+        return max(1, min(remaining, int(fit + 1e-9)))  # 1e-9: 9.999... layers fit 10
+
+    def _layer_s(self, start_pos: int, tokens: int) -> float:
+        """The cost model's seconds of one decoder layer of a split prefill."""
+        assert self.split is not None
+        work = extend_work(tokens, start_pos, self.costs.pair_weight)
+        return self.scale * self.costs.token_s * work / self.split.num_layers
+
+    def _predict_interval(self, k: int, start_pos: int, remaining: int | None,
+                          queued: int) -> float:
+        """A DECODE step beside k layers of the split prefill the scheduler would start: the
+        mid-chunk prompt's rest from start_pos, else the next prompt from 0 (one row)."""
+        assert self.split is not None
+        if remaining is not None:
+            tokens, pos = min(self.split.tokens, remaining), start_pos
+        else:
+            tokens, pos = min(self.split.tokens, queued), 0
+        return self.decode_s + k * self._layer_s(pos, tokens)
 
     def _predict(self, te: int, start_pos: int, remaining: int | None, queued: int) -> float:
         """The MIXED step of a te-token chunk: the running batch's decode step as last
@@ -221,6 +288,7 @@ class PrefillPolicy:
                 "decode_ms_now": 1e3 * self.decode_s, "costs": self.costs.to_json(),
                 "scale": self.scale,
                 "mixed_shapes": [list(s) for s in self.shapes],
+                "split": None if self.split is None else dataclasses.asdict(self.split),
                 "young_stream_tokens": YOUNG_STREAM_TOKENS}
 
 

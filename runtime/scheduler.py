@@ -219,6 +219,10 @@ class Scheduler:
         self._inflight += 1
         if not extend:
             return ScheduleBatch(ForwardMode.DECODE, [], decode)
+        if decision.path == "interval":
+            # The loop runs the decode rows as a DECODE step and starts a split prefill of
+            # the extend rows, held (as next_prefill's) until release_prefill.
+            self._held = {r.req: r.start_pos for r in extend}
         return ScheduleBatch(ForwardMode.MIXED, extend, decode, decision=decision)
 
     def _queued_tokens(self) -> int:

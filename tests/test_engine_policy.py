@@ -17,7 +17,7 @@ from runtime.config import CacheConfig, RunnerConfig, ServerArgs
 from runtime.engine import Engine
 from runtime.engine_setup import runner_config
 from runtime.model_runner import ModelRunner
-from runtime.prefill_policy import policy_shapes
+from runtime.prefill_policy import YOUNG_STREAM_TOKENS, policy_shapes
 from runtime.request import SamplingParams
 from tests.engine_utils import PAGE, check_same, each_alone, engine_args, mixed_prompts
 from tests.model_utils import TINY
@@ -125,3 +125,57 @@ def test_the_policy_adds_only_its_mixed_programs():
         return {k.shape.num_extend_seqs + k.shape.num_decode_seqs for k in keys}
 
     assert rows(keys_on) == rows(keys_off)
+
+
+DEEP = dataclasses.replace(CFG, num_layers=8)
+
+
+@pytest.fixture(scope="module")
+def deep_runner() -> ModelRunner:
+    """Eight layers with one-layer intervals compiled for the policy (64-token rows): an
+    interval of 8 token-equivalents is a finer step than the 16-token chunk."""
+    params = llama.init_params(DEEP, jax.random.key(8))
+    rcfg = RunnerConfig(decode_buckets=(4, 16), extend_token_buckets=(16, 64, 128),
+                        extend_seq_buckets=(1, 4), kv_len_buckets=(256,),
+                        mixed_shapes=policy_shapes((16, 64), 4, 16), max_top_logprobs=2,
+                        strict_compile=True, cpu_matmul="packed", attention_backend="cpu",
+                        split_prefill_layers=1, policy_split_tokens=64)
+    r = ModelRunner(DEEP, params, CacheConfig(page_size=PAGE, num_pages=400), rcfg,
+                    max_running_requests=16)
+    r.warmup(progress=False)
+    return r
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_layer_intervals_match_alone(deep_runner, overlap):
+    """A target no chunk fits: prompts advance by layer intervals beside DECODE steps,
+    with the tokens of each prompt alone and nothing compiled after warm-up."""
+    sampling = dataclasses.replace(GREEDY, max_new_tokens=32)
+    prompts = _prompts(8)
+    want = each_alone(deep_runner, prompts, sampling, max_prefill_tokens=64,
+                      max_running_requests=16)
+    eng = Engine(_args(itl_target_ms=1e-3, max_prefill_tokens=64,
+                       disable_overlap_schedule=not overlap), runner=deep_runner)
+    assert eng.policy.split is not None and eng.policy.split.sizes == (1, 2, 4, 6, 8)
+    # Two streams past their first tokens (young streams take the largest chunk), then
+    # the other prompts while they decode.
+    rids = [eng.add_request(p, sampling) for p in prompts[:2]]
+    done = {}
+    while len(eng.scheduler.running) < 2 or any(
+            r.num_generated <= YOUNG_STREAM_TOKENS for r in eng.scheduler.running):
+        done.update((o.rid, o) for o in eng.step() if o.finished)
+    rids += [eng.add_request(p, sampling) for p in prompts[2:]]
+    while eng.has_work():
+        done.update((o.rid, o) for o in eng.step() if o.finished)
+    outs = [done[r] for r in rids]
+    check_same(outs, want)
+    paths = eng.trace.prefill_paths()
+    metas = [o.meta_info for o in outs if "interval" in o.meta_info["prefill_paths"]]
+    assert len(metas) >= 3, paths
+    assert all(m["prefill_intervals"] > 0 for m in metas)
+    assert any(m["prefill_reason"].startswith("no chunk fits") for m in metas)
+    # Each interval shares its iteration with a DECODE step, one layer at this target.
+    splits = [r.split for r in eng.trace.steps() if r.split is not None]
+    assert splits and all(s.num_layers == 1 for s in splits if s.decode_step is not None)
+    assert eng.scheduler.stats().num_running == 0
+    deep_runner.check_no_compiles()

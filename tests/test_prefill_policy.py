@@ -13,11 +13,13 @@ from runtime.exec_trace import ExecutionTrace, step_record
 from runtime.prefill_policy import (
     YOUNG_STREAM_TOKENS,
     PrefillPolicy,
+    SplitShape,
     StepCosts,
     chunk_buckets,
     default_target,
     extend_work,
     policy_shapes,
+    split_pays,
 )
 from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch
@@ -280,3 +282,71 @@ def test_the_default_target_follows_the_decode_step():
     assert p.target_s == pytest.approx(0.075, rel=0.01)
     assert p.plan(3, False, 0, None, 10_000).target_ms == pytest.approx(75, rel=0.01)
     assert p.to_json()["decode_ms_now"] == pytest.approx(20, rel=0.01)
+
+
+# Layer intervals of one 64-token row, of a 32-layer model.
+SPLIT = SplitShape(tokens=CHUNK, num_layers=32, sizes=(2, 4, 8, 32))
+
+
+def test_layer_intervals_where_no_chunk_fits():
+    """Past the context where even the smallest chunk overruns the target, the prefill
+    advances by layer intervals of the largest chunk beside a DECODE step."""
+    p = PrefillPolicy(0.030, COSTS, SHAPES, SPLIT)
+    assert p.plan(3, False, 0, None, 1000).path == "mixed"  # 16 tokens from 0: 26 ms
+    d = p.plan(3, False, 2000, 600, 0)  # 16 tokens at 2,000: 90 ms
+    assert d.path == "interval" and (d.chunk_tokens, d.max_rows) == (CHUNK, 1)
+    layer = COSTS.token_s * extend_work(CHUNK, 2000, COSTS.pair_weight) / 32
+    assert d.predicted_ms == pytest.approx(1e3 * (COSTS.decode_s + 2 * layer))
+    assert "no chunk fits" in d.reason
+    # A prompt's last few tokens: the interval is priced at what is left of it.
+    assert p.plan(3, False, 2000, 8, 0).predicted_ms == pytest.approx(
+        1e3 * (COSTS.decode_s + 2 * COSTS.token_s
+               * extend_work(8, 2000, COSTS.pair_weight) / 32))
+    without = PrefillPolicy(0.030, COSTS, SHAPES).plan(3, False, 2000, 600, 0)
+    assert without.path == "mixed" and without.chunk_tokens == 16
+
+
+def test_interval_layers_fill_the_target_beside_the_decode_step():
+    p = PrefillPolicy(0.030, COSTS, SHAPES, SPLIT)
+    assert p.interval_layers(32, 0.010, 0.002, 0, CHUNK) == 10
+    assert p.interval_layers(4, 0.010, 0.002, 0, CHUNK) == 4  # what is left
+    assert p.interval_layers(32, 0.010, 0.5, 0, CHUNK) == 1  # at least one
+    # Not measured yet: the cost model's layer, the decode step as last measured.
+    model = COSTS.token_s * extend_work(CHUNK, 2000, COSTS.pair_weight) / 32
+    assert p.interval_layers(32, None, None, 2000, CHUNK) == int(0.020 / model)
+
+
+def test_intervals_pay_only_on_deep_models():
+    assert split_pays(30, 2, 512, 64)  # 34 token-equivalents a step against 64
+    assert not split_pays(4, 2, 512, 64)
+
+
+def test_an_interval_holds_its_prompt_while_the_others_decode():
+    """The loop's side of an interval decision on the host: the decode rows run as a
+    DECODE step, the held prompt is in no decode batch until its split prefill is done,
+    and its tokens equal the reference."""
+    sched, runner = make(PrefillPolicy(0.030, COSTS, SHAPES, SPLIT))
+    running = decode_past_youth(sched, runner, 3)
+    long = req("long", range(3, 603), 4)
+    sched.add(long)
+    paths = []
+    while long.num_generated == 0:
+        batch = sched.next_batch()
+        paths.append(batch.decision.path)
+        if batch.decision.path != "interval":
+            sched.process_results(batch, runner.forward(batch))
+            continue
+        assert [r.req for r in batch.extend_rows] == [long]
+        decode = ScheduleBatch(ForwardMode.DECODE, [], batch.decode_rows)
+        sched.process_results(decode, runner.forward(decode))
+        for _ in range(3):  # the split's intervals run beside these
+            d = sched.next_decode()
+            assert {r.req for r in d.rows} == set(running)
+            sched.process_results(d, runner.forward(d))
+            check_invariants(sched)
+        prefill = ScheduleBatch(ForwardMode.SPLIT_PREFILL, batch.extend_rows, [])
+        sched.process_results(prefill, runner.forward(prefill))
+        sched.release_prefill()
+        check_invariants(sched)
+    assert paths[0] == "mixed" and "interval" in paths
+    assert long.output_ids == reference_output(long.prompt_ids, 1)

@@ -78,7 +78,8 @@ def ring_pages(model_cfg: ModelConfig, cfg: RunnerConfig, page_size: int) -> int
 def enabled_paths(runner: Any) -> dict[str, ExecPath]:
     """The runner's paths by name, in dispatch order."""
     cfg = runner.cfg
-    split = SplitPath(runner) if cfg.enable_split_prefill else None
+    split = (SplitPath(runner) if cfg.enable_split_prefill or cfg.policy_split_tokens
+             else None)
     paths = [SpecPath(runner) if cfg.speculative_num_draft_tokens else None,
              MultiStepPath(runner) if cfg.num_scheduler_steps > 1 else None,
              TboPath(runner) if cfg.enable_two_batch_overlap else None,

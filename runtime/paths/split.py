@@ -6,6 +6,7 @@ no batch through the runner's launch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
@@ -13,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from models.forward_mode import ForwardMode
-from runtime.batch_builder import pack_rows, padded_rows, row_order
+from runtime.batch_builder import BucketShape, pack_rows, padded_rows, row_order
 from runtime.bucket_plan import cost_key
 from runtime.executable_budget import FORWARD_COST, PlanPart, release_freed_heap
 from runtime.paths.base import ExecPath, LaunchedForward, Lowering
@@ -28,15 +29,24 @@ class SplitPath(ExecPath):
     def __init__(self, runner: Any) -> None:
         super().__init__(runner)
         cfg = runner.cfg
-        shapes = [k.shape for k in runner.step_keys() if k.mode is ForwardMode.EXTEND
-                  and k.shape.num_extend_tokens >= cfg.split_min_tokens]
+        extend = [k.shape for k in runner.step_keys() if k.mode is ForwardMode.EXTEND]
+        if cfg.enable_split_prefill:
+            shapes = [s for s in extend if s.num_extend_tokens >= cfg.split_min_tokens]
+        else:  # the prefill policy's one-row intervals (RunnerConfig.policy_split_tokens)
+            # (a fresh prompt runs at the narrowest width over a prefix: shape_for)
+            shapes = [s for s in extend if s.num_extend_tokens == cfg.policy_split_tokens
+                      and s.num_extend_seqs == 1 and s.num_pages_per_seq > 0]
         self.programs = SplitExecutables(runner.model_cfg, cfg.attention_backend, shapes,
                                          cfg.split_prefill_layers, runner.placement)
 
     def plan_parts(self) -> list[PlanPart]:
+        flags = ("--enable_split_prefill / --enable_multiplexing: extend buckets"
+                 if self.runner.cfg.enable_split_prefill else
+                 "the prefill policy's layer intervals (--itl_target_ms=0 drops them): "
+                 "one extend bucket")
         return [PlanPart("SPLIT_PREFILL", len(self.names), FORWARD_COST,
-                         "--enable_split_prefill / --enable_multiplexing: extend buckets x "
-                         "interval sizes (even, to 8, and the depth) + embed and head")]
+                         f"{flags} x interval sizes (even, to 8, and the depth) + embed "
+                         "and head")]
 
     def lowerings(self, params: Any, kv: Any, state: Any) -> Iterable[Lowering]:
         r = self.runner
@@ -88,14 +98,29 @@ class SplitPath(ExecPath):
         self.runner.costs.watch(cost_key(ForwardMode.SPLIT_PREFILL, split.shape),
                                 split.hidden, per=k * self.layer_work(split))
 
+    def shape_for(self, batch: ScheduleBatch) -> BucketShape:
+        """The split bucket of an extend batch: its EXTEND bucket, or for the prefill
+        policy's intervals (compiled for one one-row bucket over a prefix) that bucket at
+        the narrowest width that holds the batch's page table: any chunk the policy
+        schedules (padding rows cost nothing on the packed CPU matmul)."""
+        shape = self.runner.bucket_for(batch)
+        tokens = self.runner.cfg.policy_split_tokens
+        if self.runner.cfg.enable_split_prefill or not tokens:
+            return shape
+        wide = [s for s in self.programs.shapes
+                if s.num_pages_per_seq >= shape.num_pages_per_seq]
+        if not wide:
+            return dataclasses.replace(shape, num_extend_tokens=tokens, num_extend_seqs=1)
+        return min(wide, key=lambda s: s.num_pages_per_seq)
+
     def can_split(self, batch: ScheduleBatch) -> bool:
-        """Whether batch's extend bucket has split programs (see split_min_tokens)."""
-        return self.runner.bucket_for(batch) in self.programs.shapes
+        """Whether batch's split bucket has programs (see split_min_tokens)."""
+        return self.shape_for(batch) in self.programs.shapes
 
     def start_split(self, batch: ScheduleBatch) -> SplitPrefill:
         """Embed an EXTEND batch's tokens; its layers then run interval by interval."""
         r = self.runner
-        shape = r.bucket_for(batch)
+        shape = self.shape_for(batch)
         r.init_slots(batch.extend_rows)
         arrays = pack_rows(batch.extend_rows, [], shape, r.cache_cfg.page_size)
         return SplitPrefill(batch, shape, arrays, self.programs.embed(r.params, shape, arrays),
