@@ -296,7 +296,8 @@ def runner_config(args: ServerArgs, model_cfg: ModelConfig) -> RunnerConfig:
     # The policy's layer intervals where one can be a finer step than the smallest chunk
     # (deep models); not on the sliding-window rings, whose pools the split programs
     # would not address.
-    policy_split = (max_extend if args.decode_first and not args.sliding_window_rings
+    policy_split = (max_extend if args.decode_first and args.policy_layer_intervals
+                    and not args.sliding_window_rings
                     and prefill_policy.split_pays(model_cfg.num_layers,
                                                   min(interval_sizes(model_cfg.num_layers,
                                                                      args.split_prefill_layers)),

@@ -105,12 +105,17 @@ class ServerArgs:
                                       "(every bucket; overrides --itl_target_ms)")
     itl_target_ms: float | None = option(
         None, "decode first: every step carries the running decode rows and prefill fills it "
-        "up to this step time, as a MIXED chunk sized from the measured step costs (a whole "
+        "up to this step time, as a MIXED chunk sized from the measured step costs, or "
+        "where no chunk fits, a few layers of a split prefill beside a DECODE step (a whole "
         "EXTEND when nothing decodes; runtime/prefill_policy.py). Default: 3.75x the full "
         "batch's decode step, measured at start-up and logged; 0: prefill first (a prefill "
         "step carries no decode rows). --enable_mixed_chunk, --enable_split_prefill, "
         "--enable_multiplexing, --chunked_prefill_size<=0, --dp>1 and "
         "--enable_two_batch_overlap override it")
+    policy_layer_intervals: bool = option(
+        True, "let the decode-first policy advance a prefill by layer intervals where no "
+        "chunk fits its target (split-prefill programs of the largest chunk, compiled on "
+        "models deep enough for an interval to be the finer step); off: the smallest chunk")
     schedule_policy: str = option("fcfs", "admission order", choices=("fcfs", "lpm"))
     disable_prefix_cache: bool = option(False, "no radix prefix cache")
     sliding_window_rings: bool = option(

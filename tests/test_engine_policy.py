@@ -179,3 +179,14 @@ def test_layer_intervals_match_alone(deep_runner, overlap):
     assert splits and all(s.num_layers == 1 for s in splits if s.decode_step is not None)
     assert eng.scheduler.stats().num_running == 0
     deep_runner.check_no_compiles()
+
+
+def test_layer_intervals_are_compiled_where_they_pay():
+    """The policy's split programs (one 512-token row) on a 30-layer model only, and not
+    with --nopolicy_layer_intervals or --itl_target_ms=0."""
+    deep = dataclasses.replace(CFG, num_layers=30, max_position_embeddings=2048)
+    xla = dict(attention_backend="xla", cpu_matmul="xla")
+    assert runner_config(ServerArgs(**xla), deep).policy_split_tokens == 512
+    assert runner_config(ServerArgs(**xla), CFG).policy_split_tokens == 0  # 3 layers
+    for off in (dict(policy_layer_intervals=False), dict(itl_target_ms=0)):
+        assert runner_config(ServerArgs(**xla, **off), deep).policy_split_tokens == 0
