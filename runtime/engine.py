@@ -191,7 +191,7 @@ class StepLoop:
         splitter = self.splitter
         assert split is not None and launcher is not None and policy is not None
         assert splitter is not None
-        launched = []
+        launched, start = [], split.next_layer
         if decode is None:
             launcher.run_rest(split)
         else:
@@ -200,8 +200,14 @@ class StepLoop:
             want = policy.interval_layers(split.remaining, self.runner.step_cost(decode),
                                           splitter.layer_cost(split), row.start_pos,
                                           len(row.input_ids))
-            k = next_interval(split.remaining, want, splitter.interval_sizes)
-            launcher.run(split, k, launched[0].record.step)
+            # As many compiled intervals as make up `want` (the sizes run to 8 and the
+            # depth: 12 layers is 8 + 4, not 8), at least one.
+            while not split.done:
+                k = next_interval(split.remaining, want, splitter.interval_sizes)
+                if k > want and split.next_layer != start:
+                    break
+                launcher.run(split, k, launched[0].record.step)
+                want -= k
         if split.done:
             self.split = None
             launched.append(launcher.finish(split))
