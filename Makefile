@@ -96,7 +96,8 @@ gpu-aot: $(GPU_STAMP)
 # prefill-first, chunked / multiplexed and default (decode-first) configs; prefill first,
 # mixed chunks, multiplexing and the default side by side on long prompts, a burst of 32
 # short requests, Poisson 2/s and
-# shared prefixes, then the overload soak (Poisson 8/s x 200: ~5x what 2 vCPUs serve) with
+# shared prefixes; one 7,000-token prompt beside 8 streams with the policy's layer
+# intervals on and off; then the overload soak (Poisson 8/s x 200: ~5x what 2 vCPUs serve) with
 # prefill first, the default and multiplexing (docs/multiplexing.md); prompt lookup against
 # plain decoding (bench_spec.py, docs/speculative.md); then docs/benchmarks.md's generated section
 # from the JSON.
@@ -127,6 +128,10 @@ bench: setup
 		--output_len=128 --request_timeout_s=1800 --config=prefill_first=--itl_target_ms=0 \
 		--config=default= --config="mixed128=--chunked_prefill_size=128 --enable_mixed_chunk" \
 		--config="mux256=--enable_multiplexing --chunked_prefill_size=256"
+	$(PY) scripts/bench/bench_serving.py --out_dir=$(BENCH_OUT) --tag=longctx \
+		--scenarios=long_during_decode --ldd_running=8 --ldd_long=1 --ldd_long_len=7000 \
+		--request_timeout_s=1200 --config=prefill_first=--itl_target_ms=0 --config=default= \
+		--config=chunks_only=--nopolicy_layer_intervals
 	$(PY) scripts/bench/bench_serving.py --out_dir=$(BENCH_OUT) --tag=overload \
 		--scenarios=concurrent,poisson --concurrency=32 --concurrent_input_len=128 \
 		--request_rates=8 --num_prompts=200 --input_len=512 --output_len=128 \
