@@ -190,3 +190,33 @@ def test_layer_intervals_are_compiled_where_they_pay():
     assert runner_config(ServerArgs(**xla), CFG).policy_split_tokens == 0  # 3 layers
     for off in (dict(policy_layer_intervals=False), dict(itl_target_ms=0)):
         assert runner_config(ServerArgs(**xla, **off), deep).policy_split_tokens == 0
+
+
+def test_aborting_a_prompt_mid_interval(deep_runner):
+    """A prompt aborted while its layer intervals run: its pages are free at once (the
+    rest of its K/V writes go to the padding page), the others keep the tokens of each
+    alone, and the pool ends empty."""
+    sampling = dataclasses.replace(GREEDY, max_new_tokens=24)
+    prompts = _prompts(6, seed=3)
+    eng = Engine(_args(itl_target_ms=1e-3, max_prefill_tokens=64, disable_prefix_cache=True),
+                 runner=deep_runner)
+    rids = [eng.add_request(p, sampling) for p in prompts[:2]]
+    done, aborted = {}, None
+    while len(eng.scheduler.running) < 2 or any(
+            r.num_generated <= YOUNG_STREAM_TOKENS for r in eng.scheduler.running):
+        done.update((o.rid, o) for o in eng.step() if o.finished)
+    rids += [eng.add_request(p, sampling) for p in prompts[2:]]
+    while eng.has_work():
+        split = eng.loop.split
+        if aborted is None and split is not None and split.next_layer > 0:
+            aborted = split.batch.extend_rows[0].req.rid
+            eng.abort(aborted)
+        done.update((o.rid, o) for o in eng.step() if o.finished)
+    assert aborted is not None and aborted not in done
+    kept = [i for i, r in enumerate(rids) if r != aborted]
+    want = each_alone(deep_runner, [prompts[i] for i in kept], sampling,
+                      max_prefill_tokens=64, max_running_requests=16)
+    check_same([done[rids[i]] for i in kept], want)
+    stats = eng.scheduler.stats()
+    assert stats.num_running == 0 and stats.num_used_pages == 0
+    deep_runner.check_no_compiles()
