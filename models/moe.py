@@ -45,12 +45,19 @@ from models import layers
 from models.config import ModelConfig
 from models.fp8 import Fp8Weight, fp8_ragged_dot
 from models.layers import compute_logits, embed, fuse_projections, gated_mlp, unstack_layers
+from pallas_kernels import grouped_matmul
 
 __all__ = ["compute_logits", "embed", "forward", "fuse_projections", "init_params",
            "pack_for_cpu", "param_shapes", "run_layer_range", "run_layers", "unstack_layers",
            "MoeMlp"]
 
 EP_AXIS = "ep"
+# The experts' product on a GPU (`experts`): "pallas", the grouped Triton kernel
+# (pallas_kernels/grouped_matmul.py), which reads each routed expert's weights in place;
+# "xla", XLA's products (a loop over the routed experts for few tokens, else ragged_dot;
+# docs/gpu.md has why both read more). Unmeasured on a device, so it stays a switch
+# (scripts/bench/gpu_aot.py --moe_gpu_experts). A CPU always takes ragged_dot.
+GPU_EXPERTS = "pallas"
 EXPERT_KEYS = ("we_gate", "we_up", "we_down", "we_gate_up", "be_gate_up", "be_down")
 
 
@@ -191,6 +198,12 @@ def _on_gpu() -> bool:
     return jax.default_backend() == "gpu"
 
 
+def _interpret_kernels() -> bool:
+    """Whether Pallas kernels run interpreted (a CPU backend; scripts/bench/gpu_programs.py
+    patches it to compile them for compile-only GPUs from a CPU process)."""
+    return jax.default_backend() == "cpu"
+
+
 def routed_loop_pays(n_local: int, num_ranks: int, tokens: int, k: int) -> bool:
     """Whether the loop over the routed local experts (`_routed_experts`) moves fewer bytes
     than ragged_dot, which XLA's GPU compiler makes a dense product of every received row
@@ -249,20 +262,68 @@ def _routed_experts(xs: jax.Array, es: jax.Array, lp: dict, cfg: ModelConfig | N
     return jnp.zeros_like(ys).at[order].set(ys)
 
 
+def tile_rows(rows_per_expert: float) -> int:
+    """Rows of a grouped-kernel tile: the expected rows of an expert rounded up to a power
+    of 2, within 16 (Triton's smallest dot) and 128."""
+    bm = 16
+    while bm < min(rows_per_expert, 128):
+        bm *= 2
+    return bm
+
+
+def tiled_kernel_fits(lp: dict) -> bool:
+    """Whether these experts can take the grouped kernel: plain arrays (not FP8) whose
+    dimensions take Triton blocks."""
+    ws = [lp[key] for key in ("we_gate", "we_up", "we_gate_up", "we_down") if key in lp]
+    return all(not isinstance(w, Fp8Weight) and grouped_matmul.available(*w.shape[1:])
+               for w in ws)
+
+
+def _tiled_experts(xs: jax.Array, es: jax.Array, lp: dict, cfg: ModelConfig | None,
+                   bm: int) -> jax.Array:
+    """xs [M, D], es [M] (n_local: empty) -> [M, D] through the grouped kernel: the rows
+    as tiles of bm rows of one expert (pallas_kernels/grouped_matmul.py), which stay
+    tiles from the gate to the down product."""
+    m = xs.shape[0]
+    n_local = lp["we_down"].shape[0]
+    plan = grouped_matmul.plan_tiles(es, n_local, bm)
+    own = jnp.minimum(plan.expert, n_local - 1)  # [T] each tile's expert, for its biases
+    mm = functools.partial(grouped_matmul.tile_matmul, expert=plan.expert,
+                           interpret=_interpret_kernels())
+    xt = grouped_matmul.gather_tiles(xs, plan)  # [T, bm, D]
+    if "we_gate_up" in lp:
+        gu = mm(xt, lp["we_gate_up"]) + lp["be_gate_up"][own][:, None, :]  # [T, bm, 2Fm]
+        g, u = gu[..., ::2], gu[..., 1::2]  # the columns interleave
+    else:
+        g, u = mm(xt, lp["we_gate"]), mm(xt, lp["we_up"])  # [T, bm, Fm] each
+    if cfg is not None and cfg.expert_act == "clamped_swiglu":
+        act = clamped_swiglu(g, u, cfg.swiglu_alpha, cfg.swiglu_limit)
+    else:
+        act = jax.nn.silu(g) * u
+    y = mm(act, lp["we_down"])  # [T, bm, D]
+    if "be_down" in lp:
+        y = y + lp["be_down"][own][:, None, :]
+    return grouped_matmul.scatter_tiles(y, plan, m)
+
+
 def experts(recv_x: jax.Array, recv_e: jax.Array, lp: dict,
             cfg: ModelConfig | None = None, tokens: int | None = None) -> jax.Array:
     """The gated MLP of each received pair through its local expert: recv_x [R, C, D],
     recv_e [R, C] -> [R, C, D]; empty slots (id = local experts) come back as zeros.
     SwiGLU, or cfg.expert_act; gpt-oss's fused interleaved gate|up and biases where lp
     has them (cfg.expert_bias). `tokens`: the step's tokens on all R ranks (static; None:
-    R * the tokens whose pairs fill C). On a GPU, for few tokens (routed_loop_pays), a
-    loop over the routed local experts; otherwise ragged_dot (and always on a CPU)."""
+    R * the tokens whose pairs fill C). On a GPU (GPU_EXPERTS): the grouped kernel; or XLA's:
+    for few tokens (routed_loop_pays) a loop over the routed local experts, otherwise
+    ragged_dot (and always on a CPU)."""
     r, c, d = recv_x.shape
     n_local = lp["we_down"].shape[0]
     xs, es = recv_x.reshape(r * c, d), recv_e.reshape(r * c)
     if cfg is not None and _on_gpu():
         k = cfg.num_experts_per_tok
         tokens = r * c // min(k, n_local) if tokens is None else tokens
+        if GPU_EXPERTS == "pallas" and tiled_kernel_fits(lp):
+            bm = tile_rows(tokens * k / (n_local * r))
+            return _tiled_experts(xs, es, lp, cfg, bm).reshape(r, c, d)
         if routed_loop_pays(n_local, r, tokens, k):
             # >= 8 rows a trip: a one-row product would become a multiply + reduce that
             # writes a weight-sized product (docs/gpu.md)

@@ -190,6 +190,7 @@ def test_routed_expert_loop_takes_fp8_experts(monkeypatch):
     want = moe.experts(x, e, deq, cfg)
     monkeypatch.setattr(moe, "_on_gpu", lambda: True)
     monkeypatch.setattr(moe, "routed_loop_pays", lambda *a: True)
+    assert not moe.tiled_kernel_fits(lp)  # FP8 experts keep XLA's products
     got = jax.jit(moe.experts, static_argnums=(3, 4))(x, e, lp, cfg, 6)
     real = np.asarray(e) < n
     np.testing.assert_allclose(np.asarray(got)[real], np.asarray(want)[real],

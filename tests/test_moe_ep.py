@@ -107,11 +107,22 @@ def _gpt_oss_experts(rng: np.random.Generator, n: int) -> tuple:
     return cfg, {k: jnp.asarray(v, jnp.float32) for k, v in lp.items()}
 
 
+def _gpu_path(monkeypatch, path: str) -> None:
+    """models/moe.py's GPU expert product, as on a GPU: "loop", XLA's loop over the routed
+    experts (forced for every token count); "kernel", the grouped Pallas kernel
+    (interpreted on the CPU)."""
+    monkeypatch.setattr(moe, "_on_gpu", lambda: True)
+    monkeypatch.setattr(moe, "GPU_EXPERTS", "xla" if path == "loop" else "pallas")
+    monkeypatch.setattr(moe, "routed_loop_pays", lambda *a: True)
+
+
+@pytest.mark.parametrize("path", ["loop", "kernel"])
 @pytest.mark.parametrize("variant", ["swiglu", "gpt_oss"])
-def test_routed_expert_loop_equals_ragged_dot(variant, monkeypatch):
-    """The GPU's loop over the routed local experts (models/moe.py `_routed_experts`) gives
-    ragged_dot's results on every received pair, for random routings that leave experts
-    empty (and one that routes nothing), with zeros in the empty slots."""
+def test_gpu_experts_equal_ragged_dot(variant, path, monkeypatch):
+    """The GPU's expert products (models/moe.py: the loop over the routed local experts,
+    `_routed_experts`, or the grouped kernel, `_tiled_experts`) give ragged_dot's results
+    on every received pair, for random routings that leave experts empty (and one that
+    routes nothing), with zeros in the empty slots."""
     rng = np.random.default_rng(3)
     n_local, r, c = 4, 4, 6
     if variant == "swiglu":
@@ -125,8 +136,7 @@ def test_routed_expert_loop_equals_ragged_dot(variant, monkeypatch):
         e = rng.choice(np.asarray(used + [n_local]), (r, c))  # n_local: an empty slot
         e = jnp.asarray(e, jnp.int32)
         want = moe.experts(x, e, lp, cfg)  # the CPU's ragged_dot
-        monkeypatch.setattr(moe, "_on_gpu", lambda: True)
-        monkeypatch.setattr(moe, "routed_loop_pays", lambda *a: True)
+        _gpu_path(monkeypatch, path)
         # tokens = every slot: a group may fill all of them here (a real exchange has at
         # most one pair per token and expert; the EP tests below run shorter windows)
         got = jax.jit(moe.experts, static_argnums=(3, 4))(x, e, lp, cfg, r * c)
@@ -139,13 +149,16 @@ def test_routed_expert_loop_equals_ragged_dot(variant, monkeypatch):
 
 @pytest.mark.parametrize("t", [1, 3, 13])  # padded to a multiple of ep: 3, 1 and 3 rows
 def test_ep4_routed_expert_loop_equals_ep1(t, monkeypatch):
-    """EP=4 with the routed-expert loop (a GPU's decode path, forced here for every token
-    count) equals EP=1's ragged_dot on the unbalanced routing; the padding rows send no
-    pair (else their zero rows would route to experts 0 and 1)."""
+    """EP=4 with the routed-expert loop (a GPU's decode path with GPU_EXPERTS = "xla",
+    forced here for every token count) equals EP=1's ragged_dot on the unbalanced routing;
+    the padding rows send no pair (else their zero rows would route to experts 0 and 1).
+    The grouped kernel has no EP=4 run here: Pallas' interpreter indexes a kernel's whole
+    operands with grid indices that do not vary over `ep` while the operands do, which
+    shard_map's type check refuses; its per-rank product is test_gpu_experts_equal_ragged_dot's,
+    and tests/test_gpu_aot.py compiles it for eight GPUs."""
     lp, x = _unbalanced_layer(t, seed=t)
     want = jax.jit(moe.MoeMlp(CFG))(lp, x)
-    monkeypatch.setattr(moe, "_on_gpu", lambda: True)
-    monkeypatch.setattr(moe, "routed_loop_pays", lambda *a: True)
+    _gpu_path(monkeypatch, "loop")
     got = jax.jit(moe.MoeMlp(CFG, make_mesh(ep=4)))(lp, x)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
 

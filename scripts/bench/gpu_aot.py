@@ -15,7 +15,8 @@ also counts the step's collectives (launches per step, and their bytes).
 Per program (one JSON record each, and a table on stdout):
   bytes          bytes its kernels read and write (scripts/bench/hlo_traffic.py: loop trip counts
                  multiplied in, Pallas attention at the modelled KV read; a MoE step's loop
-                 over its routed experts at the expected count, `unknown_trips`)
+                 over its routed experts at the expected count, `unknown_trips`; its
+                 grouped expert kernel at the expected tiles' weights, `expert_read`)
   perfect_bytes  weights read once (the embedding's gathered rows only) + the KV read by
                  its rows at --context tokens each + the KV it writes + its inputs and outputs
   ratio          bytes / perfect_bytes
@@ -29,11 +30,13 @@ copy structure is decided before autotuning, so it is what the device would run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import sys
 import time
+from collections.abc import Iterator
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -65,6 +68,9 @@ flags.DEFINE_list("layers", ["default"], "layer weight layouts to compile: defau
 flags.DEFINE_integer("context", 512, "earlier context per row, in tokens (the KV read)")
 flags.DEFINE_integer("kv_tokens", 131072, "KV pool size in tokens")
 flags.DEFINE_string("hlo_dir", None, "write each optimized HLO here")
+flags.DEFINE_enum("moe_gpu_experts", "pallas", ["pallas", "xla"], "a MoE model's expert "
+                  "products (models/moe.py GPU_EXPERTS): the grouped Triton kernel, or XLA's "
+                  "(a loop over the routed experts for few tokens, else ragged_dot)")
 flags.DEFINE_integer("draft_tokens", 0, "speculative decoding's k: the plan then also has a "
                      "TARGET_VERIFY program per decode bucket (rows x (1 + k) tokens)")
 
@@ -196,6 +202,33 @@ def routed_local_experts(runner, tokens: int) -> float:
     return n_local * (1 - (1 - 1 / e) ** (tokens * k))
 
 
+def expert_tiles(runner, tokens: int) -> float:
+    """A GPU's expected tiles of models/moe.py's grouped expert kernel for `tokens` tokens
+    under uniform routing, each tile loading its expert's weights once: a local expert
+    receives Binomial(tokens, k / E) pairs (a token picks k distinct experts), ceil(n / bm)
+    tiles of them (bm: moe.tile_rows)."""
+    from models import moe
+
+    cfg = runner.model_cfg
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    n_local = e // (1 if runner.mesh is None else runner.mesh.shape.get("ep", 1))
+    bm, p = moe.tile_rows(tokens * k / e), k / e
+    pmf, tiles = (1 - p) ** tokens, 0.0  # P(n = 0), then P(n) from P(n - 1)
+    for n in range(1, tokens + 1):
+        pmf *= (tokens - n + 1) / n * p / (1 - p)
+        tiles += pmf * -(-n // bm)
+    return n_local * tiles
+
+
+def expert_stacks(runner) -> list[tuple[int, ...]]:
+    """Shapes of one GPU's stacked experts of a layer, [E_local, K, N] (the grouped expert
+    kernel's weight operands)."""
+    cfg = runner.model_cfg
+    n_local = cfg.num_experts // (1 if runner.mesh is None else runner.mesh.shape.get("ep", 1))
+    d, f = cfg.hidden_size, cfg.moe_intermediate_size
+    return [(n_local, d, f), (n_local, f, d), (n_local, d, 2 * f)]
+
+
 COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "reduce-scatter",
                "collective-permute", "ragged-all-to-all")
 
@@ -223,12 +256,16 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: 
     read = ((rows or 0) * context * cfg.kv_size * kv_item / _kv_split(runner)
             if s and s.num_pages_per_seq else 0)
     tokens = (s.num_extend_tokens + s.num_decode_seqs) if s else None
-    trips = routed_local_experts(runner, tokens) if cfg.is_moe and tokens else 1.0
-    traffic = hlo_traffic.TrafficModel(text, pool, read, weight_shapes(runner), trips).run()
+    moe_tokens = tokens if cfg.is_moe and tokens else 0
+    trips = routed_local_experts(runner, moe_tokens) if moe_tokens else 1.0
+    stacks = expert_stacks(runner) if moe_tokens else []
+    share = expert_tiles(runner, moe_tokens) / stacks[0][0] if moe_tokens else 1.0
+    traffic = hlo_traffic.TrafficModel(text, pool, read, weight_shapes(runner), trips,
+                                       stacks, share).run()
     perfect = perfect_bytes(runner, name, context)
     mem = compiled.memory_analysis()
     return dict(program=name, target=tgt.name, model=model, layers=layers, rows=rows,
-                tokens=tokens, unknown_trips=trips,
+                tokens=tokens, unknown_trips=trips, expert_read=share,
                 context=context, bytes=traffic.bytes, perfect_bytes=perfect,
                 ratio=traffic.bytes / perfect if perfect else None,
                 weight_copies=sum(c.count for c in traffic.copies),
@@ -244,12 +281,25 @@ def analyse(runner, name: str, compiled, tgt, context: int, layers: str, model: 
                 kernels={k: v for k, v in sorted(traffic.kernels.items(), key=lambda kv: -kv[1])})
 
 
+@contextlib.contextmanager
+def moe_experts(name: str) -> Iterator[None]:
+    """models/moe.py's GPU expert product set to `name` (see --moe_gpu_experts)."""
+    from models import moe
+
+    saved, moe.GPU_EXPERTS = moe.GPU_EXPERTS, name
+    try:
+        yield
+    finally:
+        moe.GPU_EXPERTS = saved
+
+
 def run(target: str, model: str, layers_list: list[str], rows: list[int], programs: str,
         context: int, kv_tokens: int, log=print, hlo_dir: str | None = None,
         extend: tuple[tuple[int, int], ...] = (), steps: int = 1, tp: int = 1,
-        ep: int = 1, draft_tokens: int = 0) -> list[dict]:
+        ep: int = 1, draft_tokens: int = 0, moe_gpu_experts: str = "pallas") -> list[dict]:
     """Compile and analyse the selected programs, one compilation at a time; with tp or
-    ep > 1, for that many GPUs of one host (bytes per device)."""
+    ep > 1, for that many GPUs of one host (bytes per device). `moe_gpu_experts`: see
+    --moe_gpu_experts."""
     tgt = gpu_programs.target(target)
     runner_mesh = gpu_programs.runner_mesh(tgt, tp=tp, ep=ep)
     mesh = runner_mesh or gpu_programs.compile_only_mesh(tgt)
@@ -257,7 +307,7 @@ def run(target: str, model: str, layers_list: list[str], rows: list[int], progra
     for layers in layers_list:
         runner = build_runner(model_config(model), layers, rows, kv_tokens, extend, steps,
                               runner_mesh, draft_tokens)
-        with gpu_programs.compiled_pallas():
+        with gpu_programs.compiled_pallas(), moe_experts(moe_gpu_experts):
             for name, lower in runner._lowerings():
                 if not re.search(programs, name):
                     continue
@@ -268,6 +318,7 @@ def run(target: str, model: str, layers_list: list[str], rows: list[int], progra
                 rec["per_layer_weights"] = runner.cfg.per_layer_weights
                 rec["fuse_projections"] = runner.cfg.fuse_projections
                 rec["tp"], rec["ep"] = tp, ep
+                rec["moe_gpu_experts"] = moe_gpu_experts
                 records.append(rec)
                 log(_row(rec))
     return records
@@ -292,7 +343,7 @@ def main(argv: list[str]) -> None:
     records = run(FLAGS.target, FLAGS.model, FLAGS.layers, [int(r) for r in FLAGS.rows],
                   FLAGS.programs, FLAGS.context, FLAGS.kv_tokens, hlo_dir=FLAGS.hlo_dir,
                   extend=extend, steps=FLAGS.steps, tp=FLAGS.tp, ep=FLAGS.ep,
-                  draft_tokens=FLAGS.draft_tokens)
+                  draft_tokens=FLAGS.draft_tokens, moe_gpu_experts=FLAGS.moe_gpu_experts)
     if FLAGS.json:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json)), exist_ok=True)
         with open(FLAGS.json, "w") as f:

@@ -75,7 +75,8 @@ def compile_only_mesh(tgt: Target, shape: tuple[int, ...] = (1,),
 def compiled_pallas() -> Iterator[None]:
     """The "pallas" attention backend as on a GPU: compiled kernels, not the interpreter
     that a CPU default backend picks (pallas_kernels._interpret); and models/moe.py's GPU
-    expert product (its `_on_gpu` asks the default backend, here the CPU)."""
+    expert product, its kernel compiled (its `_on_gpu` and `_interpret_kernels` ask the
+    default backend, here the CPU)."""
     import pallas_kernels
     from models import layers, moe
     from pallas_kernels.ragged_paged_attention import paged_attention
@@ -85,12 +86,13 @@ def compiled_pallas() -> Iterator[None]:
             return functools.partial(paged_attention, interpret=False)
         return pallas_kernels.get_paged_attention_fn(backend)
 
-    saved, saved_on_gpu = layers.get_paged_attention_fn, moe._on_gpu
-    layers.get_paged_attention_fn, moe._on_gpu = get, lambda: True
+    saved = layers.get_paged_attention_fn, moe._on_gpu, moe._interpret_kernels
+    layers.get_paged_attention_fn, moe._on_gpu, moe._interpret_kernels = (
+        get, lambda: True, lambda: False)
     try:
         yield
     finally:
-        layers.get_paged_attention_fn, moe._on_gpu = saved, saved_on_gpu
+        layers.get_paged_attention_fn, moe._on_gpu, moe._interpret_kernels = saved
 
 
 def abstract_runner(model_cfg: Any, cache_cfg: Any, runner_cfg: Any, max_running: int,

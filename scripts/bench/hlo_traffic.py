@@ -12,7 +12,10 @@ conditional).
   place (dynamic-update-slice, scatter) writes the update, not the buffer.
 - A Pallas kernel (Mosaic GPU, Triton) reads its KV-pool operands through a page table
   the HLO cannot see: each such operand counts as `kv_read_per_call` bytes, the caller's
-  model of one layer's reads of K or V; its other operands and outputs count whole.
+  model of one layer's reads of K or V; an operand shaped like a layer's stacked experts
+  (`expert_stacks`) counts as `expert_read` of it, the caller's model of the share the
+  grouped expert kernel loads (the routed experts' tiles); its other operands and outputs
+  count whole.
 - A weight copy is any data-movement kernel (copy, dynamic-slice, or a fusion with no dot
   and no in-place root) whose output holds an array shaped like one layer's weight
   (`weight_shapes`, compared without unit dimensions and in any dimension order): a
@@ -171,8 +174,10 @@ class TrafficModel:
 
     def __init__(self, text: str, kv_pool_bytes: int = 0, kv_read_per_call: float = 0.0,
                  weight_shapes: Iterable[tuple[int, ...]] = (),
-                 unknown_trips: float = 1.0) -> None:
+                 unknown_trips: float = 1.0,
+                 expert_stacks: Iterable[tuple[int, ...]] = (), expert_read: float = 1.0) -> None:
         self.comps, self.entry = parse(text)
+        self.expert_stacks, self.expert_read = set(expert_stacks), expert_read
         self.unknown_trips = unknown_trips
         self.kv_pool_bytes, self.kv_read = kv_pool_bytes, kv_read_per_call
         self.weight_shapes = {_norm(s) for s in weight_shapes}
@@ -243,7 +248,8 @@ class TrafficModel:
             if target.startswith(_PALLAS):
                 kind = "pallas"
                 reads = sum(self.kv_read if self.kv_pool_bytes and b == self.kv_pool_bytes
-                            else b for b in ins_bytes)
+                            else b * self.expert_read if self._is_expert_stack(comp, o)
+                            else b for o, b in zip(ins.operands, ins_bytes, strict=True))
             else:
                 kind = "custom-call " + target
                 reads = sum(ins_bytes)
@@ -260,6 +266,9 @@ class TrafficModel:
             if ins.op == "copy":
                 self._maybe_copy(ins, mult, t)
             self._add(t, ins.op, mult * (sum(ins_bytes) + out), ins.name, mult)
+
+    def _is_expert_stack(self, comp: Computation, name: str) -> bool:
+        return any(dims in self.expert_stacks for _, dims in arrays(self._shape(comp, name)))
 
     def _maybe_copy(self, ins: Instr, mult: float, t: Traffic) -> None:
         if any(_norm(dims) in self.weight_shapes for _, dims in arrays(ins.shape)):
