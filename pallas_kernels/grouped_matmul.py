@@ -7,6 +7,8 @@ copies each expert's dynamic slices before its gemms (docs/gpu.md). Here the row
 out as tiles of `bm` rows of one expert each (`plan_tiles`, jnp), and one Triton program
 per (tile, column block) loads its expert's [K, bn] columns straight from the stack: a
 step reads each routed expert's weights once per tile of its rows, the others not at all.
+The layout is vLLM's / SGLang's fused-MoE Triton kernel's (rows sorted by expert, padded
+to whole blocks, one expert id per block; unused blocks exit at once).
 
 Pallas' Triton backend is deprecated (since jax 0.11 it may be gone; models/moe.py then
 keeps XLA's products).
@@ -32,9 +34,10 @@ except ImportError:
 BLOCKS = (128, 64, 32, 16)  # column / depth block sizes tried, largest first (powers of 2)
 
 
-def block_size(n: int) -> int | None:
-    """The largest of BLOCKS dividing n (Triton blocks are powers of 2 >= 16); None: none."""
-    return next((b for b in BLOCKS if n % b == 0), None)
+def block_size(n: int, largest: int = 128) -> int | None:
+    """The largest of BLOCKS up to `largest` dividing n (Triton blocks are powers of 2 >=
+    16); None: none."""
+    return next((b for b in BLOCKS if b <= largest and n % b == 0), None)
 
 
 def available(k: int, n: int) -> bool:
@@ -118,7 +121,10 @@ def tile_matmul(x: jax.Array, w: jax.Array, expert: jax.Array,
         raise NotImplementedError("the grouped expert matmul needs Pallas' Triton backend")
     t, bm, k = x.shape
     n_experts, _, n = w.shape
-    bk, bn = block_size(k), block_size(n)
+    # vLLM's fused-MoE defaults, untuned here: few rows a tile (decode) take narrow column
+    # blocks, so a step with one routed expert still spreads its weights over many programs
+    bn, bk = (32, 64) if bm <= 16 else (64, 32)
+    bk, bn = block_size(k, bk), block_size(n, bn)
     anywhere = pl.BlockSpec(memory_space=pl.ANY)  # whole array, indexed inside the kernel
     return pl.pallas_call(
         functools.partial(tile_matmul_kernel, n_experts=n_experts, bk=bk, bn=bn),
