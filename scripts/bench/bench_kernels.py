@@ -12,7 +12,8 @@ Sections (--sections picks them), each recorded even when another fails (a failu
 an entry in "errors"), the JSON rewritten after each one so a run cut short keeps them:
   correctness  the kernels against paged_attention_ref on this device: decode, extend
                (on cached prefixes) and mixed batches, the mixed one also with sliding
-               window and soft cap; bf16 -> Mosaic GPU, f32 -> Triton
+               window and soft cap; bf16 -> Mosaic GPU, f32 -> Triton; and the GPU MoE
+               path's grouped expert matmul (pallas_kernels/grouped_matmul.py)
   roofline     a measured copy bandwidth next to the nominal --peak_hbm_tbps
   decode       achieved HBM bandwidth of decode attention at long context, side by side
                with the XLA reference (paged gather) and jax.nn.dot_product_attention
@@ -44,6 +45,7 @@ from jax import lax
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from models.kv_pool import KVPool, write_kv  # noqa: E402
+from pallas_kernels import grouped_matmul  # noqa: E402
 from pallas_kernels.ragged_paged_attention import (  # noqa: E402
     paged_attention,
     paged_attention_ref,
@@ -255,6 +257,48 @@ def bench_correctness(rng) -> list[dict]:
     return out
 
 
+def _grouped(x, w, es, interpret: bool):
+    """The GPU MoE path's expert product (models/moe.py): rows tiled by expert, each tile
+    through its expert's weights read in place, then back in row order."""
+    plan = grouped_matmul.plan_tiles(es, w.shape[0], 16)
+    tiles = grouped_matmul.tile_matmul(grouped_matmul.gather_tiles(x, plan), w, plan.expert,
+                                       interpret=interpret)
+    return grouped_matmul.scatter_tiles(tiles, plan, x.shape[0])
+
+
+def bench_grouped_correctness(rng) -> list[dict]:
+    """The grouped expert matmul against its jnp reference on this device: Qwen3-30B-A3B's
+    per-GPU expert shapes under ep=8 (16 experts, [2048, 768]) at 1, 32 and 128 rows routed
+    at random, some rows to no expert (--smoke: 5 experts of [64, 32], 1 and 20 rows)."""
+    e, k, n, rows = (5, 64, 32, (1, 20)) if FLAGS.smoke else (16, 2048, 768, (1, 32, 128))
+    dtypes = ((jnp.float32, 1e-5),) if FLAGS.smoke else ((jnp.bfloat16, 2e-2),
+                                                          (jnp.float32, 1e-4))
+    run = jax.jit(functools.partial(_grouped, interpret=_interpret()))
+    out = []
+    for m in rows:
+        es = jnp.asarray(rng.integers(0, e + 1, m), jnp.int32)  # e: no expert
+        for dtype, tol in dtypes:
+            name = jnp.dtype(dtype).name
+            x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+            w = jnp.asarray(rng.standard_normal((e, k, n)) / np.sqrt(k), dtype)
+            t0 = time.perf_counter()
+            try:
+                with jax.default_matmul_precision("highest"):
+                    ref = jax.jit(grouped_matmul.grouped_matmul_ref)(x, w, es)
+                err = _max_err(run(x, w, es), ref)
+            except Exception as ex:  # one case failing must not hide the others
+                out.append(dict(mode="grouped_matmul", dtype=name, rows=m, ok=False,
+                                error=repr(ex)[:2000], traceback=traceback.format_exc()))
+                print(f"correctness grouped_matmul {m} rows {name}: ERROR {ex!r}"[:2000])
+                continue
+            secs = time.perf_counter() - t0
+            out.append(dict(mode="grouped_matmul", dtype=name, rows=m, variants=[],
+                            max_abs_err=err, tol=tol, ok=err < tol, seconds=secs))
+            print(f"correctness grouped_matmul {m} rows {name}: max err {err:.3g} "
+                  f"({'ok' if err < tol else 'FAIL'}, {secs:.1f} s)", flush=True)
+    return out
+
+
 def bench_roofline() -> dict:
     n = (1 << 20) if FLAGS.smoke else int(FLAGS.target_gb_per_call * 2 ** 30) // 2
     x = jnp.ones((n,), jnp.bfloat16)
@@ -439,6 +483,9 @@ def main(argv):
     want = set(FLAGS.sections)
     if "correctness" in want:
         results["correctness"] = section("correctness", bench_correctness, rng) or []
+        if grouped_matmul.pltriton is not None:  # the GPU MoE path's kernel, where it exists
+            results["correctness"] += section("correctness grouped_matmul",
+                                              bench_grouped_correctness, rng) or []
     roof = section("roofline", bench_roofline) if "roofline" in want else None
     results["roofline"] = roof
     measured = roof["measured_tbps"] if roof else None
