@@ -106,6 +106,7 @@ ROWS: tuple[Row, ...] = (
          sliding_window_rings=True),
     _row("itl_target", "itl_target_ms", itl_target_ms=50.0),
     _row("prefill_first", "itl_target_ms", itl_target_ms=0.0),
+    _row("no_layer_intervals", "policy_layer_intervals", policy_layer_intervals=False),
     _row("mixed_chunk", "enable_mixed_chunk", enable_mixed_chunk=True,
          slow="a MIXED program; dp2 (which needs them) runs MIXED programs in make test"),
     _row("kv_pool_from_memory", "mem_fraction max_total_tokens", max_total_tokens=None,
