@@ -9,7 +9,8 @@ inter-token-latency target (`--itl_target_ms`), goes to prefill:
   predicted MIXED step fits the target (the step cost model below); the smallest bucket
   when none fits, so a prefill always advances;
 - streams decode and no chunk fits, as where the prompt has reached a long context and
-  attention over it makes even the smallest chunk overrun the target: a layer interval
+  attention over it makes even the smallest chunk overrun the target (by INTERVAL_OVERRUN:
+  near it, the smallest chunk): a layer interval
   (split prefill) of the largest chunk beside a DECODE step, if the runner compiled its
   programs (SplitShape) and the interval's step is the cheaper; the chunk advances a few
   decoder layers a step, as many as keep each step within the target (interval_layers);
@@ -54,6 +55,11 @@ DEFAULT_DECODE_MULTIPLE = 3.75
 # between 64 and 128 because the default target (~4 decode steps) usually falls between
 # those two chunks' steps: without it a prompt advances 64 tokens a step where 96 fit.
 CHUNK_BUCKETS = (64, 96, 128, 256, 512)
+# A layer interval replaces the smallest chunk only where that chunk's predicted step
+# overruns the target by this factor: near the target the MIXED step's measured correction
+# (observe) keeps chunks on it, while an interval's first layers are priced from costs
+# measured on other shapes (a 512-token row from position 0 at start-up).
+INTERVAL_OVERRUN = 1.25
 # The measured / predicted correction: an exponential moving average, bounded.
 SCALE_SMOOTHING = 0.2
 SCALE_BOUND = 3.0
@@ -217,7 +223,7 @@ class PrefillPolicy:
                                       "the target", decode_rows, te, rows, predicted)
         te = by_tokens[0]
         predicted = self._predict(te, start_pos, remaining, queued)
-        if self.split is not None:
+        if self.split is not None and predicted > INTERVAL_OVERRUN * self.target_s:
             interval = self._predict_interval(min(self.split.sizes), start_pos, remaining,
                                               queued)
             if interval < predicted:

@@ -304,6 +304,9 @@ def test_layer_intervals_where_no_chunk_fits():
                * extend_work(8, 2000, COSTS.pair_weight) / 32))
     without = PrefillPolicy(0.030, COSTS, SHAPES).plan(3, False, 2000, 600, 0)
     assert without.path == "mixed" and without.chunk_tokens == 16
+    # Just over the target (16 tokens at 100: 29.2 ms against 28): still the chunk.
+    near = PrefillPolicy(0.028, COSTS, SHAPES, SPLIT).plan(3, False, 100, 600, 0)
+    assert near.path == "mixed" and near.chunk_tokens == 16
 
 
 def test_interval_layers_fill_the_target_beside_the_decode_step():
