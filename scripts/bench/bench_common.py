@@ -406,6 +406,17 @@ def model_summary(cfg: ModelConfig, name: str, dtype: str, quantization: str | N
             "weight_bytes": nbytes or weight_bytes(cfg, jnp.dtype(dtype).itemsize)}
 
 
+def random_8b_header(script: str, cfg: ModelConfig, dtype: str, smoke: bool) -> dict[str, Any]:
+    """The JSON head of a GPU-suite script on random weights: the script, its command, the
+    device and the model (Llama-3-8B-shaped, or tiny with --smoke)."""
+    dev = jax.devices()[0]
+    return {"script": script, "command": command_line(),
+            "env": {"jax": jax.__version__, "backend": jax.default_backend(),
+                    "device": dev.device_kind, "smoke": smoke},
+            "model": model_summary(cfg, "tiny random" if smoke else "llama3-8b-shape random",
+                                   dtype)}
+
+
 def decode_weight_bytes(engine: Any) -> int:
     """Bytes of weights an engine's decode step reads: on the packed path every parameter
     array but the lookup table (its few gathered rows; the head is its own packed copy),

@@ -140,13 +140,8 @@ def main(argv: list[str]) -> None:
         cfg, dtype, block = bc.TINY_CONFIG, "float32", (16, 16)
     else:
         cfg, dtype, block = LLAMA3_8B, "bfloat16", (128, 128)
-    dev = jax.devices()[0]
     results: dict[str, Any] = {
-        "script": "bench_fp8_step", "command": bc.command_line(),
-        "env": {"jax": jax.__version__, "backend": jax.default_backend(),
-                "device": dev.device_kind, "smoke": FLAGS.smoke},
-        "model": bc.model_summary(cfg, "llama3-8b-shape random" if not FLAGS.smoke
-                                  else "tiny random", dtype),
+        **bc.random_8b_header("bench_fp8_step", cfg, dtype, FLAGS.smoke),
         "block": list(block), "context": 64 if FLAGS.smoke else FLAGS.context, "errors": []}
     try:
         run(cfg, dtype, block, results)

@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 import bench_common as bc
-import jax
 import numpy as np
 from absl import app, flags
 from gpu_shapes import LLAMA3_8B
@@ -141,13 +140,8 @@ def main(argv: list[str]) -> None:
     del argv
     cfg, dtype = (bc.TINY_CONFIG, "float32") if FLAGS.smoke else (LLAMA3_8B, "bfloat16")
     context = 64 if FLAGS.smoke else FLAGS.context
-    dev = jax.devices()[0]
     results: dict[str, Any] = {
-        "script": "bench_verify_step", "command": bc.command_line(),
-        "env": {"jax": jax.__version__, "backend": jax.default_backend(),
-                "device": dev.device_kind, "smoke": FLAGS.smoke},
-        "model": bc.model_summary(cfg, "llama3-8b-shape random" if not FLAGS.smoke
-                                  else "tiny random", dtype),
+        **bc.random_8b_header("bench_verify_step", cfg, dtype, FLAGS.smoke),
         "draft_tokens": FLAGS.draft_tokens, "context": context, "rounds": FLAGS.rounds,
         "steps": {}, **target_check({}, FLAGS.target), "errors": []}
     try:
