@@ -42,7 +42,7 @@ from runtime.request import Req, SamplingParams
 from runtime.schedule_batch import ScheduleBatch
 from runtime.scheduler import ReqEvent, Scheduler, SchedulerStats
 from runtime.spec_decode import SpecDecoding
-from runtime.split_prefill import SplitPrefill, next_interval
+from runtime.split_prefill import SplitPrefill
 from runtime.traced_launch import TracedStep, launch_traced, read_back
 
 if TYPE_CHECKING:  # imported with a tokenizer only: token-id engines run without `tokenizers`
@@ -104,7 +104,6 @@ class StepLoop:
                  trace: ExecutionTrace, splitter: Splitter | None = None) -> None:
         self.scheduler, self.runner, self.overlap = scheduler, runner, overlap
         self.trace = trace
-        self.splitter = splitter
         self.launcher = (None if splitter is None
                          else SplitLauncher(runner, splitter, trace))
         self.split: SplitPrefill | None = None
@@ -164,13 +163,14 @@ class StepLoop:
     def _start_split(self, batch: ScheduleBatch, t0: float) -> list[TracedStep]:
         """The policy's "interval" step: its decode rows as a DECODE step, and the first
         interval of a split prefill of its extend rows (held by the scheduler)."""
-        assert self.splitter is not None, "an interval decision needs the split programs"
+        assert self.launcher is not None, "an interval decision needs the split programs"
+        splitter = self.launcher.splitter
         prefill = ScheduleBatch(ForwardMode.SPLIT_PREFILL, batch.extend_rows, [],
                                 decision=batch.decision)
-        if not self.splitter.can_split(prefill):
+        if not splitter.can_split(prefill):
             raise RuntimeError(f"the prefill policy's interval has no split program for "
                                f"{self.runner.bucket_for(prefill)}")
-        self.split = self.splitter.start_split(prefill)
+        self.split = splitter.start_split(prefill)
         decode = ScheduleBatch(ForwardMode.DECODE, [], batch.decode_rows)
         return self._advance(decode, t0)
 
@@ -188,26 +188,17 @@ class StepLoop:
         """Launch `decode` and the split's next interval beside it (all its layers when
         nothing decodes); after the last, its sampling, and release its requests."""
         split, launcher, policy = self.split, self.launcher, self.scheduler.policy
-        splitter = self.splitter
         assert split is not None and launcher is not None and policy is not None
-        assert splitter is not None
-        launched, start = [], split.next_layer
+        launched = []
         if decode is None:
             launcher.run_rest(split)
         else:
             launched.append(launch_traced(self.trace, self.runner, decode, t0))
             row = split.batch.extend_rows[0]
             want = policy.interval_layers(split.remaining, self.runner.step_cost(decode),
-                                          splitter.layer_cost(split), row.start_pos,
-                                          len(row.input_ids))
-            # As many compiled intervals as make up `want` (the sizes run to 8 and the
-            # depth: 12 layers is 8 + 4, not 8), at least one.
-            while not split.done:
-                k = next_interval(split.remaining, want, splitter.interval_sizes)
-                if k > want and split.next_layer != start:
-                    break
-                launcher.run(split, k, launched[0].record.step)
-                want -= k
+                                          launcher.splitter.layer_cost(split),
+                                          row.start_pos, len(row.input_ids))
+            launcher.run_up_to(split, want, launched[0].record.step)
         if split.done:
             self.split = None
             launched.append(launcher.finish(split))

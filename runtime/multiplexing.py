@@ -142,6 +142,17 @@ class SplitLauncher:
             split=interval_record(split, start, k, index, decode_step),
             est_device_s=None if per_layer is None else per_layer * k))
 
+    def run_up_to(self, split: SplitPrefill, want: int, decode_step: int | None) -> None:
+        """As many compiled intervals as make up `want` layers (the sizes run to 8 and the
+        depth: 12 layers is 8 + 4, not 8), at least one."""
+        start = split.next_layer
+        while not split.done:
+            k = next_interval(split.remaining, want, self.splitter.interval_sizes)
+            if k > want and split.next_layer != start:
+                return
+            self.run(split, k, decode_step)
+            want -= k
+
     def run_rest(self, split: SplitPrefill, want: int | None = None) -> None:
         """Nothing to interleave with: the remaining layers back to back, `want` (None:
         all) at a time."""
