@@ -40,8 +40,10 @@ SECTIONS = ["kernels", "attention", "layers", "tbo", "engine", "fp8", "spec", "s
 
 
 def _bare_env(tmp: Path) -> dict[str, str]:
+    """The GPU machine's Python, and an empty compilation cache (it has none: a section's
+    time includes its compiles)."""
     (tmp / "sitecustomize.py").write_text(SITECUSTOMIZE)
-    return {**os.environ, "PYTHONPATH": str(tmp)}
+    return {**os.environ, "PYTHONPATH": str(tmp), "JAX_COMPILATION_CACHE_DIR": str(tmp / "jax")}
 
 
 def _suite(tmp: Path, *args: str, timeout: int = 1900) -> tuple[dict[str, Any], str]:
