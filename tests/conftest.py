@@ -5,10 +5,11 @@
   - LLVM's optimisation level 0 for XLA's CPU code (about 30% faster compiles; no HLO
     pass changes, so the programs keep their fusions). Benchmarks and serving keep the
     default level.
-  - JAX's persistent compilation cache in a directory of this process's own, removed at
-    exit: fixtures and subprocesses that build the same program (the samplers, shared
-    bucket shapes, one tiny model in many configurations) compile it once (about 20% of
-    the suite). It is never reused across runs.
+  - JAX's persistent compilation cache in a directory of this run's own (pytest-xdist's
+    workers and the tests' subprocesses inherit it), removed when the process that made it
+    exits: fixtures that build the same program (the samplers, shared bucket shapes, one
+    tiny model in many configurations) compile it once (about 20% of the suite). It is
+    never reused across runs.
 """
 
 import atexit
